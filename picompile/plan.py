@@ -1,0 +1,90 @@
+"""The Plan: everything the passes decide, as plain dataclasses.
+
+The plan is what `CompiledModel.save` writes (JSON for these fields, safetensors for tensors), so
+every field here is JSON-friendly: str, int, float, bool, lists and dicts of those.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh")
+MODES = ("exact", "predicted")
+
+
+@dataclass
+class BlockPlan:
+    """One FFN block found by `detect`, and what the later passes decided for it."""
+
+    name: str  # "model.layers.3.mlp" or "model.decoder.layers.0:fc1" for inline blocks
+    module: str  # the captured module (a key of CompiledModel.graphs) holding the block
+    kind: str  # "plain" down(act(up x)) | "gated" down(act(gate x) * up x) | "drelu"
+    act: str  # one of ACTIVATIONS
+    d_model: int
+    d_ff: int
+    bias: bool
+    dtype: str  # weight dtype, "float32" | "float16" | "bfloat16"
+    # Which linear layers (fx targets inside `module`) made the block, for explain().
+    linears: dict[str, str] = field(default_factory=dict)
+    fused_gate_up: bool = False
+    # Threshold on |down input| under which a neuron counts as inactive; 0.0 = exact.
+    threshold: float = 0.0
+    # Fraction of (token, neuron) pairs inactive, measured on calibration data (None: not measured).
+    measured_sparsity: float | None = None
+    # Filled by predictor / placement passes (issue 3).
+    predictor_rank: int | None = None
+    predictor_recall: float | None = None
+    predicted_density: float | None = None
+    true_density: float | None = None
+    hot_neurons: int = 0
+
+    @property
+    def exact(self) -> bool:
+        """ReLU-family blocks skip only neurons that are exactly zero: lossless."""
+        return self.act == "relu"
+
+
+@dataclass
+class Unmatched:
+    """A place that looked like an FFN but was left dense, with the reason."""
+
+    module: str
+    reason: str
+
+
+@dataclass
+class Placement:
+    budget_bytes: int | None = None
+    gpu_bytes: int = 0
+    on_gpu: list[str] = field(default_factory=list)  # non-FFN module names placed on the GPU
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    mode: str = "exact"
+    target_sparsity: float | None = None
+    blocks: list[BlockPlan] = field(default_factory=list)
+    unmatched: list[Unmatched] = field(default_factory=list)
+    placement: Placement = field(default_factory=Placement)
+    calibration_tokens: int = 0
+
+    def block(self, name: str) -> BlockPlan:
+        for b in self.blocks:
+            if b.name == name:
+                return b
+        raise KeyError(f"no FFN block named {name!r}; blocks: {[b.name for b in self.blocks]}")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Plan:
+        return cls(
+            mode=data["mode"],
+            target_sparsity=data["target_sparsity"],
+            blocks=[BlockPlan(**b) for b in data["blocks"]],
+            unmatched=[Unmatched(**u) for u in data["unmatched"]],
+            placement=Placement(**data["placement"]),
+            calibration_tokens=data["calibration_tokens"],
+        )

@@ -1,0 +1,209 @@
+"""SparseFFN: one activation-sparse FFN block, with a plain-PyTorch reference next to every kernel.
+
+Math, shared by the reference and every kernel (C, CUDA). For each token t and each candidate
+neuron j (all neurons, or the candidate list `idx`):
+
+    gated / dReLU:  a = act(x[t] . w_gate[j] + b_gate[j])
+                    u = x[t] . w_up[j] + b_up[j]          (dReLU: u = relu(u))
+                    h = a * u
+    plain:          h = act(x[t] . w_up[j] + b_up[j])
+    neuron j is active for token t iff |h| > threshold       (threshold 0: exactly the nonzeros)
+    out[t] = sum over active j of h * w_down_t[j]  + b_down
+
+Weights are stored one row per neuron: w_gate, w_up and w_down_t are all [n_ff, d] (w_down_t is the
+down projection's weight transposed), so a neuron's bytes are contiguous. For ReLU blocks the rows
+of up and down are only read for neurons whose gate fired, which is what makes exact mode fast.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from picompile.plan import BlockPlan
+
+# Above this many tokens per call (prefill), dense BLAS with a mask beats per-neuron kernels.
+KERNEL_MAX_TOKENS = 8
+
+# Set PICOMPILE_REFERENCE=1 to force the plain-PyTorch path everywhere (debugging, bisecting).
+REFERENCE_ENV = "PICOMPILE_REFERENCE"
+
+
+def reference_forced() -> bool:
+    return os.environ.get(REFERENCE_ENV, "") not in ("", "0")
+
+
+def activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    if name == "relu":
+        return F.relu(x)
+    if name == "silu":
+        return F.silu(x)
+    if name == "gelu":
+        return F.gelu(x)
+    if name == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    raise ValueError(f"unsupported activation {name!r}")
+
+
+def ffn_reference(
+    x: torch.Tensor,  # [T, d]
+    w_up: torch.Tensor,  # [n_ff, d]
+    w_down_t: torch.Tensor,  # [n_ff, d]
+    *,
+    w_gate: torch.Tensor | None = None,  # [n_ff, d] or None (plain block)
+    b_gate: torch.Tensor | None = None,  # [n_ff]
+    b_up: torch.Tensor | None = None,  # [n_ff]
+    b_down: torch.Tensor | None = None,  # [d]
+    act: str = "relu",
+    drelu: bool = False,
+    threshold: float = 0.0,
+    idx: torch.Tensor | None = None,  # [m] int candidate neurons, or None for all
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain-PyTorch reference of the block math above.
+
+    Returns (out [T, d] in compute_dtype, active [T, m] bool over the candidates)."""
+    cd = compute_dtype
+    x = x.to(cd)
+
+    def rows(w):
+        w = w if idx is None else w.index_select(0, idx.long())
+        return w.to(cd)
+
+    def entries(b):
+        if b is None:
+            return None
+        b = b if idx is None else b.index_select(0, idx.long())
+        return b.to(cd)
+
+    if w_gate is not None:
+        a = activation(act, F.linear(x, rows(w_gate), entries(b_gate)))  # [T, m]
+        u = F.linear(x, rows(w_up), entries(b_up))  # [T, m]
+        h = a * (F.relu(u) if drelu else u)
+    else:
+        h = activation(act, F.linear(x, rows(w_up), entries(b_up)))  # [T, m]
+    active = h.abs() > threshold  # [T, m]
+    h = torch.where(active, h, torch.zeros((), dtype=cd))
+    out = h @ rows(w_down_t)  # [T, d]
+    if b_down is not None:
+        out = out + b_down.to(cd)
+    return out, active
+
+
+class SparseFFN(nn.Module):
+    """One rewritten FFN block: `y = down(act(gate x) * up x)` computing only the active neurons.
+
+    The fast path (a generated C kernel, later a CUDA kernel) is picked once, when the module is
+    built; `forward_native` is the reference every kernel is tested against."""
+
+    def __init__(
+        self,
+        block: BlockPlan,
+        w_up: torch.Tensor,
+        w_down_t: torch.Tensor,
+        w_gate: torch.Tensor | None = None,
+        b_gate: torch.Tensor | None = None,
+        b_up: torch.Tensor | None = None,
+        b_down: torch.Tensor | None = None,
+    ):
+        super().__init__()
+        self.block = block
+        self.act = block.act
+        self.drelu = block.kind == "drelu"
+        self.threshold = float(block.threshold)
+
+        def param(t):
+            return None if t is None else nn.Parameter(t.detach().contiguous(), requires_grad=False)
+
+        self.w_gate = param(w_gate)  # [n_ff, d]
+        self.w_up = param(w_up)  # [n_ff, d]
+        self.w_down_t = param(w_down_t)  # [n_ff, d]
+        self.b_gate = param(b_gate)  # [n_ff]
+        self.b_up = param(b_up)  # [n_ff]
+        self.b_down = param(b_down)  # [d]
+        self.kernel = None  # set by select_kernel(); None runs forward_native
+        self.reset_stats()
+
+    # -- statistics: how sparse the block really ran ------------------------------------------
+    def reset_stats(self) -> None:
+        self.active_pairs = 0  # (token, neuron) pairs computed
+        self.total_pairs = 0  # (token, neuron) pairs a dense block computes
+
+    @property
+    def sparsity(self) -> float | None:
+        if self.total_pairs == 0:
+            return None
+        return 1.0 - self.active_pairs / self.total_pairs
+
+    @property
+    def n_ff(self) -> int:
+        return self.w_up.shape[0]
+
+    @property
+    def d_model(self) -> int:
+        return self.w_up.shape[1]
+
+    def select_kernel(self) -> str:
+        """Pick the execution path once. Returns its name (for explain)."""
+        self.kernel = None
+        if reference_forced():
+            return "reference (PICOMPILE_REFERENCE set)"
+        from picompile.codegen import c as c_codegen
+
+        self.kernel = c_codegen.kernel_for(self)
+        return "C" if self.kernel is not None else "reference (no C compiler)"
+
+    def weights(self) -> dict:
+        """The tensors in the keyword form ffn_reference and the kernels take."""
+        return dict(
+            w_up=self.w_up,
+            w_down_t=self.w_down_t,
+            w_gate=self.w_gate,
+            b_gate=self.b_gate,
+            b_up=self.b_up,
+            b_down=self.b_down,
+        )
+
+    def forward_native(
+        self, x: torch.Tensor, idx: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, d] -> (out [T, d] float32, active [T, m] bool). The reference path."""
+        return ffn_reference(
+            x, **self.weights(), act=self.act, drelu=self.drelu, threshold=self.threshold, idx=idx
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # [T, d]
+        tokens = x2.shape[0]
+        if self.kernel is not None and tokens <= KERNEL_MAX_TOKENS:
+            out, n_active = self.kernel(x2, threshold=self.threshold)
+        else:
+            # Prefill: dense BLAS in the weights' own dtype (as the dense model does), masked.
+            compute = self.w_up.dtype if tokens > KERNEL_MAX_TOKENS else torch.float32
+            out, active = ffn_reference(
+                x2, **self.weights(), act=self.act, drelu=self.drelu,
+                threshold=self.threshold, compute_dtype=compute,
+            )
+            n_active = int(active.sum())
+        self.active_pairs += n_active
+        self.total_pairs += tokens * self.n_ff
+        return out.to(x.dtype).reshape(shape)
+
+    def extra_repr(self) -> str:
+        b = self.block
+        mode = "exact" if self.threshold == 0 else f"threshold={self.threshold:.4g}"
+        return f"{b.kind}, act={b.act}, d={self.d_model}, n_ff={self.n_ff}, {mode}"
+
+
+def nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
