@@ -5,7 +5,7 @@
     print(picompile.explain(cm))
 """
 
-from picompile.compiler import CompiledModel, compile, explain, load
+from picompile.compiler import CompiledModel, compile, explain
 
-__all__ = ["compile", "explain", "load", "CompiledModel"]
+__all__ = ["compile", "explain", "CompiledModel"]
 __version__ = "0.1.0"

@@ -26,7 +26,7 @@ class BlockPlan:
     dtype: str  # weight dtype, "float32" | "float16" | "bfloat16"
     # Which linear layers (fx targets inside `module`) made the block, for explain().
     linears: dict[str, str] = field(default_factory=dict)
-    fused_gate_up: bool = False
+    fused_gate_half: int | None = None  # fused gate_up projection: which chunk is the gate
     # Threshold on |down input| under which a neuron counts as inactive; 0.0 = exact.
     threshold: float = 0.0
     # Fraction of (token, neuron) pairs inactive, measured on calibration data (None: not measured).

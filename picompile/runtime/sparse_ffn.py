@@ -48,48 +48,55 @@ def activation(name: str, x: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"unsupported activation {name!r}")
 
 
+def down_input(
+    x: torch.Tensor,  # [T, d]
+    w_up: torch.Tensor,  # [n_ff, d]
+    *,
+    w_gate: torch.Tensor | None = None,  # [n_ff, d] or None (plain block)
+    b_gate: torch.Tensor | None = None,  # [n_ff]
+    b_up: torch.Tensor | None = None,  # [n_ff]
+    act: str = "relu",
+    drelu: bool = False,
+    idx: torch.Tensor | None = None,  # [m] int candidate neurons, or None for all
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """h [T, m]: the down projection's input for the candidate neurons, before thresholding."""
+    cd = compute_dtype
+    x = x.to(cd)
+
+    def rows(t):
+        if t is None:
+            return None
+        return (t if idx is None else t.index_select(0, idx.long())).to(cd)
+
+    if w_gate is not None:
+        a = activation(act, F.linear(x, rows(w_gate), rows(b_gate)))  # [T, m]
+        u = F.linear(x, rows(w_up), rows(b_up))  # [T, m]
+        return a * (F.relu(u) if drelu else u)
+    return activation(act, F.linear(x, rows(w_up), rows(b_up)))  # [T, m]
+
+
 def ffn_reference(
     x: torch.Tensor,  # [T, d]
     w_up: torch.Tensor,  # [n_ff, d]
     w_down_t: torch.Tensor,  # [n_ff, d]
     *,
-    w_gate: torch.Tensor | None = None,  # [n_ff, d] or None (plain block)
-    b_gate: torch.Tensor | None = None,  # [n_ff]
-    b_up: torch.Tensor | None = None,  # [n_ff]
     b_down: torch.Tensor | None = None,  # [d]
-    act: str = "relu",
-    drelu: bool = False,
     threshold: float = 0.0,
     idx: torch.Tensor | None = None,  # [m] int candidate neurons, or None for all
     compute_dtype: torch.dtype = torch.float32,
+    **gate_and_act,  # w_gate, b_gate, b_up, act, drelu: as down_input takes them
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The plain-PyTorch reference of the block math above.
 
     Returns (out [T, d] in compute_dtype, active [T, m] bool over the candidates)."""
-    cd = compute_dtype
-    x = x.to(cd)
-
-    def rows(w):
-        w = w if idx is None else w.index_select(0, idx.long())
-        return w.to(cd)
-
-    def entries(b):
-        if b is None:
-            return None
-        b = b if idx is None else b.index_select(0, idx.long())
-        return b.to(cd)
-
-    if w_gate is not None:
-        a = activation(act, F.linear(x, rows(w_gate), entries(b_gate)))  # [T, m]
-        u = F.linear(x, rows(w_up), entries(b_up))  # [T, m]
-        h = a * (F.relu(u) if drelu else u)
-    else:
-        h = activation(act, F.linear(x, rows(w_up), entries(b_up)))  # [T, m]
+    h = down_input(x, w_up, idx=idx, compute_dtype=compute_dtype, **gate_and_act)  # [T, m]
     active = h.abs() > threshold  # [T, m]
-    h = torch.where(active, h, torch.zeros((), dtype=cd))
-    out = h @ rows(w_down_t)  # [T, d]
+    h = torch.where(active, h, torch.zeros((), dtype=compute_dtype))
+    w_down_t = w_down_t if idx is None else w_down_t.index_select(0, idx.long())
+    out = h @ w_down_t.to(compute_dtype)  # [T, d]
     if b_down is not None:
-        out = out + b_down.to(cd)
+        out = out + b_down.to(compute_dtype)
     return out, active
 
 
