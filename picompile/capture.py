@@ -20,6 +20,17 @@ from torch import nn
 from picompile.runtime.sparse_ffn import SparseFFN
 
 
+def check_no_kwargs(kwargs: dict, module_name: str) -> None:
+    """Inserted into graphs traced with an empty `**kwargs`: refuse what would be dropped."""
+    extra = {k: v for k, v in kwargs.items() if v is not None}
+    if extra:
+        raise TypeError(
+            f"picompile: the compiled module {module_name!r} was traced without extra keyword "
+            f"arguments, but got {sorted(extra)}; call the model without them, or compile it "
+            "with those features off"
+        )
+
+
 class Tracer(fx.Tracer):
     """torch.fx tracer for picompile.
 
@@ -28,8 +39,14 @@ class Tracer(fx.Tracer):
     `guard_kwargs` then makes the graph raise if a caller passes anything through it."""
 
     def __init__(self, opaque: set[nn.Module] = frozenset()):
-        super().__init__()
+        super().__init__(autowrap_functions=(check_no_kwargs,))
         self.opaque = opaque
+
+    def trace(self, root, concrete_args=None):
+        if isinstance(root, fx.GraphModule):  # re-tracing: what was a leaf stays one
+            called = {n.target for n in root.graph.nodes if n.op == "call_module"}
+            self.opaque = set(self.opaque) | {root.get_submodule(t) for t in called}
+        return super().trace(root, concrete_args)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if isinstance(m, (nn.Linear, SparseFFN)) or m in self.opaque:
@@ -51,17 +68,6 @@ class Tracer(fx.Tracer):
         if obj.node.op == "placeholder" and str(obj.node.target).startswith("**"):
             return []
         return super().keys(obj)
-
-
-def check_no_kwargs(kwargs: dict, module_name: str) -> None:
-    """Inserted into graphs traced with an empty `**kwargs`: refuse what would be dropped."""
-    extra = {k: v for k, v in kwargs.items() if v is not None}
-    if extra:
-        raise TypeError(
-            f"picompile: the compiled module {module_name!r} was traced without extra keyword "
-            f"arguments, but got {sorted(extra)}; call the model without them, or compile it "
-            "with those features off"
-        )
 
 
 def trace(module: nn.Module, name: str, opaque: set[nn.Module]) -> fx.GraphModule:
@@ -105,7 +111,7 @@ class Uncaptured:
 
 
 def capture(
-    model: nn.Module, holds_block: Callable[[fx.GraphModule], bool]
+    model: nn.Module, holds_block: Callable[[str, fx.GraphModule], bool]
 ) -> tuple[list[Captured], list[Uncaptured]]:
     """Trace, post-order, every module with linear layers not yet inside a captured or opaque
     child; keep those whose graph `holds_block`. Returns (captured, modules kept eager)."""
@@ -136,7 +142,7 @@ def capture(
                 eager.append(Uncaptured(name or type(mod).__name__,
                                         f"torch.fx cannot trace it, kept eager: {first_line}"))
             return
-        if holds_block(gm):
+        if holds_block(name, gm):
             captured.append(Captured(name, gm))
             done.add(mod)
 

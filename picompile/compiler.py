@@ -101,20 +101,19 @@ def compile(
     # capture + detect: the deepest traceable modules that hold FFN blocks
     detections = {}
 
-    def holds_block(gm: fx.GraphModule) -> bool:
-        found = detect(gm)
-        detections[id(gm)] = found
+    def holds_block(name: str, gm: fx.GraphModule) -> bool:
+        detections[name] = found = detect(gm)
         return bool(found.matches)
 
     captured, eager = capture(model, holds_block)
     plan.unmatched += [Unmatched(u.name, u.reason) for u in eager]
+    plan.unmatched += [Unmatched(name, why) for name, found in detections.items() for why in found.rejected]
 
     # rewrite: one SparseFFN node per block
     graphs: dict[str, fx.GraphModule] = {}
     ffns: dict[str, SparseFFN] = {}
     for cap in captured:
-        found = detections[id(cap.gm)]
-        plan.unmatched += [Unmatched(cap.name, why) for why in found.rejected]
+        found = detections[cap.name]
         for i, match in enumerate(found.matches):
             attr = "sparse_ffn" if len(found.matches) == 1 else f"sparse_ffn_{i}"
             block_name = f"{cap.name}.{attr}" if cap.name else attr

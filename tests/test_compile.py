@@ -1,0 +1,150 @@
+"""End to end: compiled == dense for every architecture, plus the errors a user can hit."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import picompile
+from picompile.capture import Tracer
+from tests import zoo
+
+# Logit tolerance by model dtype: bf16 models round every op; our FFN accumulates in fp32.
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=6e-2, rtol=6e-2)}
+
+
+def compile_pair(arch, dtype=torch.float32, seed=0, **kw):
+    dense = zoo.make(arch, dtype, seed)
+    return dense, picompile.compile(copy.deepcopy(dense), quiet=True, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("arch", zoo.ALL_ARCHS)
+@settings(max_examples=6, deadline=None)
+@given(batch=st.integers(1, 4), seq=st.integers(1, 32), seed=st.integers(0, 2**16))
+def test_exact_mode_equals_dense(arch, dtype, batch, seq, seed):
+    dense, cm = compile_pair(arch, dtype, seed)
+    assert cm.plan.blocks, "no FFN block was found"
+    ids = torch.randint(0, zoo.VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        want, got = zoo.logits(dense, ids), zoo.logits(cm, ids)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("arch", ["llama_relu", "opt"])
+def test_greedy_generate_matches_dense_for_relu_models(arch):
+    dense, cm = compile_pair(arch)
+    ids = torch.randint(0, zoo.VOCAB, (1, 6), generator=torch.Generator().manual_seed(1))
+    want = dense.generate(ids, max_new_tokens=12, do_sample=False)
+    got = cm.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(got, want)
+    assert 0.2 < cm.sparsity() < 0.9  # random ReLU blocks: about half the neurons fire
+
+
+@pytest.mark.parametrize("arch,kind,act,bias", [
+    ("llama_relu", "gated", "relu", False), ("llama_silu", "gated", "silu", False),
+    ("opt", "plain", "relu", True), ("falcon", "plain", "gelu", False),
+    ("gpt_neox", "plain", "gelu", True), ("gemma", "gated", "gelu_tanh", False),
+    ("tiny_drelu", "drelu", "relu", False), ("tiny_fused_silu", "gated", "silu", False),
+    ("tiny_plain_relu", "plain", "relu", True),
+])
+def test_detects_every_block_kind(arch, kind, act, bias):
+    _, cm = compile_pair(arch)
+    assert [(b.kind, b.act, b.bias) for b in cm.plan.blocks] == [(kind, act, bias)] * 2
+    for name, gm in cm.graphs.items():
+        assert "sparse_ffn" in gm.code
+        Tracer().trace(gm)  # the rewritten graph stays traceable
+
+
+def test_opt_block_is_captured_inline_in_the_decoder_layer():
+    _, cm = compile_pair("opt")
+    assert sorted(cm.graphs) == ["model.decoder.layers.0", "model.decoder.layers.1"]
+    assert cm.plan.blocks[0].linears == {"up": "fc1", "down": "fc2"}
+
+
+def test_graphs_and_explain():
+    _, cm = compile_pair("llama_silu")
+    assert sorted(cm.graphs) == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    report = picompile.explain(cm)
+    assert "model.layers.0.mlp.sparse_ffn" in report and "silu" in report and "dense" in report
+    assert "self_attn" in report  # modules kept eager are listed with the reason
+
+
+def test_threshold_sparsity_zero_equals_dense():
+    dense, cm = compile_pair("llama_silu", sparsity=0.0,
+                             calibration=torch.randint(0, zoo.VOCAB, (2, 16)))
+    assert all(b.threshold == 0.0 for b in cm.plan.blocks)
+    ids = torch.randint(0, zoo.VOCAB, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(zoo.logits(cm, ids), zoo.logits(dense, ids), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("target", [0.3, 0.5, 0.9])
+def test_threshold_calibration_reaches_target_sparsity(target):
+    calib = torch.randint(0, zoo.VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
+    dense, cm = compile_pair("llama_silu", sparsity=target, calibration=calib)
+    for b in cm.plan.blocks:
+        assert b.threshold > 0
+        assert abs(b.measured_sparsity - target) < 0.02
+    cm.reset_stats()
+    with torch.no_grad():
+        cm(calib)  # the same tokens: the runtime skips the calibrated share
+    assert abs(cm.sparsity() - target) < 0.03
+    assert "threshold" in repr(cm.ffns()["model.layers.0.mlp.sparse_ffn"])
+
+
+def test_calibration_text_needs_a_tokenizer():
+    with pytest.raises(ValueError, match="tokenizer"):
+        compile_pair("llama_silu", sparsity=0.5, calibration=["some text"])
+
+
+def test_bad_inputs_say_what_is_wrong():
+    model = zoo.make("llama_relu")
+    with pytest.raises(ValueError, match="sparsity"):
+        picompile.compile(model, sparsity=1.0)
+    with pytest.raises(ValueError, match="sparsity"):
+        picompile.compile(model, sparsity=-0.1)
+    with pytest.raises(ValueError, match="mode"):
+        picompile.compile(model, mode="fast")
+    with pytest.raises(ValueError, match="gpu_budget"):
+        picompile.compile(model, gpu_budget="24 parsecs")
+    with pytest.raises(TypeError, match="nn.Module"):
+        picompile.compile("meta-llama/Llama-2-7b")
+    with pytest.raises(ValueError, match="calibration"):
+        picompile.compile(zoo.make("llama_silu"), sparsity=0.5)
+    with pytest.raises(ValueError, match="no FFN block"):
+        picompile.compile(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)))
+    with pytest.raises(TypeError, match="CompiledModel"):
+        picompile.explain(model)
+
+
+class TanhMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.gate, self.up2, self.down2 = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        y = self.down(torch.tanh(self.up(x)))  # unsupported activation
+        g = F.silu(self.gate(x))
+        return y + self.down2(g * self.up2(x)) + g.sum(-1, keepdim=True)  # g used outside
+
+
+def test_unmatched_blocks_say_why():
+    with pytest.raises(ValueError) as err:
+        picompile.compile(TanhMLP())
+    message = str(err.value)
+    assert "tanh" in message and "not supported" in message
+    assert "also used outside the FFN" in message
+
+
+def test_compiled_model_forwards_attributes():
+    dense, cm = compile_pair("llama_relu")
+    assert cm.config is cm.model.config
+    assert isinstance(cm, nn.Module) and cm.plan.mode == "exact"

@@ -1,0 +1,115 @@
+"""Tiny random models, one config per architecture picompile must handle (mlx-lm style)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import transformers as T
+from torch import nn
+
+VOCAB = 96
+
+
+def _common(hidden: int, layers: int) -> dict:
+    return dict(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers,
+                num_attention_heads=4, max_position_embeddings=128)
+
+
+def hf_config(arch: str, hidden: int = 32, n_ff: int = 80, layers: int = 2):
+    c = _common(hidden, layers)
+    if arch == "llama_relu":
+        return T.LlamaConfig(**c, intermediate_size=n_ff, num_key_value_heads=2, hidden_act="relu")
+    if arch == "llama_silu":
+        return T.LlamaConfig(**c, intermediate_size=n_ff, num_key_value_heads=2)
+    if arch == "mistral":
+        return T.MistralConfig(**c, intermediate_size=n_ff, num_key_value_heads=2)
+    if arch == "qwen2":
+        return T.Qwen2Config(**c, intermediate_size=n_ff, num_key_value_heads=2)
+    if arch == "opt":
+        return T.OPTConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers,
+                           num_attention_heads=4, ffn_dim=n_ff, word_embed_proj_dim=hidden,
+                           max_position_embeddings=128)
+    if arch == "falcon":
+        return T.FalconConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers,
+                              num_attention_heads=4)
+    if arch == "gpt_neox":
+        return T.GPTNeoXConfig(**c, intermediate_size=n_ff)
+    if arch == "gemma":
+        return T.GemmaConfig(**c, intermediate_size=n_ff, num_key_value_heads=1, head_dim=8)
+    raise KeyError(arch)
+
+
+HF_ARCHS = ["llama_relu", "llama_silu", "mistral", "qwen2", "opt", "falcon", "gpt_neox", "gemma"]
+RELU_ARCHS = ["llama_relu", "opt", "tiny_gated_relu", "tiny_plain_relu", "tiny_drelu"]
+TINY_FFNS = ["tiny_plain_relu", "tiny_gated_relu", "tiny_drelu", "tiny_fused_silu"]
+ALL_ARCHS = HF_ARCHS + TINY_FFNS
+
+
+class TinyFFN(nn.Module):
+    def __init__(self, d: int, n_ff: int, kind: str):
+        super().__init__()
+        self.kind = kind
+        if kind == "fused_silu":
+            self.gate_up = nn.Linear(d, 2 * n_ff, bias=False)
+        else:
+            self.up = nn.Linear(d, n_ff, bias=kind == "plain_relu")
+            if kind != "plain_relu":
+                self.gate = nn.Linear(d, n_ff, bias=False)
+        self.down = nn.Linear(n_ff, d, bias=kind == "plain_relu")
+
+    def forward(self, x):
+        if self.kind == "plain_relu":
+            return self.down(F.relu(self.up(x)))
+        if self.kind == "gated_relu":
+            return self.down(torch.relu(self.gate(x)) * self.up(x))
+        if self.kind == "drelu":
+            return self.down(F.relu(self.gate(x)) * F.relu(self.up(x)))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class TinyBlock(nn.Module):
+    """A pre-norm transformer block written plainly: the FFN is inline in the block."""
+
+    def __init__(self, d: int, n_ff: int, kind: str):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ffn = TinyFFN(d, n_ff, kind)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).reshape(b, t, 3, 4, d // 4).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.ffn(self.norm2(x))
+
+
+class TinyLM(nn.Module):
+    """A plain nn.Module causal LM: ids [B, T] -> logits [B, T, vocab]."""
+
+    def __init__(self, kind: str, d: int = 32, n_ff: int = 80, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d)
+        self.blocks = nn.ModuleList(TinyBlock(d, n_ff, kind) for _ in range(layers))
+        self.head = nn.Linear(d, VOCAB, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(x)
+
+
+def make(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, **sizes) -> nn.Module:
+    torch.manual_seed(seed)
+    if arch.startswith("tiny_"):
+        model = TinyLM(arch.removeprefix("tiny_"), **sizes)
+    else:
+        model = T.AutoModelForCausalLM.from_config(hf_config(arch, **sizes))
+    return model.to(dtype).eval()
+
+
+def logits(model, ids):
+    out = model(ids)
+    return out if isinstance(out, torch.Tensor) else out.logits
