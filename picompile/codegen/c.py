@@ -590,6 +590,9 @@ def compile_all_variants(max_workers: int | None = None) -> dict[Variant, pathli
         return dict(zip(vs, pool.map(build, vs)))
 
 
+_NO_CANDIDATES = torch.zeros(1, dtype=torch.int32)  # a non-NULL idx, used with m = 0
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -646,6 +649,8 @@ def _bind(lib: ctypes.CDLL, v: Variant, ffn) -> Kernel:
             m = idx.numel()
             if m and (int(idx.min()) < 0 or int(idx.max()) >= n_ff):
                 raise IndexError(f"candidate neuron index out of range [0, {n_ff})")
+            if m == 0:  # an empty tensor's data_ptr() may be NULL, which means "all neurons"
+                idx = _NO_CANDIDATES
         else:
             m = n_ff
         nt = torch.get_num_threads()
