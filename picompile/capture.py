@@ -138,7 +138,7 @@ def capture(
         except Exception as e:  # noqa: BLE001 - any trace failure means: keep it eager
             opaque.add(mod)
             if any(isinstance(c, nn.Linear) for c in mod.children()):
-                first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+                first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:80]
                 eager.append(Uncaptured(name or type(mod).__name__,
                                         f"torch.fx cannot trace it, kept eager: {first_line}"))
             return

@@ -5,15 +5,20 @@
 
 from __future__ import annotations
 
+import warnings
+
+import torch
 import torch.fx as fx
 from torch import nn
 
 from picompile.budget import parse_budget
 from picompile.capture import capture, replace_module
 from picompile.passes import calibrate as calibrate_pass
+from picompile.passes import predictors as predictors_pass
+from picompile.passes import profile as profile_pass
 from picompile.passes import rewrite as rewrite_pass
 from picompile.passes.detect import detect
-from picompile.plan import MODES, Plan, Unmatched
+from picompile.plan import MODES, BlockPlan, Plan, Unmatched
 from picompile.runtime.sparse_ffn import SparseFFN
 
 
@@ -69,12 +74,20 @@ def _check_args(model, mode, sparsity, gpu_budget) -> int | None:
     if sparsity is not None:
         if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0 <= sparsity < 1:
             raise ValueError(f"sparsity must be a number in [0, 1), got {sparsity!r}")
-    budget = parse_budget(gpu_budget)
-    if mode == "predicted":
-        raise NotImplementedError(
-            "mode='predicted' (trained predictors) is not available yet; use mode='exact'"
-        )
-    return budget
+    return parse_budget(gpu_budget)
+
+
+def _calibration_ids(calibration, tokenizer, n_tokens: int):
+    """Token ids [batch, seq] to calibrate on: the user's, or the built-in corpus when only a
+    tokenizer is given; None when neither is."""
+    if calibration is not None:
+        return calibrate_pass.calibration_ids(calibration, tokenizer)
+    if tokenizer is None:
+        return None
+    from picompile import corpus
+
+    n_tokens = min(n_tokens, corpus.available_tokens(tokenizer, "calibration"))
+    return corpus.token_batches(tokenizer, "calibration", n_tokens)
 
 
 def compile(
@@ -86,12 +99,22 @@ def compile(
     calibration=None,
     tokenizer=None,
     quiet: bool = False,
+    target_recall: float = 0.99,
+    max_context: int = 2048,
+    calibration_tokens: int = 32768,
 ) -> CompiledModel:
     """Compile `model` (rewritten in place) into activation-sparse FFN blocks.
 
     mode="exact": ReLU blocks compute only the neurons that fire, losslessly. SiLU/GELU blocks
     stay dense unless `sparsity` is given; then a per-block threshold on |down input|,
     calibrated on `calibration` (token ids, or strings with `tokenizer`), skips that share.
+
+    mode="predicted": per block a trained low-rank predictor picks the neurons to compute
+    (gate, up and down alike), catching `target_recall` of those that fire on calibration data.
+    With only `tokenizer`, calibration uses `calibration_tokens` of the built-in corpus.
+
+    gpu_budget ("24GB", "24GiB", bytes): place the hottest neurons on the GPU within it, after
+    the non-FFN weights, predictors and a KV cache for `max_context` tokens.
     """
     budget = _check_args(model, mode, sparsity, gpu_budget)
     model.eval()
@@ -132,20 +155,72 @@ def compile(
         )
 
     # calibrate: thresholds for SiLU/GELU blocks, measured sparsity for all
-    needs_threshold = sparsity and any(not b.exact for b in plan.blocks)
-    if calibration is None and needs_threshold:
+    ids = _calibration_ids(calibration, tokenizer, calibration_tokens)
+    needs_threshold = bool(sparsity) and any(not b.exact for b in plan.blocks)
+    needs_profile = mode == "predicted" or budget is not None
+    if ids is None and (needs_threshold or needs_profile):
+        what = f"sparsity={sparsity}" if needs_threshold else (
+            "mode='predicted'" if mode == "predicted" else "gpu_budget (placement)")
         raise ValueError(
-            f"sparsity={sparsity} needs calibration data for the SiLU/GELU blocks' thresholds: "
-            "pass calibration= (a LongTensor of token ids, or strings with tokenizer=)"
+            f"{what} needs calibration data: pass calibration= (a LongTensor of token ids "
+            "[batch, seq], or strings with tokenizer=), or just tokenizer= to calibrate on the "
+            "built-in English corpus"
         )
-    if calibration is not None:
-        ids = calibrate_pass.calibration_ids(calibration, tokenizer)
+    if ids is not None:
         plan.calibration_tokens = int(ids.numel())
-        calibrate_pass.calibrate(model, ffns, ids, sparsity, quiet=quiet)
+        if needs_threshold or not needs_profile:
+            calibrate_pass.calibrate(model, ffns, ids, sparsity, quiet=quiet)
 
-    # kernels: picked once per block
+    # profile + predictors: which neurons fire, and small MLPs that guess it per token
+    profiles = profile_pass.profile(model, ffns, ids, quiet=quiet) if needs_profile else {}
+    for name, prof in profiles.items():
+        ffns[name].block.measured_sparsity = 1.0 - prof.density
+    if mode == "predicted":
+        trained = predictors_pass.train_all(profiles, quiet=quiet, target_recall=target_recall)
+        for name, (predictor, stats) in trained.items():
+            ffn, block = ffns[name], ffns[name].block
+            ffn.predictor = predictor
+            predictors_pass.insert_predictor_node(graphs[block.module], name_in_graph(block))
+            block.predictor_rank, block.predictor_recall = stats.rank, stats.recall
+            block.predicted_density, block.true_density = stats.predicted_density, stats.true_density
+            block.predictor_bytes = stats.nbytes
+
+    # place: hot neurons on the GPU within the budget, neurons permuted hot-first
+    if budget is not None:
+        _place(model, ffns, plan.placement, profiles, budget, max_context)
+
+    # kernels: picked once per block, after every change to the weights
     paths = {name: ffn.select_kernel() for name, ffn in ffns.items()}
-    return CompiledModel(model, plan, graphs, paths)
+    cm = CompiledModel(model, plan, graphs, paths)
+    cm.reset_stats()  # what calibration ran through the blocks is not the user's run
+    return cm
+
+
+def _place(model, ffns, placement, profiles, budget: int, max_context: int) -> None:
+    """Run the placement pass and record its decision in plan.placement and the blocks."""
+    from picompile.passes import place as place_pass
+
+    fixed = place_pass.account(model, ffns, max_context=max_context)
+    demands = [place_pass.BlockDemand(name, f.n_ff, place_pass.neuron_bytes(f), profiles[name].freq)
+               for name, f in ffns.items()]
+    result = place_pass.place(budget_bytes=budget, fixed_bytes=fixed, blocks=demands)
+    for name, ffn in ffns.items():
+        place_pass.apply_order(ffn, result.order[name])
+        ffn.block.hot_neurons = result.hot[name]
+    placement.gpu_bytes = result.gpu_bytes
+    placement.fixed_bytes = dict(fixed)
+    placement.fixed_on_gpu = result.fixed_on_gpu
+    placement.expected_gpu_share = result.expected_gpu_share
+    placement.notes = list(result.notes)
+    if not torch.cuda.is_available():
+        placement.notes.append("no CUDA GPU here: the plan is made, execution stays on the CPU")
+        warnings.warn("picompile: no CUDA GPU found; the placement is planned (see explain()) "
+                      "but everything runs on the CPU", stacklevel=3)
+
+
+def name_in_graph(block: BlockPlan) -> str:
+    """The SparseFFN's attribute name inside its captured graph module."""
+    return block.name[len(block.module) + 1:] if block.module else block.name
 
 
 def explain(cm: CompiledModel) -> str:
@@ -153,27 +228,47 @@ def explain(cm: CompiledModel) -> str:
     if not isinstance(cm, CompiledModel):
         raise TypeError(f"explain() takes a CompiledModel, got {type(cm).__name__}")
     plan, ffns = cm.plan, cm.ffns()
-    lines = [f"picompile: {len(plan.blocks)} FFN blocks, mode={plan.mode}"
-             + (f", target sparsity {plan.target_sparsity:.0%}" if plan.target_sparsity else "")
-             + (f", calibrated on {plan.calibration_tokens} tokens" if plan.calibration_tokens else "")]
-    header = f"  {'block':<36} {'kind':<6} {'act':<9} {'d x n_ff':<12} {'how':<16} {'calib.':>7} {'run':>7}  path"
-    lines.append(header)
+    predicted = plan.mode == "predicted"
+    placed = plan.placement.budget_bytes is not None
 
     def pct(v):
         return "-" if v is None else f"{v:.1%}"
 
+    head = f"picompile: {len(plan.blocks)} FFN blocks, mode={plan.mode}"
+    if plan.target_sparsity:
+        head += f", target sparsity {plan.target_sparsity:.0%}"
+    if plan.calibration_tokens:
+        head += f", calibrated on {plan.calibration_tokens} tokens"
+    cols = f"  {'block':<34} {'kind':<8} {'act':<9} {'d x n_ff':<11} {'skips':<14} {'calib.':>6} {'run':>6}"
+    if predicted:
+        cols += f" {'rank':>5} {'recall':>7} {'pred/true density':>17} {'pred.bytes':>10}"
+    if placed:
+        cols += f" {'hot':>6}"
+    lines = [head, cols + "  path"]
     for b in plan.blocks:
-        how = "exact" if b.threshold == 0 else f"|h|>{b.threshold:.3g}"
+        how = "exact zeros" if b.threshold == 0 else f"|h|<={b.threshold:.3g}"
         if not b.exact and b.threshold == 0:
-            how = "dense"
+            how = "none (dense)"
         ffn = ffns.get(b.name)
-        run = pct(ffn.sparsity if ffn is not None else None)
-        bias = "+b" if b.bias else ""
-        lines.append(f"  {b.name:<36} {b.kind + bias:<6} {b.act:<9} {f'{b.d_model}x{b.d_ff}':<12} "
-                     f"{how:<16} {pct(b.measured_sparsity):>7} {run:>7}  {cm.paths.get(b.name, '-')}")
-    lines.append("  (calib.: sparsity measured on calibration data; run: sparsity since reset_stats())")
+        row = (f"  {b.name:<34} {b.kind + ('+bias' if b.bias else ''):<8} {b.act:<9} "
+               f"{f'{b.d_model}x{b.d_ff}':<11} {how:<14} {pct(b.measured_sparsity):>6} "
+               f"{pct(ffn.sparsity if ffn is not None else None):>6}")
+        if predicted:
+            dens = f"{pct(b.predicted_density)} / {pct(b.true_density)}"
+            row += f" {b.predictor_rank or '-':>5} {pct(b.predictor_recall):>7} {dens:>17} {b.predictor_bytes:>10}"
+        if placed:
+            row += f" {b.hot_neurons:>6}"
+        lines.append(row + f"  {cm.paths.get(b.name, '-')}")
+    lines.append("  calib.: sparsity measured on calibration data; run: since the last reset_stats()")
+    if placed:
+        p = plan.placement
+        lines.append(f"placement: budget {p.budget_bytes:,} B, on the GPU {p.gpu_bytes:,} B, "
+                     f"expected share of firing neurons on the GPU {p.expected_gpu_share:.1%}")
+        lines += [f"  {item}: {n:,} B" for item, n in p.fixed_bytes.items()]
+        if not p.fixed_on_gpu:
+            lines.append("  the non-FFN parts do not fit the budget: they run on the CPU too")
+        lines += [f"  note: {n}" for n in p.notes]
     if plan.unmatched:
-        lines.append("not matched (left dense):")
+        lines.append("left dense or eager:")
         lines += [f"  {u.module or '<model>'}: {u.reason}" for u in plan.unmatched]
     return "\n".join(lines)
-

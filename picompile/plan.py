@@ -36,7 +36,8 @@ class BlockPlan:
     predictor_recall: float | None = None
     predicted_density: float | None = None
     true_density: float | None = None
-    hot_neurons: int = 0
+    predictor_bytes: int = 0
+    hot_neurons: int = 0  # neurons 0 .. hot_neurons-1 (after the hot-first permutation) on the GPU
 
     @property
     def exact(self) -> bool:
@@ -54,9 +55,11 @@ class Unmatched:
 
 @dataclass
 class Placement:
-    budget_bytes: int | None = None
-    gpu_bytes: int = 0
-    on_gpu: list[str] = field(default_factory=list)  # non-FFN module names placed on the GPU
+    budget_bytes: int | None = None  # None: no gpu_budget given, nothing placed
+    gpu_bytes: int = 0  # everything the plan puts on the GPU; never more than budget_bytes
+    fixed_bytes: dict[str, int] = field(default_factory=dict)  # non-FFN parts, by item
+    fixed_on_gpu: bool = False  # False: even the non-FFN parts did not fit; all on the CPU
+    expected_gpu_share: float = 0.0  # expected share of firing neurons served by the GPU
     notes: list[str] = field(default_factory=list)
 
 

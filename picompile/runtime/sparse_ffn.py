@@ -131,12 +131,14 @@ class SparseFFN(nn.Module):
         self.b_gate = param(b_gate)  # [n_ff]
         self.b_up = param(b_up)  # [n_ff]
         self.b_down = param(b_down)  # [d]
+        self.predictor = None  # a passes.predictors.Predictor in mode="predicted"
         self.kernel = None  # set by select_kernel(); None runs forward_native
         self.reset_stats()
 
     # -- statistics: how sparse the block really ran ------------------------------------------
     def reset_stats(self) -> None:
-        self.active_pairs = 0  # (token, neuron) pairs computed
+        self.active_pairs = 0  # (token, neuron) pairs that fired and were computed
+        self.candidate_pairs = 0  # pairs considered: all, or those predicted
         self.total_pairs = 0  # (token, neuron) pairs a dense block computes
 
     @property
@@ -182,19 +184,35 @@ class SparseFFN(nn.Module):
             x, **self.weights(), act=self.act, drelu=self.drelu, threshold=self.threshold, idx=idx
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, predicted: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., d] -> [..., d]. `predicted` [T, n_ff] bool (from the block's predictor):
+        only those neurons are computed; without it every neuron is a candidate."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [T, d]
         tokens = x2.shape[0]
-        if self.kernel is not None and tokens <= KERNEL_MAX_TOKENS:
-            out, n_active = self.kernel(x2, threshold=self.threshold)
+        if tokens <= KERNEL_MAX_TOKENS:
+            # Decode / small batch: one candidate list for all tokens (their union).
+            idx = None if predicted is None else predicted.any(0).nonzero().flatten()
+            self.candidate_pairs += tokens * (self.n_ff if idx is None else idx.numel())
+            if self.kernel is not None:
+                out, n_active = self.kernel(x2, threshold=self.threshold, idx=idx)
+            else:
+                out, active = self.forward_native(x2, idx)
+                n_active = int(active.sum())
         else:
-            # Prefill: dense BLAS in the weights' own dtype (as the dense model does), masked.
-            compute = self.w_up.dtype if tokens > KERNEL_MAX_TOKENS else torch.float32
-            out, active = ffn_reference(
-                x2, **self.weights(), act=self.act, drelu=self.drelu,
-                threshold=self.threshold, compute_dtype=compute,
-            )
+            # Prefill: dense BLAS in the weights' own dtype (as the dense model does), masked
+            # per token by what fired and, in predicted mode, by what was predicted.
+            h = down_input(x2, self.w_up, w_gate=self.w_gate, b_gate=self.b_gate, b_up=self.b_up,
+                           act=self.act, drelu=self.drelu, compute_dtype=self.w_up.dtype)
+            active = h.abs() > self.threshold
+            if predicted is not None:
+                active &= predicted
+                self.candidate_pairs += int(predicted.sum())
+            else:
+                self.candidate_pairs += tokens * self.n_ff
+            out = torch.where(active, h, torch.zeros((), dtype=h.dtype)) @ self.w_down_t
+            if self.b_down is not None:
+                out = out + self.b_down
             n_active = int(active.sum())
         self.active_pairs += n_active
         self.total_pairs += tokens * self.n_ff

@@ -1,0 +1,149 @@
+"""Predictors: per block, a low-rank MLP d -> r -> n_ff (PowerInfer's and DejaVu's form) that
+guesses from the block input which neurons will fire, so gate, up and down are computed only
+for those.
+
+Trained on the profile's (input, active mask) samples with binary cross-entropy. Its decision
+threshold `tau` is then set on held-out samples so that the target share of firing neurons is
+caught (recall, default 0.99); the rank is the smallest of RANKS whose predicted density is at
+most `max_density_ratio` times the true density at that recall (else the best rank tried)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from picompile.passes.profile import BlockProfile
+from picompile.progress import progress_bar
+
+RANKS = (16, 32, 64, 128, 256, 512)
+
+
+class Predictor(nn.Module):
+    """mask [T, n_ff] = relu(x p1^T + pb1) p2^T + pb2 > tau, for x [T, d]."""
+
+    def __init__(self, p1: torch.Tensor, pb1: torch.Tensor, p2: torch.Tensor, pb2: torch.Tensor,
+                 tau: float = 0.0):
+        super().__init__()
+        self.p1 = nn.Parameter(p1, requires_grad=False)  # [r, d]
+        self.pb1 = nn.Parameter(pb1, requires_grad=False)  # [r]
+        self.p2 = nn.Parameter(p2, requires_grad=False)  # [n_ff, r], one row per neuron
+        self.pb2 = nn.Parameter(pb2, requires_grad=False)  # [n_ff]
+        self.tau = float(tau)
+
+    @property
+    def rank(self) -> int:
+        return self.p1.shape[0]
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:  # [T, d] -> [T, n_ff]
+        z = F.relu(F.linear(x.to(self.p1.dtype), self.p1, self.pb1))
+        return F.linear(z, self.p2, self.pb2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., d] -> [T, n_ff] bool
+        return self.logits(x.reshape(-1, self.p1.shape[1])) > self.tau
+
+    def extra_repr(self) -> str:
+        return f"d={self.p1.shape[1]}, rank={self.rank}, n_ff={self.p2.shape[0]}, tau={self.tau:.3g}"
+
+
+@dataclass
+class PredictorStats:
+    rank: int
+    recall: float  # share of firing neurons predicted, on held-out samples
+    predicted_density: float  # share of neurons predicted to fire
+    true_density: float  # share that really fire
+    nbytes: int
+
+
+def _fit(x: torch.Tensor, y: torch.Tensor, rank: int, epochs: int, seed: int) -> Predictor:
+    """x [N, d] float32, y [N, n_ff] float32 -> a trained predictor (tau unset)."""
+    gen = torch.Generator().manual_seed(seed)
+    n, d = x.shape
+    n_ff = y.shape[1]
+    l1, l2 = nn.Linear(d, rank), nn.Linear(rank, n_ff)
+    for layer in (l1, l2):
+        bound = 1 / layer.in_features**0.5
+        layer.weight.data.uniform_(-bound, bound, generator=gen)
+        layer.bias.data.zero_()
+    # start from the marginal firing rate, so early steps need not learn it
+    rate = y.mean(0).clamp(1e-4, 1 - 1e-4)
+    l2.bias.data.copy_(torch.log(rate / (1 - rate)))
+    params = [*l1.parameters(), *l2.parameters()]
+    batch = min(1024, n)
+    steps = max(1, epochs * (n // batch))
+    opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
+    with torch.enable_grad():
+        for step in range(steps):
+            sel = torch.randint(n, (batch,), generator=gen)
+            loss = F.binary_cross_entropy_with_logits(l2(F.relu(l1(x[sel]))), y[sel])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+    return Predictor(l1.weight.detach().clone(), l1.bias.detach().clone(),
+                     l2.weight.detach().clone(), l2.bias.detach().clone())
+
+
+@torch.no_grad()
+def calibrate_tau(pred: Predictor, x: torch.Tensor, y: torch.Tensor, target_recall: float
+                  ) -> PredictorStats:
+    """Set pred.tau so that `target_recall` of the firing (x, neuron) pairs are predicted."""
+    logits = pred.logits(x)  # [N, n_ff]
+    pos = logits[y]
+    if pos.numel() == 0:
+        pred.tau = float(logits.max()) if logits.numel() else 0.0
+    else:
+        k = max(1, int((1 - target_recall) * pos.numel()))  # this many may be missed
+        pred.tau = float(pos.kthvalue(k).values) - 1e-6
+    predicted = logits > pred.tau
+    recall = float((predicted & y).sum() / max(int(y.sum()), 1))
+    nbytes = sum(p.numel() * p.element_size() for p in pred.parameters())
+    return PredictorStats(pred.rank, recall, float(predicted.float().mean()),
+                          float(y.float().mean()), nbytes)
+
+
+def train_predictor(
+    prof: BlockProfile,
+    target_recall: float = 0.99,
+    max_density_ratio: float = 1.3,
+    epochs: int = 6,
+    seed: int = 0,
+) -> tuple[Predictor, PredictorStats]:
+    """Smallest rank meeting the density target at `target_recall`, on held-out samples."""
+    x, y = prof.x.float(), prof.y
+    n_val = max(1, len(x) // 10)
+    xt, yt, xv, yv = x[n_val:], y[n_val:].float(), x[:n_val], y[:n_val]
+    if len(xt) == 0:
+        xt, yt = xv, yv.float()
+    d, n_ff = x.shape[1], y.shape[1]
+    ranks = [r for r in RANKS if r < min(d, n_ff)] or [max(1, min(d, n_ff) // 2)]
+    best = None
+    for rank in ranks:
+        pred = _fit(xt, yt, rank, epochs, seed)
+        stats = calibrate_tau(pred, xv, yv, target_recall)
+        if best is None or stats.predicted_density < best[1].predicted_density:
+            best = (pred, stats)
+        if stats.predicted_density <= max_density_ratio * max(stats.true_density, 1e-9):
+            return pred, stats
+    return best
+
+
+def train_all(profiles: dict[str, BlockProfile], quiet: bool = False, **kw
+              ) -> dict[str, tuple[Predictor, PredictorStats]]:
+    return {name: train_predictor(prof, **kw)
+            for name, prof in progress_bar(profiles.items(), "training predictors", quiet,
+                                           total=len(profiles))}
+
+
+def insert_predictor_node(gm: fx.GraphModule, ffn_attr: str) -> None:
+    """`y = self.ffn(x)` -> `p = self.ffn.predictor(x); y = self.ffn(x, p)` in the graph."""
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and node.target == ffn_attr:
+            with gm.graph.inserting_before(node):
+                p = gm.graph.call_module(f"{ffn_attr}.predictor", (node.args[0],))
+            node.args = (node.args[0], p)
+    gm.recompile()
