@@ -5,7 +5,7 @@
     print(picompile.explain(cm))
 """
 
-from picompile.compiler import CompiledModel, compile, explain
+from picompile.compiler import CompiledModel, compile, explain, load
 
-__all__ = ["compile", "explain", "CompiledModel"]
+__all__ = ["compile", "explain", "load", "CompiledModel"]
 __version__ = "0.1.0"

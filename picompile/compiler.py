@@ -1,6 +1,10 @@
 """The compiler: runs the passes in order and wraps the result.
 
-    capture -> detect -> rewrite -> calibrate (thresholds, measured sparsity) -> select kernels
+    capture -> detect -> rewrite -> calibrate (thresholds) -> profile -> predictors -> place
+    -> select kernels
+
+`load` re-runs capture, detect and rewrite on a fresh model and applies a saved plan instead of
+calibrating, profiling and training again.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from picompile import saving
 from picompile.budget import parse_budget
 from picompile.capture import capture, replace_module
 from picompile.passes import calibrate as calibrate_pass
@@ -49,6 +54,17 @@ class CompiledModel(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(super().__getattr__("model"), name)
+
+    def save(self, directory) -> None:
+        """Write the plan (JSON) and predictors / neuron orders (safetensors), atomically."""
+        tensors = {}
+        for name, ffn in self.ffns().items():
+            if ffn.order is not None:
+                tensors[f"{name}.order"] = ffn.order
+            if ffn.predictor is not None:
+                for k in ("p1", "pb1", "p2", "pb2"):
+                    tensors[f"{name}.predictor.{k}"] = getattr(ffn.predictor, k)
+        saving.save(self.plan.to_json(), tensors, self.plan.fingerprint, directory)
 
     def ffns(self) -> dict[str, SparseFFN]:
         """Block name -> its SparseFFN module."""
@@ -118,41 +134,9 @@ def compile(
     """
     budget = _check_args(model, mode, sparsity, gpu_budget)
     model.eval()
-    plan = Plan(mode=mode, target_sparsity=sparsity)
+    plan = Plan(mode=mode, target_sparsity=sparsity, fingerprint=saving.fingerprint(model))
     plan.placement.budget_bytes = budget
-
-    # capture + detect: the deepest traceable modules that hold FFN blocks
-    detections = {}
-
-    def holds_block(name: str, gm: fx.GraphModule) -> bool:
-        detections[name] = found = detect(gm)
-        return bool(found.matches)
-
-    captured, eager = capture(model, holds_block)
-    plan.unmatched += [Unmatched(u.name, u.reason) for u in eager]
-    plan.unmatched += [Unmatched(name, why) for name, found in detections.items() for why in found.rejected]
-
-    # rewrite: one SparseFFN node per block
-    graphs: dict[str, fx.GraphModule] = {}
-    ffns: dict[str, SparseFFN] = {}
-    for cap in captured:
-        found = detections[cap.name]
-        for i, match in enumerate(found.matches):
-            attr = "sparse_ffn" if len(found.matches) == 1 else f"sparse_ffn_{i}"
-            block_name = f"{cap.name}.{attr}" if cap.name else attr
-            block = rewrite_pass.block_plan(cap.gm, match, cap.name, block_name)
-            ffns[block_name] = rewrite_pass.rewrite(cap.gm, match, block, attr)
-            plan.blocks.append(block)
-        rewrite_pass.finish(cap.gm)
-        graphs[cap.name] = cap.gm
-        model = replace_module(model, cap.name, cap.gm)
-    if not ffns:
-        reasons = "; ".join(f"{u.module}: {u.reason}" for u in plan.unmatched[:5]) or (
-            "no linear -> activation -> linear pattern anywhere in the traced graphs")
-        raise ValueError(
-            f"picompile found no FFN block in {type(model).__name__} ({reasons}). Supported: "
-            "down(act(up x)), down(act(gate x) * up x), dReLU, fused gate_up; act in relu, silu, gelu"
-        )
+    model, graphs, ffns = _rewrite(model, plan)
 
     # calibrate: thresholds for SiLU/GELU blocks, measured sparsity for all
     ids = _calibration_ids(calibration, tokenizer, calibration_tokens)
@@ -178,22 +162,102 @@ def compile(
     if mode == "predicted":
         trained = predictors_pass.train_all(profiles, quiet=quiet, target_recall=target_recall)
         for name, (predictor, stats) in trained.items():
-            ffn, block = ffns[name], ffns[name].block
-            ffn.predictor = predictor
-            predictors_pass.insert_predictor_node(graphs[block.module], name_in_graph(block))
+            block = ffns[name].block
             block.predictor_rank, block.predictor_recall = stats.rank, stats.recall
             block.predicted_density, block.true_density = stats.predicted_density, stats.true_density
             block.predictor_bytes = stats.nbytes
+            block.predictor_tau = predictor.tau
+            _attach_predictor(graphs, ffns[name], predictor)
 
     # place: hot neurons on the GPU within the budget, neurons permuted hot-first
     if budget is not None:
         _place(model, ffns, plan.placement, profiles, budget, max_context)
+    return _finish(model, plan, graphs, ffns)
 
-    # kernels: picked once per block, after every change to the weights
+
+def _rewrite(model: nn.Module, plan: Plan):
+    """capture + detect + rewrite. Returns (model, graphs by module name, SparseFFNs by block)."""
+    detections = {}
+
+    def holds_block(name: str, gm: fx.GraphModule) -> bool:
+        detections[name] = found = detect(gm)
+        return bool(found.matches)
+
+    captured, eager = capture(model, holds_block)
+    plan.unmatched += [Unmatched(u.name, u.reason) for u in eager]
+    plan.unmatched += [Unmatched(name, why) for name, found in detections.items() for why in found.rejected]
+
+    graphs: dict[str, fx.GraphModule] = {}
+    ffns: dict[str, SparseFFN] = {}
+    for cap in captured:
+        found = detections[cap.name]
+        for i, match in enumerate(found.matches):
+            attr = "sparse_ffn" if len(found.matches) == 1 else f"sparse_ffn_{i}"
+            block_name = f"{cap.name}.{attr}" if cap.name else attr
+            block = rewrite_pass.block_plan(cap.gm, match, cap.name, block_name)
+            ffns[block_name] = rewrite_pass.rewrite(cap.gm, match, block, attr)
+            plan.blocks.append(block)
+        rewrite_pass.finish(cap.gm)
+        graphs[cap.name] = cap.gm
+        model = replace_module(model, cap.name, cap.gm)
+    if not ffns:
+        reasons = "; ".join(f"{u.module}: {u.reason}" for u in plan.unmatched[:5]) or (
+            "no linear -> activation -> linear pattern anywhere in the traced graphs")
+        raise ValueError(
+            f"picompile found no FFN block in {type(model).__name__} ({reasons}). Supported: "
+            "down(act(up x)), down(act(gate x) * up x), dReLU, fused gate_up; act in relu, silu, gelu"
+        )
+    return model, graphs, ffns
+
+
+def _attach_predictor(graphs, ffn: SparseFFN, predictor) -> None:
+    ffn.predictor = predictor
+    predictors_pass.insert_predictor_node(graphs[ffn.block.module], name_in_graph(ffn.block))
+
+
+def _finish(model, plan, graphs, ffns) -> CompiledModel:
+    """Pick each block's kernel, once, after every change to the weights."""
     paths = {name: ffn.select_kernel() for name, ffn in ffns.items()}
     cm = CompiledModel(model, plan, graphs, paths)
     cm.reset_stats()  # what calibration ran through the blocks is not the user's run
     return cm
+
+
+def load(model: nn.Module, directory) -> CompiledModel:
+    """Rebuild a compiled model from `cm.save(directory)` without profiling: `model` must be
+    the model the plan was made from (checked by fingerprint)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"picompile.load needs the torch.nn.Module the plan was made for, got "
+                        f"{type(model).__name__}")
+    model.eval()
+    plan_json, tensors = saving.read(directory, saving.fingerprint(model))
+    try:
+        saved = Plan.from_json(plan_json)
+    except (KeyError, TypeError) as e:
+        raise saving.PlanError(f"plan.json in {directory} does not describe a plan ({e!r}); "
+                               "compile the model again and save it") from e
+    plan = Plan(mode=saved.mode, target_sparsity=saved.target_sparsity,
+                fingerprint=saved.fingerprint, placement=saved.placement,
+                calibration_tokens=saved.calibration_tokens)
+    model, graphs, ffns = _rewrite(model, plan)
+    if [b.name for b in plan.blocks] != [b.name for b in saved.blocks]:
+        raise saving.PlanError(f"the saved plan's blocks {[b.name for b in saved.blocks]} are not "
+                               f"the ones found now {[b.name for b in plan.blocks]}")
+    plan.blocks = saved.blocks
+    for block in saved.blocks:
+        ffn = ffns[block.name]
+        ffn.block = block
+        ffn.threshold = block.threshold
+        try:
+            if f"{block.name}.order" in tensors:
+                apply_order(ffn, tensors[f"{block.name}.order"])
+            if block.predictor_rank is not None:
+                p = {k: tensors[f"{block.name}.predictor.{k}"] for k in ("p1", "pb1", "p2", "pb2")}
+                _attach_predictor(graphs, ffn, predictors_pass.Predictor(**p, tau=block.predictor_tau))
+        except (KeyError, RuntimeError, IndexError) as e:
+            raise saving.PlanError(f"the saved tensors for {block.name} are incomplete or do not "
+                                   f"fit the model: {e}") from e
+    return _finish(model, plan, graphs, ffns)
 
 
 def _place(model, ffns, placement, profiles, budget: int, max_context: int) -> None:
@@ -205,7 +269,7 @@ def _place(model, ffns, placement, profiles, budget: int, max_context: int) -> N
                for name, f in ffns.items()]
     result = place_pass.place(budget_bytes=budget, fixed_bytes=fixed, blocks=demands)
     for name, ffn in ffns.items():
-        place_pass.apply_order(ffn, result.order[name])
+        apply_order(ffn, result.order[name])
         ffn.block.hot_neurons = result.hot[name]
     placement.gpu_bytes = result.gpu_bytes
     placement.fixed_bytes = dict(fixed)
@@ -216,6 +280,14 @@ def _place(model, ffns, placement, profiles, budget: int, max_context: int) -> N
         placement.notes.append("no CUDA GPU here: the plan is made, execution stays on the CPU")
         warnings.warn("picompile: no CUDA GPU found; the placement is planned (see explain()) "
                       "but everything runs on the CPU", stacklevel=3)
+
+
+def apply_order(ffn: SparseFFN, order: torch.Tensor) -> None:
+    """Permute the block's neurons (hot first) and remember the order, for save()."""
+    from picompile.passes import place as place_pass
+
+    place_pass.apply_order(ffn, order)
+    ffn.order = order.long()
 
 
 def name_in_graph(block: BlockPlan) -> str:

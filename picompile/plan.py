@@ -37,6 +37,7 @@ class BlockPlan:
     predicted_density: float | None = None
     true_density: float | None = None
     predictor_bytes: int = 0
+    predictor_tau: float = 0.0
     hot_neurons: int = 0  # neurons 0 .. hot_neurons-1 (after the hot-first permutation) on the GPU
 
     @property
@@ -71,6 +72,7 @@ class Plan:
     unmatched: list[Unmatched] = field(default_factory=list)
     placement: Placement = field(default_factory=Placement)
     calibration_tokens: int = 0
+    fingerprint: str = ""  # of the model before compile rewrote it (see saving.fingerprint)
 
     def block(self, name: str) -> BlockPlan:
         for b in self.blocks:
@@ -90,4 +92,5 @@ class Plan:
             unmatched=[Unmatched(**u) for u in data["unmatched"]],
             placement=Placement(**data["placement"]),
             calibration_tokens=data["calibration_tokens"],
+            fingerprint=data["fingerprint"],
         )

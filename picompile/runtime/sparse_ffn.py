@@ -132,6 +132,7 @@ class SparseFFN(nn.Module):
         self.b_up = param(b_up)  # [n_ff]
         self.b_down = param(b_down)  # [d]
         self.predictor = None  # a passes.predictors.Predictor in mode="predicted"
+        self.order = None  # LongTensor [n_ff]: the hot-first permutation applied, if any
         self.kernel = None  # set by select_kernel(); None runs forward_native
         self.reset_stats()
 
