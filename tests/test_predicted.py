@@ -1,0 +1,198 @@
+"""Predicted mode, placement in compile, and saved plans."""
+
+from __future__ import annotations
+
+import copy
+import json
+import pathlib
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import picompile
+from picompile import saving
+from picompile.compiler import _attach_predictor, apply_order
+from picompile.runtime.sparse_ffn import SparseFFN, down_input
+from tests import zoo
+from tests.test_compile import TOL
+
+
+class OraclePredictor(nn.Module):
+    """Predicts exactly the neurons that fire: the true mask."""
+
+    def __init__(self, ffn: SparseFFN):
+        super().__init__()
+        self.ffn = [ffn]  # a list, so it is not registered as a submodule (no cycle)
+
+    def forward(self, x):
+        f = self.ffn[0]
+        h = down_input(x.reshape(-1, f.d_model), f.w_up, w_gate=f.w_gate, b_gate=f.b_gate,
+                       b_up=f.b_up, act=f.act, drelu=f.drelu)
+        return h.abs() > f.threshold
+
+
+@pytest.mark.parametrize("arch", ["llama_relu", "opt", "tiny_drelu", "tiny_plain_relu"])
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**16), batch=st.integers(1, 3), seq=st.integers(1, 12))
+def test_any_placement_with_the_oracle_predictor_equals_dense(arch, seed, batch, seq):
+    dense = zoo.make(arch, seed=seed)
+    cm = picompile.compile(copy.deepcopy(dense), quiet=True)
+    gen = torch.Generator().manual_seed(seed)
+    for ffn in cm.ffns().values():
+        apply_order(ffn, torch.randperm(ffn.n_ff, generator=gen))  # any hot-first order
+        ffn.block.hot_neurons = int(torch.randint(0, ffn.n_ff + 1, (), generator=gen))
+        _attach_predictor(cm.graphs, ffn, OraclePredictor(ffn))
+        ffn.select_kernel()  # weights moved: bind the kernel again
+    ids = torch.randint(0, zoo.VOCAB, (batch, seq), generator=gen)
+    with torch.no_grad():
+        torch.testing.assert_close(zoo.logits(cm, ids), zoo.logits(dense, ids), **TOL[torch.float32])
+    assert "predictor" in next(iter(cm.graphs.values())).code
+
+
+def _calibration(n=8, seq=48, seed=0):
+    return torch.randint(0, zoo.VOCAB, (n, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def test_predicted_mode_with_recall_one_equals_exact_mode():
+    dense = zoo.make("llama_relu")
+    exact = picompile.compile(copy.deepcopy(dense), quiet=True)
+    pred = picompile.compile(copy.deepcopy(dense), mode="predicted", calibration=_calibration(),
+                             quiet=True)
+    for ffn in pred.ffns().values():
+        ffn.predictor.tau = float("-inf")  # every neuron predicted: recall 1.0
+    ids = torch.randint(0, zoo.VOCAB, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(zoo.logits(pred, ids), zoo.logits(exact, ids), **TOL[torch.float32])
+
+
+def test_predicted_mode_reports_predictors():
+    pred = picompile.compile(zoo.make("llama_silu"), mode="predicted", sparsity=0.5,
+                             calibration=_calibration(), quiet=True)
+    for b in pred.plan.blocks:
+        assert b.predictor_rank and b.predictor_bytes > 0
+        assert b.predictor_recall >= 0.98  # calibrated for 0.99 on held-out samples
+        assert 0.4 < b.true_density < 0.6  # thresholded at 50%: the predictor's target
+        assert b.predicted_density >= b.true_density * 0.9
+    report = picompile.explain(pred)
+    assert "rank" in report and "recall" in report and "pred/true density" in report
+    code = pred.graphs["model.layers.0.mlp"].code
+    assert "self.sparse_ffn.predictor(x)" in code
+
+
+def test_predicted_mode_needs_calibration():
+    with pytest.raises(ValueError, match="calibration"):
+        picompile.compile(zoo.make("llama_relu"), mode="predicted")
+
+
+@pytest.mark.parametrize("budget", [0, 20_000, 60_000, "1GB"])
+def test_compile_places_within_the_budget(budget):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cm = picompile.compile(zoo.make("llama_relu", n_ff=256), gpu_budget=budget,
+                               calibration=_calibration(), quiet=True)
+    placement = cm.plan.placement
+    assert placement.budget_bytes == picompile.budget.parse_budget(budget)
+    assert placement.gpu_bytes <= placement.budget_bytes
+    hot = [b.hot_neurons for b in cm.plan.blocks]
+    if budget == "1GB":
+        assert hot == [256, 256] and placement.fixed_on_gpu
+    if budget == 0:
+        assert hot == [0, 0] and not placement.fixed_on_gpu
+    if not torch.cuda.is_available():
+        assert any("no CUDA GPU" in str(w.message) for w in caught)
+    assert "placement: budget" in picompile.explain(cm)
+
+
+def test_hot_first_order_keeps_outputs():
+    dense = zoo.make("llama_relu", n_ff=256)
+    cm = picompile.compile(copy.deepcopy(dense), gpu_budget=40_000, calibration=_calibration(),
+                           quiet=True)
+    for ffn in cm.ffns().values():
+        assert ffn.order is not None and sorted(ffn.order.tolist()) == list(range(256))
+    ids = torch.randint(0, zoo.VOCAB, (2, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(zoo.logits(cm, ids), zoo.logits(dense, ids), **TOL[torch.float32])
+
+
+# -- saved plans ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    dense = zoo.make("llama_silu", n_ff=128)
+    cm = picompile.compile(copy.deepcopy(dense), mode="predicted", sparsity=0.5,
+                           gpu_budget="30KB", calibration=_calibration(), quiet=True)
+    path = tmp_path_factory.mktemp("plans") / "plan"
+    cm.save(path)
+    return dense, cm, path
+
+
+def test_load_rebuilds_the_same_model_without_profiling(saved, monkeypatch):
+    dense, cm, path = saved
+    from picompile.passes import profile as profile_pass
+
+    monkeypatch.setattr(profile_pass, "profile", lambda *a, **k: pytest.fail("load profiled"))
+    loaded = picompile.load(copy.deepcopy(dense), path)
+    assert loaded.plan.to_json() == cm.plan.to_json()
+    ids = torch.randint(0, zoo.VOCAB, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(zoo.logits(loaded, ids), zoo.logits(cm, ids), atol=0, rtol=0)
+
+
+def test_load_refuses_another_model(saved):
+    _, _, path = saved
+    with pytest.raises(saving.PlanError, match="different model"):
+        picompile.load(zoo.make("llama_silu", n_ff=128, seed=7), path)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "version", "no_manifest", "bad_json"])
+def test_load_refuses_damaged_plans(saved, tmp_path, damage):
+    dense, _, path = saved
+    copy_dir = tmp_path / "plan"
+    import shutil
+
+    shutil.copytree(path, copy_dir)
+    tensors = copy_dir / "tensors.safetensors"
+    manifest = copy_dir / "manifest.json"
+    if damage == "flip":
+        data = bytearray(tensors.read_bytes())
+        data[-3] ^= 0xFF
+        tensors.write_bytes(bytes(data))
+        match = "checksum"
+    elif damage == "truncate":
+        tensors.write_bytes(tensors.read_bytes()[:100])
+        match = "checksum"
+    elif damage == "version":
+        m = json.loads(manifest.read_text())
+        m["version"] = 99
+        manifest.write_text(json.dumps(m))
+        match = "version"
+    elif damage == "no_manifest":
+        manifest.unlink()
+        match = "manifest"
+    else:
+        manifest.write_text("{not json")
+        match = "corrupt"
+    with pytest.raises(saving.PlanError, match=match):
+        picompile.load(copy.deepcopy(dense), copy_dir)
+
+
+def test_save_is_atomic(saved, tmp_path, monkeypatch):
+    _, cm, path = saved
+    target = tmp_path / "plan"
+    cm.save(target)
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+
+    def broken(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(saving, "save_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        cm.save(target)
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["plan"]  # no temporary left behind
+    assert not list(pathlib.Path(target).glob("*.pkl"))
