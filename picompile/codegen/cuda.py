@@ -1094,6 +1094,12 @@ class CudaKernels:
 # ------------------------------------------------------------------------------------------------
 
 
+def _require_cuda(t) -> None:
+    if not t.is_cuda:
+        raise CudaUnavailable(f"CudaFFN needs CUDA tensors (got one on {t.device}); use the C / "
+                              "reference path on the CPU")
+
+
 class CudaFFN:
     """The hot rows of one FFN block on the GPU: predictor -> compaction -> gate/up -> down.
 
@@ -1110,9 +1116,7 @@ class CudaFFN:
                  act: str = "relu", drelu: bool = False, threshold: float = 0.0,
                  p1=None, pb1=None, p2=None, pb2=None, tau: float = 0.0,
                  backend: str | None = None):
-        if not w_up.is_cuda:
-            raise CudaUnavailable("CudaFFN needs CUDA tensors (w_up is on "
-                                  f"{w_up.device}); use the C / reference path on the CPU")
+        _require_cuda(w_up)
         dtype = str(w_up.dtype).removeprefix("torch.")
         bias = b_up is not None or b_gate is not None
         self.variant = CudaVariant(
