@@ -147,6 +147,14 @@ _BODY = r"""
 #define PIC_INLINE static inline __attribute__((always_inline))
 #define PIC_MAXTOK 8            /* tokens handled together per weight row */
 #define PIC_PARALLEL_MIN 32768  /* below this many multiply-adds (m * d * T) run one thread */
+#ifndef PIC_BLOCK
+#define PIC_BLOCK 64            /* neurons whose first projection is computed before the rest */
+#endif
+#ifndef PIC_PF_BYTES
+#define PIC_PF_BYTES 2048       /* software prefetch distance in a weight row */
+#endif
+#define PIC_CHUNKS 16           /* chunks of candidate neurons, each with a partial output */
+#define PIC_PARTIAL_MAX_BYTES ((int64_t)64 << 20) /* cap on the partial outputs */
 
 /* ---- weights: element type and conversion to float32 (exact for all three dtypes) ---- */
 #if PIC_WDTYPE == PIC_F32
@@ -215,19 +223,39 @@ PIC_INLINE float act_fn(float g) {
 #endif
 }
 
+/* Software prefetch: PIC_PF_BYTES ahead of the current position in a weight row (this also runs
+ * past a 4 KiB page boundary, where hardware stream prefetchers stop), and the head of the next
+ * active neuron's rows while the current one is processed. */
+#if PIC_SIMD
+#define PIC_PREFETCH(p) _mm_prefetch((const char*)(p), _MM_HINT_T0)
+#else
+#define PIC_PREFETCH(p) __builtin_prefetch((const void*)(p), 0, 3)
+#endif
+#define PIC_WPL (64 / (int)sizeof(wtype)) /* weights per 64-byte cache line */
+
+PIC_INLINE void prefetch_head(const wtype* row, int64_t d) {
+    int64_t n = (int64_t)PIC_PF_BYTES / (int64_t)sizeof(wtype);
+    if (n > d) n = d;
+    for (int64_t k = 0; k < n; k += PIC_WPL) PIC_PREFETCH(row + k);
+}
+
 /* res[n] = w[0:d] . xs[n][0:d] for n < N: one pass over the row w for all N tokens.
- * N tokens x U unrolled 8-float accumulators (N*U <= 8, so everything stays in registers). */
+ * N tokens x U independent 8-float accumulators (N*U <= 8: all in registers); each main-loop
+ * step covers SV vectors (whole cache lines, one prefetch per line). */
 PIC_INLINE void dot_n(const wtype* w, const float* const* xs, int64_t d, float* res,
                       const int N, const int U) {
 #if PIC_SIMD
+    const int VPL = PIC_WPL / 8;              /* 8-float vectors per cache line of weights */
+    const int SV = U > VPL ? U : VPL;         /* vectors per step */
     __m256 acc[8];
     for (int i = 0; i < N * U; ++i) acc[i] = _mm256_setzero_ps();
     int64_t k = 0;
-    for (; k + 8 * U <= d; k += 8 * U) {
-        for (int u = 0; u < U; ++u) {
-            const __m256 wv = loadw8(w + k + 8 * u);
+    for (; k + 8 * SV <= d; k += 8 * SV) {
+        for (int l = 0; l < SV / VPL; ++l) PIC_PREFETCH(w + k + l * PIC_WPL + PIC_PF_BYTES / sizeof(wtype));
+        for (int v = 0; v < SV; ++v) {
+            const __m256 wv = loadw8(w + k + 8 * v);
             for (int n = 0; n < N; ++n)
-                acc[n * U + u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[n] + k + 8 * u), acc[n * U + u]);
+                acc[n * U + v % U] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[n] + k + 8 * v), acc[n * U + v % U]);
         }
     }
     for (; k + 8 <= d; k += 8) {
@@ -246,6 +274,7 @@ PIC_INLINE void dot_n(const wtype* w, const float* const* xs, int64_t d, float* 
     float r[PIC_MAXTOK] = {0};
     (void)U;
     for (int64_t k = 0; k < d; ++k) {
+        if ((k & (PIC_WPL - 1)) == 0) PIC_PREFETCH(w + k + PIC_PF_BYTES / sizeof(wtype));
         const float wk = w2f(w[k]);
         for (int n = 0; n < N; ++n) r[n] += wk * xs[n][k];
     }
@@ -257,25 +286,32 @@ PIC_INLINE void dot_n(const wtype* w, const float* const* xs, int64_t d, float* 
 PIC_INLINE void axpy_n(const wtype* w, const float* hs, float* const* ps, int64_t d, const int N) {
     int64_t k = 0;
 #if PIC_SIMD
+    const int VPL = PIC_WPL / 8;
+    const int SV = VPL > 2 ? VPL : 2;
     __m256 hv[PIC_MAXTOK];
     for (int n = 0; n < N; ++n) hv[n] = _mm256_set1_ps(hs[n]);
-    for (; k + 16 <= d; k += 16) {
-        const __m256 w0 = loadw8(w + k), w1 = loadw8(w + k + 8);
-        for (int n = 0; n < N; ++n) {
-            float* p = ps[n] + k;
-            _mm256_storeu_ps(p, _mm256_fmadd_ps(hv[n], w0, _mm256_loadu_ps(p)));
-            _mm256_storeu_ps(p + 8, _mm256_fmadd_ps(hv[n], w1, _mm256_loadu_ps(p + 8)));
+    for (; k + 8 * SV <= d; k += 8 * SV) {
+        for (int l = 0; l < SV / VPL; ++l) PIC_PREFETCH(w + k + l * PIC_WPL + PIC_PF_BYTES / sizeof(wtype));
+        for (int v = 0; v < SV; ++v) {
+            const __m256 wv = loadw8(w + k + 8 * v);
+            for (int n = 0; n < N; ++n) {
+                float* p = ps[n] + k + 8 * v;
+                _mm256_storeu_ps(p, _mm256_fmadd_ps(hv[n], wv, _mm256_loadu_ps(p)));
+            }
         }
     }
     for (; k + 8 <= d; k += 8) {
-        const __m256 w0 = loadw8(w + k);
+        const __m256 wv = loadw8(w + k);
         for (int n = 0; n < N; ++n) {
             float* p = ps[n] + k;
-            _mm256_storeu_ps(p, _mm256_fmadd_ps(hv[n], w0, _mm256_loadu_ps(p)));
+            _mm256_storeu_ps(p, _mm256_fmadd_ps(hv[n], wv, _mm256_loadu_ps(p)));
         }
     }
 #endif
     for (; k < d; ++k) {
+#if !PIC_SIMD
+        if ((k & (PIC_WPL - 1)) == 0) PIC_PREFETCH(w + k + PIC_PF_BYTES / sizeof(wtype));
+#endif
         const float wk = w2f(w[k]);
         for (int n = 0; n < N; ++n) ps[n][k] += hs[n] * wk;
     }
@@ -308,56 +344,91 @@ static void axpy_rows(const wtype* w, const float* hs, float* const* ps, int n, 
     }
 }
 
-/* One neuron j for nt <= 8 tokens (rows xs[0..nt)): gate, up, activation, threshold, and the
- * axpy of w_down_t[j] into the tokens' partial outputs ps[0..nt). Returns the active count. */
-static int64_t neuron(int64_t j, const float* const* xs, int nt, int64_t d,
-                      const wtype* w_gate, const wtype* w_up, const wtype* w_down_t,
-                      const float* b_gate, const float* b_up, float threshold, float* const* ps) {
-    float hv[PIC_MAXTOK];  /* h of the active tokens */
-    float* pa[PIC_MAXTOK]; /* their partial-output rows */
-    int na = 0;
-    float u[PIC_MAXTOK];
-#if PIC_BIAS
-    const float bu = b_up ? b_up[j] : 0.0f;
-#else
-    const float bu = 0.0f;
-    (void)b_up;
+/* A neuron that passed the first test: gated blocks, act(gate) != 0 for some token (its up and
+ * down rows are needed); plain blocks, |h| > threshold for some token (its down row is needed). */
+typedef struct {
+    int64_t j;              /* neuron */
+    int nf;                 /* tokens that passed */
+    int tok[PIC_MAXTOK];    /* which (index into the token group) */
+    float a[PIC_MAXTOK];    /* gated: act(gate); plain: h */
+} pic_fired;
+
+/* Candidates [lo, hi) for one group of nt <= 8 tokens (rows xs, partial outputs ps), in blocks of
+ * PIC_BLOCK neurons: first the first projection of every neuron of the block (gate rows stream
+ * in order), then the up / down rows of only the neurons that fired, prefetching ahead. Returns
+ * the number of active (token, neuron) pairs. */
+static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float* const* xs,
+                         int nt, int64_t d, const wtype* w_gate, const wtype* w_up,
+                         const wtype* w_down_t, const float* b_gate, const float* b_up,
+                         float threshold, float* const* ps) {
+    int64_t total = 0;
+    pic_fired f[PIC_BLOCK];
+#if !PIC_BIAS
+    (void)b_gate; (void)b_up;
 #endif
-#if PIC_GATED
-    float g[PIC_MAXTOK], af[PIC_MAXTOK];
-    const float* xf[PIC_MAXTOK]; /* tokens whose activated gate is nonzero */
-    int fired[PIC_MAXTOK], nf = 0;
-#if PIC_BIAS
-    const float bg = b_gate ? b_gate[j] : 0.0f;
-#else
-    const float bg = 0.0f;
-    (void)b_gate;
-#endif
-    dot_rows(w_gate + j * d, xs, nt, d, g);
-    for (int n = 0; n < nt; ++n) {
-        const float a = act_fn(g[n] + bg);
-        if (a != 0.0f) { xf[nf] = xs[n]; af[nf] = a; fired[nf] = n; ++nf; }
-    }
-    if (nf == 0) return 0; /* h == 0 for every token: the up and down rows are never read */
-    dot_rows(w_up + j * d, xf, nf, d, u);
-    for (int k = 0; k < nf; ++k) {
-        float uv = u[k] + bu;
-#if PIC_DRELU
-        uv = uv > 0.0f ? uv : 0.0f;
-#endif
-        const float h = af[k] * uv;
-        if (fabsf(h) > threshold) { hv[na] = h; pa[na] = ps[fired[k]]; ++na; }
-    }
-#else
+#if !PIC_GATED
     (void)w_gate; (void)b_gate;
-    dot_rows(w_up + j * d, xs, nt, d, u);
-    for (int n = 0; n < nt; ++n) {
-        const float h = act_fn(u[n] + bu);
-        if (fabsf(h) > threshold) { hv[na] = h; pa[na] = ps[n]; ++na; }
-    }
 #endif
-    if (na) axpy_rows(w_down_t + j * d, hv, pa, na, d);
-    return na;
+    for (int64_t b0 = lo; b0 < hi; b0 += PIC_BLOCK) {
+        const int64_t b1 = b0 + PIC_BLOCK < hi ? b0 + PIC_BLOCK : hi;
+        int nfired = 0;
+        for (int64_t i = b0; i < b1; ++i) {
+            const int64_t j = idx ? (int64_t)idx[i] : i;
+            pic_fired* fi = &f[nfired];
+            float g[PIC_MAXTOK];
+            fi->j = j;
+            fi->nf = 0;
+#if PIC_GATED
+            const float b = PIC_BIAS && b_gate ? b_gate[j] : 0.0f;
+            dot_rows(w_gate + j * d, xs, nt, d, g);
+            for (int n = 0; n < nt; ++n) {
+                const float a = act_fn(g[n] + b);
+                if (a != 0.0f) { fi->tok[fi->nf] = n; fi->a[fi->nf] = a; ++fi->nf; }
+            }
+#else
+            const float b = PIC_BIAS && b_up ? b_up[j] : 0.0f;
+            dot_rows(w_up + j * d, xs, nt, d, g);
+            for (int n = 0; n < nt; ++n) {
+                const float h = act_fn(g[n] + b);
+                if (fabsf(h) > threshold) { fi->tok[fi->nf] = n; fi->a[fi->nf] = h; ++fi->nf; }
+            }
+#endif
+            nfired += fi->nf > 0;
+        }
+        for (int q = 0; q < nfired; ++q) {
+            const int64_t j = f[q].j;
+            if (q + 1 < nfired) { /* start the next fired neuron's rows on their way */
+#if PIC_GATED
+                prefetch_head(w_up + f[q + 1].j * d, d);
+#endif
+                prefetch_head(w_down_t + f[q + 1].j * d, d);
+            }
+            float hv[PIC_MAXTOK];  /* h of the active tokens */
+            float* pa[PIC_MAXTOK]; /* their partial-output rows */
+            int na = 0;
+#if PIC_GATED
+            const float* xf[PIC_MAXTOK];
+            float u[PIC_MAXTOK];
+            const float bu = PIC_BIAS && b_up ? b_up[j] : 0.0f;
+            for (int k = 0; k < f[q].nf; ++k) xf[k] = xs[f[q].tok[k]];
+            dot_rows(w_up + j * d, xf, f[q].nf, d, u);
+            for (int k = 0; k < f[q].nf; ++k) {
+                float uv = u[k] + bu;
+#if PIC_DRELU
+                uv = uv > 0.0f ? uv : 0.0f;
+#endif
+                const float h = f[q].a[k] * uv;
+                if (fabsf(h) > threshold) { hv[na] = h; pa[na] = ps[f[q].tok[k]]; ++na; }
+            }
+#else
+            for (int k = 0; k < f[q].nf; ++k) { hv[k] = f[q].a[k]; pa[k] = ps[f[q].tok[k]]; }
+            na = f[q].nf;
+#endif
+            if (na) axpy_rows(w_down_t + j * d, hv, pa, na, d);
+            total += na;
+        }
+    }
+    return total;
 }
 
 static int pic_threads = 0;
@@ -377,15 +448,19 @@ void ffn(const float* x, int64_t T, int64_t d, int64_t n_ff,
     (void)b_down;
 #endif
     const int64_t dp = (d + 15) & ~(int64_t)15; /* partial rows padded to 64 bytes */
+    /* The candidates are cut into nch contiguous chunks, each with its own partial output
+     * [T][dp]. Threads take chunks dynamically (a descheduled thread does not hold the others
+     * up) and the partials are summed in chunk order, so the result does not depend on the
+     * thread count or on which thread ran which chunk. */
+    int64_t nch = M < PIC_CHUNKS ? M : PIC_CHUNKS;
+    while (nch > 1 && nch * T * dp * (int64_t)sizeof(float) > PIC_PARTIAL_MAX_BYTES) nch /= 2;
     int nthr = 1;
 #ifdef _OPENMP
     nthr = pic_threads > 0 ? pic_threads : omp_get_max_threads();
     if ((double)M * (double)d * (double)T < PIC_PARALLEL_MIN) nthr = 1;
-    if (nthr > M) nthr = M > 0 ? (int)M : 1;
+    if (nthr > nch) nthr = nch > 0 ? (int)nch : 1;
 #endif
-    /* Per-thread partial outputs [nthr][T][dp]: each thread accumulates its neurons' down rows
-     * into its own buffer; the buffers are summed into out after a barrier. */
-    size_t bytes = (size_t)nthr * (size_t)T * (size_t)dp * sizeof(float);
+    size_t bytes = (size_t)(nch > 0 ? nch : 1) * (size_t)T * (size_t)dp * sizeof(float);
     float* part = (float*)aligned_alloc(64, (bytes + 63) & ~(size_t)63);
     if (!part) { *n_active = -1; return; }
     int64_t total = 0;
@@ -393,40 +468,38 @@ void ffn(const float* x, int64_t T, int64_t d, int64_t n_ff,
 #pragma omp parallel num_threads(nthr) reduction(+ : total)
 #endif
     {
-        int tid = 0, nth = 1;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-        nth = omp_get_num_threads();
-#endif
-        float* mine = part + (size_t)tid * T * dp;
-        memset(mine, 0, (size_t)T * dp * sizeof(float));
-        /* A contiguous range of candidates per thread: the gate rows stream sequentially. */
-        const int64_t lo = M * tid / nth, hi = M * (tid + 1) / nth;
         const float* xs[PIC_MAXTOK];
         float* ps[PIC_MAXTOK];
-        for (int64_t t0 = 0; t0 < T; t0 += PIC_MAXTOK) {
-            const int nt = (int)(T - t0 < PIC_MAXTOK ? T - t0 : PIC_MAXTOK);
-            for (int n = 0; n < nt; ++n) { xs[n] = x + (t0 + n) * d; ps[n] = mine + (t0 + n) * dp; }
-            for (int64_t i = lo; i < hi; ++i) {
-                const int64_t j = idx ? (int64_t)idx[i] : i;
-                total += neuron(j, xs, nt, d, w_gate, w_up, w_down_t, b_gate, b_up, threshold, ps);
-            }
-        }
 #ifdef _OPENMP
-#pragma omp barrier
+#pragma omp for schedule(dynamic, 1)
 #endif
-        /* out[t][k] = b_down[k] + sum over threads; each thread owns a slice of columns. */
-        const int64_t k0 = d * tid / nth, k1 = d * (tid + 1) / nth;
+        for (int64_t c = 0; c < nch; ++c) {
+            float* mine = part + (size_t)c * T * dp;
+            memset(mine, 0, (size_t)T * dp * sizeof(float));
+            const int64_t lo = M * c / nch, hi = M * (c + 1) / nch; /* gate rows stream in order */
+            for (int64_t t0 = 0; t0 < T; t0 += PIC_MAXTOK) {
+                const int nt = (int)(T - t0 < PIC_MAXTOK ? T - t0 : PIC_MAXTOK);
+                for (int n = 0; n < nt; ++n) { xs[n] = x + (t0 + n) * d; ps[n] = mine + (t0 + n) * dp; }
+                total += run_range(lo, hi, idx, xs, nt, d, w_gate, w_up, w_down_t, b_gate, b_up,
+                                   threshold, ps);
+            }
+        } /* implicit barrier: all partials complete */
+        /* out[t][k] = b_down[k] + sum over chunks, in chunk order; threads split the columns. */
+#ifdef _OPENMP
+#pragma omp for schedule(static) collapse(2)
+#endif
         for (int64_t t = 0; t < T; ++t) {
-            float* o = out + t * d;
-            for (int64_t k = k0; k < k1; ++k) {
+            for (int64_t kb = 0; kb < dp; kb += 64) {
+                const int64_t kend = kb + 64 < d ? kb + 64 : d;
+                for (int64_t k = kb; k < kend; ++k) {
 #if PIC_BIAS
-                float s = b_down ? b_down[k] : 0.0f;
+                    float s = b_down ? b_down[k] : 0.0f;
 #else
-                float s = 0.0f;
+                    float s = 0.0f;
 #endif
-                for (int p = 0; p < nth; ++p) s += part[((size_t)p * T + t) * dp + k];
-                o[k] = s;
+                    for (int64_t c = 0; c < nch; ++c) s += part[((size_t)c * T + t) * dp + k];
+                    out[t * d + k] = s;
+                }
             }
         }
     }
@@ -436,8 +509,10 @@ void ffn(const float* x, int64_t T, int64_t d, int64_t n_ff,
 """
 
 
-def source(v: Variant) -> str:
-    """The generated C source of one variant (the variant baked in as #defines at the top)."""
+def source(v: Variant, tuning: dict[str, int] | None = None) -> str:
+    """The generated C source of one variant (the variant baked in as #defines at the top).
+    `tuning` overrides knobs such as PIC_PF_BYTES or PIC_BLOCK (for benchmarking)."""
+    extra = "".join(f"#define {k} {int(val)}\n" for k, val in (tuning or {}).items())
     return _HEADER.format(
         name=v.name,
         wdtype={"float32": "PIC_F32", "float16": "PIC_F16", "bfloat16": "PIC_BF16"}[v.dtype],
@@ -448,7 +523,7 @@ def source(v: Variant) -> str:
         act_macro={"relu": "PIC_RELU", "silu": "PIC_SILU", "gelu": "PIC_GELU",
                    "gelu_tanh": "PIC_GELU_TANH"}[v.act],
         act=v.act,
-    ) + _BODY
+    ) + extra + _BODY
 
 
 # ---------------------------------------------------------------------------------------------
