@@ -473,10 +473,15 @@ class _Solver:
         return float(sum(it.prefix[k] for k, it in zip(ks, self.items)))
 
     def dual(self, lam: float) -> float:
-        """lam * room + sum_b max(0, max_k F_b(k) - lam c_b k): at least any feasible value."""
-        ks = self.choice(lam, [None] * len(self.items))
-        return lam * self.room + sum(max(0.0, it.prefix[k] - lam * it.cost * k)
-                                     for k, it in zip(ks, self.items))
+        """lam * room + sum_b max(0, max_k F_b(k) - lam c_b k): at least any feasible value.
+        k ranges over what a block could hold alone (m_b <= k <= room // c_b), which keeps the
+        bound valid and tighter; by concavity the best such k is the free choice, clipped."""
+        total = lam * self.room
+        for k, it in zip(self.choice(lam, [None] * len(self.items)), self.items):
+            k = min(k, self.room // it.cost)
+            if k >= it.m:
+                total += max(0.0, it.prefix[k] - lam * it.cost * k)
+        return total
 
     def solve(self, state: list) -> tuple[list[int], float, int] | None:
         """(hot counts, price, index of the price in breaks), or None when the forced-on blocks'
@@ -582,6 +587,8 @@ def _solve(room: int, blocks: list[BlockDemand], sorted_freq: dict[str, np.ndarr
             free_value += float(f.sum())
             continue
         c, m = b.bytes_per_neuron, max(1, min(min_slice, b.n_ff))
+        if m * c > room:  # not even its minimum slice fits: never hot
+            continue
         prefix = np.concatenate([[0.0], np.cumsum(f)])
         d = f / c
         items.append(_Item(b.name, d, -d, prefix, c, m, float(prefix[m] / (m * c))))
