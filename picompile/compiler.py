@@ -42,12 +42,34 @@ class CompiledModel(nn.Module):
         self.paths = paths  # block name -> execution path picked ("C", "reference (...)")
 
     def forward(self, *args, **kwargs):
-        return self.model(*args, **kwargs)
+        return self.model(*self._to_input_device(args), **self._to_input_device(kwargs))
 
     def generate(self, *args, **kwargs):
         if not hasattr(self.model, "generate"):
             raise TypeError(f"{type(self.model).__name__} has no generate(); call the model instead")
-        return self.model.generate(*args, **kwargs)
+        return self.model.generate(*self._to_input_device(args), **self._to_input_device(kwargs))
+
+    def _to_input_device(self, values):
+        """Tensors go where the model's first weights are (the GPU after distribute())."""
+        device = next(iter(self.model.parameters())).device
+        if device.type == "cpu":
+            return values
+        move = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+        if isinstance(values, dict):
+            return {k: move(v) for k, v in values.items()}
+        return tuple(move(v) for v in values)
+
+    def distribute(self, device: str | torch.device = "cuda") -> None:
+        """Run hybrid as planned: non-FFN parts and each block's hot neurons on `device`,
+        cold neurons on the CPU. compile() calls this when a gpu_budget is given and a GPU is
+        there; device="cpu" lets the CPU stand in for the GPU (tests, debugging)."""
+        from picompile.runtime.hybrid import distribute
+
+        ffns = self.ffns()
+        distribute(self.model, ffns, device, move_non_ffn=self.plan.placement.fixed_on_gpu)
+        for name, ffn in ffns.items():
+            self.paths[name] = (f"hybrid: {ffn.block.hot_neurons} hot on {device}, "
+                                f"{ffn.n_ff - ffn.block.hot_neurons} cold on the CPU")
 
     def __getattr__(self, name: str):
         try:
@@ -78,7 +100,7 @@ class CompiledModel(nn.Module):
         """Share of (token, neuron) pairs skipped since the last reset_stats(), over all blocks."""
         active = total = 0
         for ffn in self.ffns().values():
-            active, total = active + ffn.active_pairs, total + ffn.total_pairs
+            active, total = active + ffn.active_count(), total + ffn.total_pairs
         return None if total == 0 else 1.0 - active / total
 
 
@@ -172,7 +194,10 @@ def compile(
     # place: hot neurons on the GPU within the budget, neurons permuted hot-first
     if budget is not None:
         _place(model, ffns, plan.placement, profiles, budget, max_context)
-    return _finish(model, plan, graphs, ffns)
+    cm = _finish(model, plan, graphs, ffns)
+    if budget is not None and torch.cuda.is_available() and plan.placement.fixed_on_gpu:
+        cm.distribute("cuda")
+    return cm
 
 
 def _rewrite(model: nn.Module, plan: Plan):

@@ -133,6 +133,7 @@ class SparseFFN(nn.Module):
         self.b_down = param(b_down)  # [d]
         self.predictor = None  # a passes.predictors.Predictor in mode="predicted"
         self.order = None  # LongTensor [n_ff]: the hot-first permutation applied, if any
+        self.hybrid = None  # a runtime.hybrid.HybridFFN once the model is distributed
         self.kernel = None  # set by select_kernel(); None runs forward_native
         self.reset_stats()
 
@@ -141,12 +142,21 @@ class SparseFFN(nn.Module):
         self.active_pairs = 0  # (token, neuron) pairs that fired and were computed
         self.candidate_pairs = 0  # pairs considered: all, or those predicted
         self.total_pairs = 0  # (token, neuron) pairs a dense block computes
+        if getattr(self, "hybrid", None) is not None:
+            self.hybrid.reset_stats()
 
     @property
     def sparsity(self) -> float | None:
         if self.total_pairs == 0:
             return None
-        return 1.0 - self.active_pairs / self.total_pairs
+        return 1.0 - self.active_count() / self.total_pairs
+
+    def active_count(self) -> int:
+        """(token, neuron) pairs that fired and were computed since reset_stats()."""
+        active = int(self.active_pairs)  # may be a device tensor (no sync until read)
+        if self.hybrid is not None:
+            active += self.hybrid.active_pairs()
+        return active
 
     @property
     def n_ff(self) -> int:
@@ -191,6 +201,9 @@ class SparseFFN(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [T, d]
         tokens = x2.shape[0]
+        self.total_pairs += tokens * self.n_ff
+        if self.hybrid is not None:  # hot rows on the GPU, cold rows on the CPU
+            return self.hybrid(x2, predicted).to(x.dtype).reshape(shape)
         if tokens <= KERNEL_MAX_TOKENS:
             # Decode / small batch: one candidate list for all tokens (their union).
             idx = None if predicted is None else predicted.any(0).nonzero().flatten()
@@ -216,7 +229,6 @@ class SparseFFN(nn.Module):
                 out = out + self.b_down
             n_active = int(active.sum())
         self.active_pairs += n_active
-        self.total_pairs += tokens * self.n_ff
         return out.to(x.dtype).reshape(shape)
 
     def extra_repr(self) -> str:
