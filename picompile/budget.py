@@ -7,6 +7,7 @@ bits ("24Gb" = 3e9), which is a surprise we would rather turn into an error."""
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 UNITS = {
     "": 1, "B": 1,
@@ -27,7 +28,10 @@ def parse_budget(budget: int | str | None) -> int | None:
         )
     if isinstance(budget, int):
         if budget < 0:
-            raise ValueError(f"gpu_budget must not be negative, got {budget}")
+            raise ValueError(
+                f"gpu_budget must not be negative, got {budget}: give bytes (an int >= 0) or a "
+                "string like '24GB' or '24GiB'"
+            )
         return budget
     m = _BUDGET.match(budget)
     if not m or (m.group(2) and m.group(2)[-1] != "B"):
@@ -36,4 +40,6 @@ def parse_budget(budget: int | str | None) -> int | None:
             "e.g. '24GB' (24e9 bytes), '24GiB' (24 * 2**30), '512MB', '0'"
         )
     unit = (m.group(2) or "").upper()
-    return int(float(m.group(1)) * UNITS[unit])
+    # Exact decimal arithmetic ("2.01GB" is 2_010_000_000, not float's 2_009_999_999); a
+    # fractional byte rounds down, so the budget is never exceeded.
+    return int(Fraction(m.group(1)) * UNITS[unit])
