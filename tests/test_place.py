@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 
 import numpy as np
 import pytest
@@ -11,7 +10,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import picompile
-from picompile.passes import place as P
 from picompile.passes.place import BlockDemand, account, apply_order, neuron_bytes, place
 from picompile.passes.predictors import Predictor
 from picompile.runtime.sparse_ffn import SparseFFN

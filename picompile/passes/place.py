@@ -18,7 +18,6 @@ Everything here is plain arithmetic on byte counts and frequency vectors: it nee
 from __future__ import annotations
 
 import heapq
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
