@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 import picompile
 from picompile import corpus, models
+from picompile.timing import timed_generate
 
 FIXTURE = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "relu_llama"
 
@@ -41,18 +42,10 @@ def perplexity(model, ids: torch.Tensor, batch: int = 4) -> float:
     return math.exp(total / count)
 
 
-@torch.no_grad()
 def decode(model, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, float]:
-    """Greedy tokens [new_tokens] and decode tokens/s (prefill excluded)."""
-    model.generate(prompt, max_new_tokens=2, min_new_tokens=2, do_sample=False)  # warm up
-    t0 = time.perf_counter()
-    first = model.generate(prompt, max_new_tokens=1, min_new_tokens=1, do_sample=False)
-    t1 = time.perf_counter()
-    out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                         do_sample=False)
-    t2 = time.perf_counter()
-    del first
-    return out[0, prompt.shape[1]:], (new_tokens - 1) / max((t2 - t1) - (t1 - t0), 1e-9)
+    """Greedy tokens [new_tokens] and decode tokens/s (prefill excluded), after a warm-up."""
+    timed_generate(model, prompt, 2)
+    return timed_generate(model, prompt, new_tokens, exact_length=True)
 
 
 @torch.no_grad()

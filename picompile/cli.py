@@ -35,33 +35,11 @@ def _chat_ids(tokenizer, prompt: str) -> torch.Tensor:
     return tokenizer(prompt, return_tensors="pt")["input_ids"]
 
 
-def _timed_generate(model, ids, max_new_tokens, streamer=None) -> tuple[torch.Tensor, float]:
-    """Greedy decode; returns (new tokens [n], decode tokens/s after the first token)."""
-    first = {}
-
-    class Clock:  # records when the first new token arrives, so prefill is not counted
-        def put(self, value):
-            first.setdefault("t", time.perf_counter())
-            if streamer is not None:
-                streamer.put(value)
-
-        def end(self):
-            if streamer is not None:
-                streamer.end()
-
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                             streamer=Clock(), pad_token_id=None)
-    end = time.perf_counter()
-    new = out[0, ids.shape[1]:]
-    decode_tokens = max(1, len(new) - 1)
-    return new, decode_tokens / max(end - first.get("t", end), 1e-9)
-
-
 def cmd_run(args) -> int:
     from transformers import TextStreamer
 
     from picompile import models
+    from picompile.timing import timed_generate
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -78,9 +56,9 @@ def cmd_run(args) -> int:
     print(f"\n> {args.prompt}\n")
     cm.reset_stats()
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    tokens, compiled_tps = _timed_generate(cm, ids, args.max_new_tokens, streamer)
+    tokens, compiled_tps = timed_generate(cm, ids, args.max_new_tokens, streamer)
     ffn_sparsity = cm.sparsity()
-    dense_tokens, dense_tps = _timed_generate(dense, ids, args.max_new_tokens)
+    dense_tokens, dense_tps = timed_generate(dense, ids, args.max_new_tokens)
 
     same = len(tokens) == len(dense_tokens) and bool((tokens == dense_tokens).all())
     agree = int((tokens[: len(dense_tokens)] == dense_tokens[: len(tokens)]).cumprod(0).sum())

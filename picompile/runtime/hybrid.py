@@ -139,7 +139,7 @@ def distribute(model: nn.Module, ffns: dict[str, SparseFFN], device: torch.devic
                move_non_ffn: bool = True) -> None:
     """Put the model on `device` as planned: every non-FFN parameter and buffer, and each
     block's hot rows (block.hot_neurons of them, hot-first order already applied); cold rows
-    stay on the CPU. SparseFFN keeps its full CPU copy, which prefill and the views read."""
+    stay on the CPU."""
     device = torch.device(device)
     inside = {id(m) for f in ffns.values() for m in f.modules()}
     if move_non_ffn:
@@ -154,3 +154,8 @@ def distribute(model: nn.Module, ffns: dict[str, SparseFFN], device: torch.devic
         if ffn.predictor is not None:
             ffn.predictor.to(device)
         ffn.hybrid = HybridFFN(ffn, device, ffn.block.hot_neurons)
+        # The views hold the rows now; the full copy stays on the CPU only (for save, explain).
+        for name in ("w_gate", "w_up", "w_down_t", "b_gate", "b_up", "b_down"):
+            p = getattr(ffn, name)
+            if p is not None:
+                p.data = p.data.to("cpu")

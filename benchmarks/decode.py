@@ -1,0 +1,99 @@
+"""Decode tokens/s, compiled vs dense, in one run.
+
+    .venv/bin/python benchmarks/decode.py                        # SmolLM2-135M (default model)
+    .venv/bin/python benchmarks/decode.py --random --density 0.1  # random-weight OPT-style ReLU
+
+The random model is an OPT-style decoder (ReLU FFN with biases) whose fc1 biases are shifted per
+neuron so each fires on about `--density` of tokens, as trained ReLU LLMs do (OPT-6.7B: about
+10%). Its sizes are options; it fits in this machine's memory at the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import platform
+import time
+
+import torch
+
+import picompile
+from picompile import corpus, models
+from picompile.timing import timed_generate
+
+
+@torch.no_grad()
+def plant_density(model, density: float, ids: torch.Tensor) -> None:
+    """Shift each fc1 bias so neuron j is positive on `density` of the tokens in `ids`."""
+    for layer in model.model.decoder.layers:
+        pre = []
+        handle = layer.fc1.register_forward_hook(lambda m, a, out: pre.append(out.reshape(-1, out.shape[-1])))
+        model(ids)
+        handle.remove()
+        q = torch.cat(pre).float().quantile(1 - density, dim=0)  # [n_ff]
+        layer.fc1.bias -= q.to(layer.fc1.bias.dtype)
+
+
+def random_opt(hidden: int, ffn: int, layers: int, density: float, dtype) -> torch.nn.Module:
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    cfg = OPTConfig(vocab_size=8192, hidden_size=hidden, ffn_dim=ffn, num_hidden_layers=layers,
+                    num_attention_heads=max(1, hidden // 64), word_embed_proj_dim=hidden,
+                    max_position_embeddings=2048)
+    model = OPTForCausalLM(cfg).eval()
+    plant_density(model, density, torch.randint(0, 8192, (4, 64)))
+    return model.to(dtype)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--random", action="store_true", help="random-weight OPT-style ReLU model")
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--ffn", type=int, default=8192)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--density", type=float, default=0.1, help="planted firing rate per neuron")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--sparsity", type=float, default=0.5, help="threshold sparsity (SiLU models)")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+
+    if args.random:
+        dense = random_opt(args.hidden, args.ffn, args.layers, args.density, dtype)
+        prompt = torch.randint(0, 8192, (1, 16), generator=torch.Generator().manual_seed(1))
+        name = (f"random OPT-style ReLU, d={args.hidden}, n_ff={args.ffn}, {args.layers} layers, "
+                f"planted density {args.density:.0%}, {args.dtype}")
+        variants = {"exact": {}}
+    else:
+        dense, tok = models.load(None, dtype=dtype)
+        prompt = corpus.token_batches(tok, "heldout", 32, seq_len=32)
+        calib = corpus.token_batches(tok, "calibration", 16384)
+        name = f"SmolLM2-135M-Instruct, {args.dtype}"
+        variants = {f"exact @{args.sparsity:.0%}": dict(sparsity=args.sparsity, calibration=calib),
+                    f"predicted @{args.sparsity:.0%}": dict(mode="predicted", sparsity=args.sparsity,
+                                                            calibration=calib)}
+    runs = {"dense": dense}
+    for label, kw in variants.items():
+        runs[label] = picompile.compile(copy.deepcopy(dense), quiet=True, **kw)
+
+    print(f"{name}; {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d', time.gmtime())}")
+    print("| run | decode tok/s (median of %d) | vs dense | FFN sparsity |" % args.repeats)
+    print("|---|---|---|---|")
+    base = None
+    for label, model in runs.items():
+        timed_generate(model, prompt, 4)  # warm-up: kernel builds, allocator
+        if hasattr(model, "reset_stats"):
+            model.reset_stats()
+        speeds = sorted(timed_generate(model, prompt, args.new_tokens, exact_length=True)[1]
+                        for _ in range(args.repeats))
+        tps = speeds[len(speeds) // 2]
+        base = base or tps
+        sp = model.sparsity() if hasattr(model, "sparsity") else None
+        print(f"| {label} | {tps:.2f} | {tps / base:.2f}x | {'-' if sp is None else f'{sp:.1%}'} |")
+
+
+if __name__ == "__main__":
+    main()
