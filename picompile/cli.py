@@ -2,6 +2,8 @@
 
     picompile run      compile a model (default: SmolLM2-135M-Instruct), chat, compare with dense
     picompile explain  compile a model and print what picompile found and decided
+
+Both take --mode, --sparsity, --gpu-budget, and --save DIR / --plan DIR to profile once.
 """
 
 from __future__ import annotations
@@ -17,14 +19,19 @@ DEFAULT_PROMPT = "What is the capital of France? Answer in two sentences."
 
 
 def _compile(args, model, tokenizer):
+    """Load the saved plan (--plan DIR) if given, else compile (calibrating on the built-in
+    corpus) and save the plan to --save DIR if asked."""
     import picompile
-    from picompile import corpus
 
-    calibration = None
-    if args.sparsity:
-        calibration = corpus.token_batches(tokenizer, "calibration", args.calibration_tokens)
-    return picompile.compile(model, sparsity=args.sparsity, calibration=calibration,
-                             tokenizer=tokenizer, quiet=args.quiet)
+    if args.plan:
+        return picompile.load(model, args.plan)
+    cm = picompile.compile(model, mode=args.mode, sparsity=args.sparsity, tokenizer=tokenizer,
+                           gpu_budget=args.gpu_budget, calibration_tokens=args.calibration_tokens,
+                           quiet=args.quiet)
+    if args.save:
+        cm.save(args.save)
+        print(f"picompile: plan saved to {args.save} (reuse it with --plan)", file=sys.stderr)
+    return cm
 
 
 def _chat_ids(tokenizer, prompt: str) -> torch.Tensor:
@@ -94,8 +101,14 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--sparsity", type=float, default=0.5,
                        help="target FFN sparsity for SiLU/GELU blocks (ReLU blocks are exact); "
                             "0 keeps them dense (default 0.5)")
+        p.add_argument("--mode", choices=["exact", "predicted"], default="exact",
+                       help="exact: compute what fires; predicted: trained predictors pick it")
+        p.add_argument("--gpu-budget", default=None,
+                       help="e.g. 24GB or 24GiB: hot neurons on the GPU within it")
         p.add_argument("--calibration-tokens", type=int, default=16384,
                        help="calibration tokens from the built-in corpus (default 16384)")
+        p.add_argument("--save", metavar="DIR", help="save the compiled plan to DIR")
+        p.add_argument("--plan", metavar="DIR", help="load a saved plan instead of compiling")
         p.add_argument("--quiet", action="store_true", help="no progress bars")
     run = sub.choices["run"]
     run.add_argument("--prompt", default=DEFAULT_PROMPT)
@@ -103,8 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = parser.parse_args(argv)
     try:
+        from picompile.budget import parse_budget
+
+        parse_budget(args.gpu_budget)  # a bad value is reported before minutes of loading
+        if args.sparsity is not None and not 0 <= args.sparsity < 1:
+            raise ValueError(f"--sparsity must be in [0, 1), got {args.sparsity}")
         return args.fn(args)
-    except (ValueError, FileNotFoundError, TypeError) as e:
+    except (ValueError, FileNotFoundError, TypeError, OSError) as e:
         print(f"picompile: error: {e}", file=sys.stderr)
         return 2
 
