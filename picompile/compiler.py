@@ -9,6 +9,7 @@ calibrating, profiling and training again.
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import torch
@@ -367,5 +368,10 @@ def explain(cm: CompiledModel) -> str:
         lines += [f"  note: {n}" for n in p.notes]
     if plan.unmatched:
         lines.append("left dense or eager:")
-        lines += [f"  {u.module or '<model>'}: {u.reason}" for u in plan.unmatched]
+        groups: dict[tuple[str, str], int] = {}  # (module name with layer numbers as *, reason)
+        for u in plan.unmatched:
+            key = (re.sub(r"\.\d+(?=\.|$)", ".*", u.module) or "<model>", u.reason)
+            groups[key] = groups.get(key, 0) + 1
+        lines += [f"  {name}{f' (x{n})' if n > 1 else ''}: {reason}"
+                  for (name, reason), n in groups.items()]
     return "\n".join(lines)
