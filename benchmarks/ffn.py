@@ -44,6 +44,33 @@ SHAPES = {
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
+class OtherLoad:
+    """CPU share that other processes used while a row was measured (from /proc/stat and our
+    own os.times()): on a 2-core machine another busy process distorts 2-thread timings."""
+
+    def __init__(self):
+        self.start = self._sample()
+
+    @staticmethod
+    def _sample():
+        try:
+            with open("/proc/stat") as f:
+                vals = [int(v) for v in f.readline().split()[1:]]
+        except OSError:
+            return None
+        hz = os.sysconf("SC_CLK_TCK")
+        idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
+        t = os.times()
+        return sum(vals) / hz, (sum(vals) - idle) / hz, t.user + t.system
+
+    def fraction(self) -> float | None:
+        end = self._sample()
+        if end is None or self.start is None:
+            return None
+        total, busy, ours = (e - s for e, s in zip(end, self.start))
+        return max(0.0, busy - ours) / total if total > 0 else None
+
+
 def median_time(fn, repeats: int, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
@@ -99,6 +126,7 @@ def bench_block(name: str, dtype: str, sparsities, repeats: int, dense_times):
                    bias=bias, dtype=dtype)
     rows = []
     for sp in sparsities:
+        other = OtherLoad()
         k = plant(w_gate if kind == "gated" else w_up, x, None if kind == "gated" else b_up,
                   1.0 - sp, gen)
         ffn = SparseFFN(bp, w_up, w_down_t, w_gate=w_gate, b_up=b_up, b_down=b_down)
@@ -145,9 +173,14 @@ def bench_block(name: str, dtype: str, sparsities, repeats: int, dense_times):
             nbytes = n_ff * d * es + n_active * d * es
         rows.append(dict(model=name, dtype=dtype, sparsity=sp, active=n_active, n_ff=n_ff,
                          dense_ms=t_dense * 1e3, c_ms=t_c * 1e3, ratio=t_c / t_dense,
-                         ratio32=t_c / t_dense32, gbs=nbytes / t_c / 1e9, mb=nbytes / 1e6))
+                         ratio32=t_c / t_dense32, gbs=nbytes / t_c / 1e9, mb=nbytes / 1e6,
+                         other=other.fraction()))
         del ffn, kernel
     return rows
+
+
+def pct(v: float | None) -> str:
+    return "?" if v is None else f"{v:.0%}"
 
 
 def cpu_model() -> str:
@@ -176,29 +209,33 @@ def main(argv=None) -> None:
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, {cpu_model()}, "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}, threads={args.threads}, "
           f"median of {repeats}")
-    load = os.getloadavg()[0]
-    print(f"load average at start: {load:.2f}" + ("  (WARNING: the machine is busy; timings of "
-          "2-thread runs suffer most)" if load > 0.5 else ""))
-    t_mv, bw_mv = dense_matvec_bandwidth(repeats)
-    print(f"dense float32 matvec (F.linear, 11008x4096): {t_mv * 1e3:.2f} ms, {bw_mv:.1f} GB/s\n")
+    probe = OtherLoad()
+    time.sleep(1.0)
+    busy = probe.fraction()
+    print(f"CPU used by other processes in the second before the run: {pct(busy)}"
+          + ("  (WARNING: the machine is busy; 2-thread timings suffer most)"
+             if busy is not None and busy > 0.1 else ""))
+    print("dense float32 matvec (F.linear, 11008x4096) is measured before each block; "
+          "'% of matvec' compares the C kernel's GB/s with it.\n")
 
     print("| block | weights | sparsity | active | dense torch ms | C kernel ms | C / dense "
-          "| C / dense fp32 | C reads MB | C GB/s | % of matvec GB/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| C / dense fp32 | C reads MB | C GB/s | matvec GB/s | % of matvec | other procs CPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     dense_times = collections.defaultdict(list)
     slow_fp16 = False
     for name in args.models:
         for dtype in args.dtypes:
+            _, bw_mv = dense_matvec_bandwidth(repeats)
             for r in bench_block(name, dtype, sparsities, repeats, dense_times):
                 print(f"| {r['model']} | {r['dtype']} | {r['sparsity']:.0%} | {r['active']} "
                       f"| {r['dense_ms']:.2f} | {r['c_ms']:.2f} | {r['ratio']:.2f}x "
                       f"| {r['ratio32']:.2f}x | {r['mb']:.0f} | {r['gbs']:.1f} "
-                      f"| {r['gbs'] / bw_mv:.0%} |", flush=True)
+                      f"| {bw_mv:.1f} | {r['gbs'] / bw_mv:.0%} | {pct(r['other'])} |",
+                      flush=True)
             if dtype == "float16":
                 t16 = statistics.median(dense_times[(name, "float16")])
                 t32 = statistics.median(dense_times[(name, "float32")])
                 slow_fp16 |= t16 > 0.75 * t32
-    print(f"load average at end: {os.getloadavg()[0]:.2f}")
     if slow_fp16:
         print("\nNote: dense torch float16 on this CPU is not faster than float32 although it reads "
               "half the bytes (no fast fp16 GEMV path), so 'C / dense' flatters the float16 rows; "
