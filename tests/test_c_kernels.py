@@ -303,6 +303,47 @@ def test_bad_inputs():
         k(torch.zeros(1, 15), 0.0)
 
 
+@pytest.fixture(params=["simd", "scalar"])
+def isa(request, monkeypatch):
+    """Run a test against the AVX2 build and against the portable scalar fallback (the same
+    source built without -mavx2 -mfma -mf16c)."""
+    if request.param == "scalar":
+        monkeypatch.setattr(c, "cpu_flags", lambda: frozenset())
+        assert "-mavx2" not in c.build_flags()
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", c.DTYPES)
+def test_scalar_fallback_and_simd_agree_with_reference(isa, dtype):
+    for kind, bias, act in (("gated", True, "relu"), ("plain", False, "silu"), ("drelu", False, "relu")):
+        v = variant(dtype, kind, bias, act)
+        weights, x = make_case(v, 5, 43, 90, 0.5, seed=11, collinear=True)
+        thr = 0.0 if act == "relu" else pick_threshold(
+            down_input(x, w_up=weights["w_up"], act=act, compute_dtype=torch.float64), 0.5, 1e-3)
+        check(v, weights, x, threshold=thr)
+
+
+def test_fp16_subnormal_weights(isa):
+    """fp16 -> fp32 conversion of subnormals and small normals, through the F16C path (d >= 8)
+    and the scalar one. Every sum here is a multiple of 2^-24 below 2^-2: exact in float32."""
+    gen = torch.Generator().manual_seed(0)
+    n_ff, d = 300, 43
+    bits = torch.randint(1, 0x1800, (n_ff, d), generator=gen, dtype=torch.int32)  # < 2^-9
+    sign = torch.randint(0, 2, (n_ff, d), generator=gen, dtype=torch.int32) << 15
+    w_up = (bits | sign).to(torch.int16).view(torch.float16)
+    assert bool((w_up.float().abs() < 2.0**-14).any())  # subnormals present
+    x = torch.zeros(2, d)
+    x[0, 0], x[1, d - 1] = 1.0, -1.0  # token 1 reads a column in the scalar tail, negated
+    v = variant("float16", "plain", False, "relu")
+    weights = dict(w_up=w_up.double(), w_down_t=torch.ones(n_ff, d, dtype=torch.float64),
+                   w_gate=None, b_gate=None, b_up=None, b_down=None)
+    ffn = module(v, weights, 0.0)
+    out, n_active = c.kernel_for(ffn)(x, 0.0)
+    h = torch.relu(x.double() @ w_up.double().T)  # [2, n_ff], exact
+    assert n_active == int((h > 0).sum())
+    assert torch.equal(out.double(), h.sum(1, keepdim=True).expand(2, d))
+
+
 def test_source_is_readable_and_variant_baked_in():
     v = variant("bfloat16", "drelu", True, "relu")
     src = c.source(v)

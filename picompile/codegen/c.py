@@ -704,26 +704,28 @@ def _bind(lib: ctypes.CDLL, v: Variant, ffn) -> Kernel:
         raise ValueError(f"weight shapes disagree: up {tuple(w_up.shape)}, "
                          f"down_t {tuple(w_down_t.shape)}, gate {None if w_gate is None else tuple(w_gate.shape)}")
     raw_biases = (ffn.b_gate, ffn.b_up, ffn.b_down)
-    biases: list = []  # float32 copies, made on first use
+    converted: dict = {}  # "biases": their float32 copies, made on first use
     ptrs = (_ptr(w_gate), _ptr(w_up), _ptr(w_down_t))
     fn = lib.ffn
 
     def kernel(x: torch.Tensor, threshold: float = 0.0, idx: torch.Tensor | None = None):
         """x [T, d] -> (out [T, d] float32, n_active: active (token, neuron) pairs)."""
-        if not biases:
-            biases.extend(
+        biases = converted.get("biases")
+        if biases is None:  # a racing first call just converts twice; one result is kept
+            biases = converted.setdefault("biases", tuple(
                 None if b is None else b.detach().to(torch.float32).contiguous() for b in raw_biases
-            )
+            ))
         if x.dim() != 2 or x.shape[1] != d:
             raise ValueError(f"kernel input must be [T, {d}], got {tuple(x.shape)}")
         x = x.detach().to(device="cpu", dtype=torch.float32).contiguous()
         T = x.shape[0]
         out = torch.empty((T, d), dtype=torch.float32)
         if idx is not None:
-            idx = idx.detach().to(device="cpu", dtype=torch.int32).contiguous().reshape(-1)
+            idx = idx.detach().reshape(-1)
             m = idx.numel()
             if m and (int(idx.min()) < 0 or int(idx.max()) >= n_ff):
                 raise IndexError(f"candidate neuron index out of range [0, {n_ff})")
+            idx = idx.to(device="cpu", dtype=torch.int32).contiguous()
             if m == 0:  # an empty tensor's data_ptr() may be NULL, which means "all neurons"
                 idx = _NO_CANDIDATES
         else:
