@@ -9,7 +9,7 @@ builds that text only from files that ship with CPython itself:
    Source: the CPython documentation; licence PSF-2.0 (Python Software
    Foundation License Version 2).  Used for all three splits.
 2. The docstrings of the standard library's own ``.py`` files (read with
-   ``ast``, never imported; about 1.6 MB in ~570 files on CPython 3.11).
+   ``ast``, never imported; about 1.6 MB in ~490 files on CPython 3.11).
    Source: the CPython standard library; licence PSF-2.0.  Used for the
    ``"train"`` split only.
 
@@ -21,26 +21,27 @@ and disjoint:
 
 * The reference topics overlap one another (``pydoc`` repeats whole sections:
   ``specialnames`` contains ``customization``, ``compound`` contains ``try``...).
-  Topics that share any line of >= 50 characters (whitespace-normalised) are
-  therefore grouped into one connected component, and whole components are
-  assigned to splits, so no line of one split's topics appears in another's.
-  Components are taken largest first (ties by name) and each goes to the split
-  furthest below its target share of characters: train 50 %, calibration 30 %,
-  held-out 20 %.  The largest component (``specialnames``/``compound`` and 16
-  more, ~40 % of the text) always lands in train.
+  Topics that share any run of 10 consecutive words are therefore grouped into
+  one connected component, and whole components are assigned to splits, so no
+  10-word run of one split appears in another.  Components are taken largest
+  first (ties by name) and each goes to the split furthest below its target
+  share of characters: train 50 %, calibration 30 %, held-out 20 %.  The largest
+  component (``specialnames``, ``compound`` and 19 more, ~47 % of the text)
+  therefore lands in train.
 * The standard-library docstrings are added to ``"train"`` only, one document per
   source file (its docstrings of >= 40 characters, in ``ast.walk`` order, joined
-  by blank lines).  A docstring that shares a >= 50-character line with any
-  reference topic is dropped (this removes ``pdb``'s command help, which
-  duplicates the ``debugger`` topic).  Test packages, ``idlelib``,
+  by blank lines; files sorted by path).  A docstring that shares a 10-word run
+  with any reference topic is dropped (this removes e.g. ``pdb``'s command help,
+  which duplicates the ``debugger`` topic).  Test packages, ``idlelib``,
   ``turtledemo``, ``lib2to3``, ``ensurepip`` and ``site-packages`` are skipped.
 
-Sizes on CPython 3.11.7 (documents / characters):
+Sizes on CPython 3.11.7 (documents / characters; tokens with the 1024-token BPE
+of ``tests/fixtures/relu_llama``):
 
-* ``"train"``:       616 documents, 1,865,155 characters (19 topics,
-  232,393 chars, plus 597 docstring files, 1,632,762 chars)
-* ``"calibration"``:  36 documents, 139,409 characters
-* ``"heldout"``:      24 documents, 93,168 characters
+* ``"train"``:       521 documents, 1,822,084 characters (33 topics with
+  232,440 chars, plus 488 docstring files with 1,589,644 chars); 716,319 tokens
+* ``"calibration"``:  24 documents (topics), 139,516 characters; 51,519 tokens
+* ``"heldout"``:      22 documents (topics), 93,014 characters; 35,396 tokens
 
 Other CPython versions ship slightly different text, so the exact contents (and
 sizes) are deterministic per Python version, not across versions.
