@@ -20,6 +20,10 @@ from picompile.passes.profile import BlockProfile
 from picompile.progress import progress_bar
 
 RANKS = (16, 32, 64, 128, 256, 512)
+MAX_STEPS = 2000  # per predictor: bounds training time on large calibration sets
+# tau is set on held-out samples for a miss rate this much under the target's: text unlike the
+# calibration data (measured on the ReLU fixture's held-out split) misses a little more.
+MISS_MARGIN = 0.8
 
 
 class Predictor(nn.Module):
@@ -73,7 +77,7 @@ def _fit(x: torch.Tensor, y: torch.Tensor, rank: int, epochs: int, seed: int) ->
     l2.bias.data.copy_(torch.log(rate / (1 - rate)))
     params = [*l1.parameters(), *l2.parameters()]
     batch = min(1024, n)
-    steps = max(1, epochs * (n // batch))
+    steps = max(1, min(epochs * (n // batch), MAX_STEPS))
     opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
     with torch.enable_grad():
@@ -110,7 +114,7 @@ def train_predictor(
     prof: BlockProfile,
     target_recall: float = 0.99,
     max_density_ratio: float = 1.3,
-    epochs: int = 6,
+    epochs: int = 40,
     seed: int = 0,
 ) -> tuple[Predictor, PredictorStats]:
     """Smallest rank meeting the density target at `target_recall`, on held-out samples."""
@@ -124,7 +128,7 @@ def train_predictor(
     best = None
     for rank in ranks:
         pred = _fit(xt, yt, rank, epochs, seed)
-        stats = calibrate_tau(pred, xv, yv, target_recall)
+        stats = calibrate_tau(pred, xv, yv, 1 - (1 - target_recall) * MISS_MARGIN)
         if best is None or stats.predicted_density < best[1].predicted_density:
             best = (pred, stats)
         if stats.predicted_density <= max_density_ratio * max(stats.true_density, 1e-9):
