@@ -15,31 +15,18 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import pathlib
 import platform
 import time
 
 import torch
-import torch.nn.functional as F
 
 import picompile
 from picompile import corpus, models
+from picompile.evaluate import perplexity
 from picompile.timing import timed_generate
 
 FIXTURE = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "relu_llama"
-
-
-@torch.no_grad()
-def perplexity(model, ids: torch.Tensor, batch: int = 4) -> float:
-    total, count = 0.0, 0
-    for i in range(0, ids.shape[0], batch):
-        x = ids[i : i + batch]
-        logits = model(x, use_cache=False).logits[:, :-1].float()
-        total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
-                                       reduction="sum"))
-        count += x[:, 1:].numel()
-    return math.exp(total / count)
 
 
 def decode(model, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, float]:

@@ -118,15 +118,22 @@ def _check_args(model, mode, sparsity, gpu_budget) -> int | None:
 
 def _calibration_ids(calibration, tokenizer, n_tokens: int):
     """Token ids [batch, seq] to calibrate on: the user's, or the built-in corpus when only a
-    tokenizer is given; None when neither is."""
+    tokenizer is given (its calibration split, topped up from its train split when more tokens
+    are asked for; never its held-out split); None when neither is given."""
     if calibration is not None:
         return calibrate_pass.calibration_ids(calibration, tokenizer)
     if tokenizer is None:
         return None
     from picompile import corpus
 
-    n_tokens = min(n_tokens, corpus.available_tokens(tokenizer, "calibration"))
-    return corpus.token_batches(tokenizer, "calibration", n_tokens)
+    seq = 256
+    rows = max(1, n_tokens // seq)
+    calib_rows = min(rows, corpus.available_tokens(tokenizer, "calibration") // seq)
+    parts = [corpus.token_batches(tokenizer, "calibration", calib_rows * seq, seq)]
+    if rows > calib_rows:
+        train_rows = min(rows - calib_rows, corpus.available_tokens(tokenizer, "train") // seq)
+        parts.append(corpus.token_batches(tokenizer, "train", train_rows * seq, seq))
+    return torch.cat(parts)
 
 
 def compile(
