@@ -5,7 +5,9 @@ for those.
 Trained on the profile's (input, active mask) samples with binary cross-entropy. Its decision
 threshold `tau` is then set on held-out samples so that the target share of firing neurons is
 caught (recall, default 0.99); the rank is the smallest of RANKS whose predicted density is at
-most `max_density_ratio` times the true density at that recall (else the best rank tried)."""
+most `max_density_ratio` times the true density at that recall. The search stops early when a
+larger rank stops helping (SiLU blocks of SmolLM2 predict ~95% of neurons at recall 0.99 at any
+rank: their activity is far less predictable than ReLU's), keeping the best rank tried."""
 
 from __future__ import annotations
 
@@ -20,7 +22,10 @@ from picompile.passes.profile import BlockProfile
 from picompile.progress import progress_bar
 
 RANKS = (16, 32, 64, 128, 256, 512)
-MAX_STEPS = 2000  # per predictor: bounds training time on large calibration sets
+# Training steps per predictor are capped so that steps * n_ff stays under this: 2000 steps for
+# n_ff = 640, 830 for SmolLM2's 1536. Bounds compile time on large models.
+STEP_BUDGET = 2000 * 640
+MIN_GAIN = 0.02  # a rank that lowers the predicted density by less than this ends the search
 # tau is set on held-out samples for a miss rate this much under the target's: text unlike the
 # calibration data (measured on the ReLU fixture's held-out split) misses a little more.
 MISS_MARGIN = 0.8
@@ -77,7 +82,7 @@ def _fit(x: torch.Tensor, y: torch.Tensor, rank: int, epochs: int, seed: int) ->
     l2.bias.data.copy_(torch.log(rate / (1 - rate)))
     params = [*l1.parameters(), *l2.parameters()]
     batch = min(1024, n)
-    steps = max(1, min(epochs * (n // batch), MAX_STEPS))
+    steps = max(1, min(epochs * (n // batch), STEP_BUDGET // max(n_ff, 1)))
     opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
     with torch.enable_grad():
@@ -129,10 +134,13 @@ def train_predictor(
     for rank in ranks:
         pred = _fit(xt, yt, rank, epochs, seed)
         stats = calibrate_tau(pred, xv, yv, 1 - (1 - target_recall) * MISS_MARGIN)
-        if best is None or stats.predicted_density < best[1].predicted_density:
-            best = (pred, stats)
         if stats.predicted_density <= max_density_ratio * max(stats.true_density, 1e-9):
             return pred, stats
+        gain = 1.0 if best is None else best[1].predicted_density - stats.predicted_density
+        if gain > 0:
+            best = (pred, stats)
+        if gain < MIN_GAIN:
+            break  # a larger rank does not help: this block's activity is hard to predict
     return best
 
 
