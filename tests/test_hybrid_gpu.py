@@ -12,10 +12,9 @@ import torch
 import picompile
 from tests import zoo
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
 cupy = pytest.importorskip("cupy", reason="needs cupy (pip install picompile[cuda])")
 
 
