@@ -140,7 +140,6 @@ class SparseFFN(nn.Module):
     # -- statistics: how sparse the block really ran ------------------------------------------
     def reset_stats(self) -> None:
         self.active_pairs = 0  # (token, neuron) pairs that fired and were computed
-        self.candidate_pairs = 0  # pairs considered: all, or those predicted
         self.total_pairs = 0  # (token, neuron) pairs a dense block computes
         if getattr(self, "hybrid", None) is not None:
             self.hybrid.reset_stats()
@@ -174,7 +173,7 @@ class SparseFFN(nn.Module):
         from picompile.codegen import c as c_codegen
 
         self.kernel = c_codegen.kernel_for(self)
-        return "C" if self.kernel is not None else "reference (no C compiler)"
+        return "C" if self.kernel is not None else "reference (no C kernel: see the warning)"
 
     def weights(self) -> dict:
         """The tensors in the keyword form ffn_reference and the kernels take."""
@@ -207,7 +206,6 @@ class SparseFFN(nn.Module):
         if tokens <= KERNEL_MAX_TOKENS:
             # Decode / small batch: one candidate list for all tokens (their union).
             idx = None if predicted is None else predicted.any(0).nonzero().flatten()
-            self.candidate_pairs += tokens * (self.n_ff if idx is None else idx.numel())
             if self.kernel is not None:
                 out, n_active = self.kernel(x2, threshold=self.threshold, idx=idx)
             else:
@@ -221,9 +219,6 @@ class SparseFFN(nn.Module):
             active = h.abs() > self.threshold
             if predicted is not None:
                 active &= predicted
-                self.candidate_pairs += int(predicted.sum())
-            else:
-                self.candidate_pairs += tokens * self.n_ff
             out = torch.where(active, h, torch.zeros((), dtype=h.dtype)) @ self.w_down_t
             if self.b_down is not None:
                 out = out + self.b_down
@@ -235,10 +230,6 @@ class SparseFFN(nn.Module):
         b = self.block
         mode = "exact" if self.threshold == 0 else f"threshold={self.threshold:.4g}"
         return f"{b.kind}, act={b.act}, d={self.d_model}, n_ff={self.n_ff}, {mode}"
-
-
-def nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
 
 
 def dtype_name(dtype: torch.dtype) -> str:
