@@ -163,23 +163,24 @@ def compile(
     the non-FFN weights, predictors and a KV cache for `max_context` tokens.
     """
     budget = _check_args(model, mode, sparsity, gpu_budget)
-    model.eval()
-    plan = Plan(mode=mode, target_sparsity=sparsity, fingerprint=saving.fingerprint(model))
-    plan.placement.budget_bytes = budget
-    model, graphs, ffns = _rewrite(model, plan)
-
-    # calibrate: thresholds for SiLU/GELU blocks, measured sparsity for all
+    # Every check that can fail comes before the model is rewritten in place.
     ids = _calibration_ids(calibration, tokenizer, calibration_tokens)
-    needs_threshold = bool(sparsity) and any(not b.exact for b in plan.blocks)
     needs_profile = mode == "predicted" or budget is not None
-    if ids is None and (needs_threshold or needs_profile):
-        what = f"sparsity={sparsity}" if needs_threshold else (
+    if ids is None and (sparsity or needs_profile):
+        what = f"sparsity={sparsity}" if sparsity else (
             "mode='predicted'" if mode == "predicted" else "gpu_budget (placement)")
         raise ValueError(
             f"{what} needs calibration data: pass calibration= (a LongTensor of token ids "
             "[batch, seq], or strings with tokenizer=), or just tokenizer= to calibrate on the "
             "built-in English corpus"
         )
+    model.eval()
+    plan = Plan(mode=mode, target_sparsity=sparsity, fingerprint=saving.fingerprint(model))
+    plan.placement.budget_bytes = budget
+    model, graphs, ffns = _rewrite(model, plan)
+
+    # calibrate: thresholds for SiLU/GELU blocks, measured sparsity for all
+    needs_threshold = bool(sparsity) and any(not b.exact for b in plan.blocks)
     if ids is not None:
         plan.calibration_tokens = int(ids.numel())
         if needs_threshold or not needs_profile:

@@ -148,3 +148,12 @@ def test_compiled_model_forwards_attributes():
     dense, cm = compile_pair("llama_relu")
     assert cm.config is cm.model.config
     assert isinstance(cm, nn.Module) and cm.plan.mode == "exact"
+
+
+def test_a_refused_compile_leaves_the_model_untouched():
+    model = zoo.make("llama_silu")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="calibration"):
+        picompile.compile(model, mode="predicted")
+    assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -173,7 +173,7 @@ class SparseFFN(nn.Module):
         from picompile.codegen import c as c_codegen
 
         self.kernel = c_codegen.kernel_for(self)
-        return "C" if self.kernel is not None else "reference (no C kernel: see the warning)"
+        return "C" if self.kernel is not None else "reference (no C compiler)"
 
     def weights(self) -> dict:
         """The tensors in the keyword form ffn_reference and the kernels take."""
