@@ -24,7 +24,7 @@ from picompile.passes import predictors as predictors_pass
 from picompile.passes import profile as profile_pass
 from picompile.passes import rewrite as rewrite_pass
 from picompile.passes.detect import detect
-from picompile.plan import MODES, BlockPlan, Plan, Unmatched
+from picompile.plan import MODES, PREDICTOR_POLICIES, BlockPlan, Plan, Unmatched
 from picompile.runtime.sparse_ffn import SparseFFN
 
 
@@ -69,6 +69,11 @@ class CompiledModel(nn.Module):
         ffns = self.ffns()
         distribute(self.model, ffns, device, move_non_ffn=self.plan.placement.fixed_on_gpu)
         for name, ffn in ffns.items():
+            if ffn.predictor is not None:
+                # On the GPU a predictor costs the CPU nothing and spares it the gate rows of
+                # every cold neuron not predicted: always worth running.
+                ffn.predictor.enabled = True
+                ffn.predictor.kernel = None  # the C kernel's weights were the CPU copies
             self.paths[name] = (f"hybrid: {ffn.block.hot_neurons} hot on {device}, "
                                 f"{ffn.n_ff - ffn.block.hot_neurons} cold on the CPU")
 
@@ -105,11 +110,14 @@ class CompiledModel(nn.Module):
         return None if total == 0 else 1.0 - active / total
 
 
-def _check_args(model, mode, sparsity, gpu_budget) -> int | None:
+def _check_args(model, mode, sparsity, gpu_budget, predictors) -> int | None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"picompile.compile needs a torch.nn.Module, got {type(model).__name__}")
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(map(repr, MODES))}")
+    if predictors not in PREDICTOR_POLICIES:
+        raise ValueError(f"unknown predictors={predictors!r}; choose one of "
+                         f"{', '.join(map(repr, PREDICTOR_POLICIES))}")
     if sparsity is not None:
         if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0 <= sparsity < 1:
             raise ValueError(f"sparsity must be a number in [0, 1), got {sparsity!r}")
@@ -148,6 +156,7 @@ def compile(
     target_recall: float = 0.99,
     max_context: int = 2048,
     calibration_tokens: int = 32768,
+    predictors: str = "auto",
 ) -> CompiledModel:
     """Compile `model` (rewritten in place) into activation-sparse FFN blocks.
 
@@ -158,11 +167,14 @@ def compile(
     mode="predicted": per block a trained low-rank predictor picks the neurons to compute
     (gate, up and down alike), catching `target_recall` of those that fire on calibration data.
     With only `tokenizer`, calibration uses `calibration_tokens` of the built-in corpus.
+    predictors="auto" runs a block's predictor only where the block then reads fewer weight
+    bytes per token than exact mode (small blocks may not gain: explain() shows both figures);
+    in the hybrid runtime they all run, on the GPU. predictors="all" runs every one.
 
     gpu_budget ("24GB", "24GiB", bytes): place the hottest neurons on the GPU within it, after
     the non-FFN weights, predictors and a KV cache for `max_context` tokens.
     """
-    budget = _check_args(model, mode, sparsity, gpu_budget)
+    budget = _check_args(model, mode, sparsity, gpu_budget, predictors)
     # Every check that can fail comes before the model is rewritten in place.
     ids = _calibration_ids(calibration, tokenizer, calibration_tokens)
     needs_profile = mode == "predicted" or budget is not None
@@ -175,7 +187,8 @@ def compile(
             "built-in English corpus"
         )
     model.eval()
-    plan = Plan(mode=mode, target_sparsity=sparsity, fingerprint=saving.fingerprint(model))
+    plan = Plan(mode=mode, target_sparsity=sparsity, predictors=predictors,
+                fingerprint=saving.fingerprint(model))
     plan.placement.budget_bytes = budget
     model, graphs, ffns = _rewrite(model, plan)
 
@@ -198,6 +211,8 @@ def compile(
             block.predicted_density, block.true_density = stats.predicted_density, stats.true_density
             block.predictor_bytes = stats.nbytes
             block.predictor_tau = predictor.tau
+            block.decode_bytes_exact, block.decode_bytes_predicted = predictors_pass.decode_bytes(
+                ffns[name], stats)
             _attach_predictor(graphs, ffns[name], predictor)
 
     # place: hot neurons on the GPU within the budget, neurons permuted hot-first
@@ -250,8 +265,17 @@ def _attach_predictor(graphs, ffn: SparseFFN, predictor) -> None:
 
 
 def _finish(model, plan, graphs, ffns) -> CompiledModel:
-    """Pick each block's kernel, once, after every change to the weights."""
+    """Pick each block's kernel, once, after every change to the weights, and which predictors
+    run (plan.predictors)."""
     paths = {name: ffn.select_kernel() for name, ffn in ffns.items()}
+    for name, ffn in ffns.items():
+        if ffn.predictor is not None:
+            b = ffn.block
+            ffn.predictor.select_kernel()
+            ffn.predictor.enabled = (plan.predictors == "all"
+                                     or b.decode_bytes_predicted < b.decode_bytes_exact)
+            if not ffn.predictor.enabled:
+                paths[name] += " (predictor off: exact reads fewer bytes)"
     cm = CompiledModel(model, plan, graphs, paths)
     cm.reset_stats()  # what calibration ran through the blocks is not the user's run
     return cm
@@ -272,7 +296,7 @@ def load(model: nn.Module, directory) -> CompiledModel:
                                "compile the model again and save it") from e
     plan = Plan(mode=saved.mode, target_sparsity=saved.target_sparsity,
                 fingerprint=saved.fingerprint, placement=saved.placement,
-                calibration_tokens=saved.calibration_tokens)
+                calibration_tokens=saved.calibration_tokens, predictors=saved.predictors)
     model, graphs, ffns = _rewrite(model, plan)
     if [b.name for b in plan.blocks] != [b.name for b in saved.blocks]:
         raise saving.PlanError(f"the saved plan's blocks {[b.name for b in saved.blocks]} are not "
@@ -347,7 +371,8 @@ def explain(cm: CompiledModel) -> str:
         head += f", calibrated on {plan.calibration_tokens} tokens"
     cols = f"  {'block':<34} {'kind':<8} {'act':<9} {'d x n_ff':<11} {'skips':<14} {'calib.':>6} {'run':>6}"
     if predicted:
-        cols += f" {'rank':>5} {'recall':>7} {'pred/true density':>17} {'pred.bytes':>10}"
+        cols += (f" {'rank':>5} {'recall':>7} {'pred/true density':>17} {'pred.bytes':>10}"
+                 f" {'B/token exact->pred':>21}")
     if placed:
         cols += f" {'hot':>6}"
     lines = [head, cols + "  path"]
@@ -362,6 +387,7 @@ def explain(cm: CompiledModel) -> str:
         if predicted:
             dens = f"{pct(b.predicted_density)} / {pct(b.true_density)}"
             row += f" {b.predictor_rank or '-':>5} {pct(b.predictor_recall):>7} {dens:>17} {b.predictor_bytes:>10}"
+            row += f" {f'{b.decode_bytes_exact:,}->{b.decode_bytes_predicted:,}':>21}"
         if placed:
             row += f" {b.hot_neurons:>6}"
         lines.append(row + f"  {cm.paths.get(b.name, '-')}")

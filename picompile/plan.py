@@ -10,6 +10,9 @@ from dataclasses import asdict, dataclass, field
 
 ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh")
 MODES = ("exact", "predicted")
+# Which trained predictors run: "auto" those that make a block read fewer bytes per token (on
+# the CPU; all of them in the hybrid runtime, where they run on the GPU), "all" every one.
+PREDICTOR_POLICIES = ("auto", "all")
 
 
 @dataclass
@@ -38,6 +41,10 @@ class BlockPlan:
     true_density: float | None = None
     predictor_bytes: int = 0
     predictor_tau: float = 0.0
+    # Weight bytes the CPU decode kernel reads per token without / with the predictor (the
+    # predictor's own bytes included): a predictor is used where it reads fewer (Plan.predictors).
+    decode_bytes_exact: int = 0
+    decode_bytes_predicted: int = 0
     hot_neurons: int = 0  # neurons 0 .. hot_neurons-1 (after the hot-first permutation) on the GPU
 
     @property
@@ -68,6 +75,7 @@ class Placement:
 class Plan:
     mode: str = "exact"
     target_sparsity: float | None = None
+    predictors: str = "auto"  # one of PREDICTOR_POLICIES
     blocks: list[BlockPlan] = field(default_factory=list)
     unmatched: list[Unmatched] = field(default_factory=list)
     placement: Placement = field(default_factory=Placement)
@@ -88,6 +96,7 @@ class Plan:
         return cls(
             mode=data["mode"],
             target_sparsity=data["target_sparsity"],
+            predictors=data.get("predictors", "auto"),
             blocks=[BlockPlan(**b) for b in data["blocks"]],
             unmatched=[Unmatched(**u) for u in data["unmatched"]],
             placement=Placement(**data["placement"]),

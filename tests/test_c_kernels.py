@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from picompile.codegen import c
 from picompile.codegen.cache import cache_dir, cache_key, cached_build
+from picompile.passes.predictors import Predictor
 from picompile.plan import BlockPlan
 from picompile.runtime.sparse_ffn import SparseFFN, down_input, ffn_reference
 
@@ -125,12 +126,16 @@ def pick_threshold(h: torch.Tensor, sparsity: float, floor: float) -> float:
 
 
 def check(v: c.Variant, weights: dict, x: torch.Tensor, *, threshold: float,
-          idx: torch.Tensor | None = None, x_view=None):
+          idx: torch.Tensor | None = None, mask: torch.Tensor | None = None, x_view=None):
+    """The kernel on candidates `idx`, or on `mask` [T, n_ff] (a predictor's output: the
+    candidates are the neurons set for any token), against the reference."""
     ffn = module(v, weights, threshold)
     kernel = c.kernel_for(ffn)
     assert kernel is not None
     xin = x.float() if x_view is None else x_view
-    out, n_active = kernel(xin, threshold=threshold, idx=idx)
+    out, n_active = kernel(xin, threshold=threshold, idx=idx, mask=mask)
+    if mask is not None:
+        idx = mask.any(0).nonzero().flatten()
     ref, active = ffn_reference(x.float(), **ffn.weights(), act=v.act, drelu=v.drelu,
                                 threshold=threshold, idx=idx)
     assert out.dtype == torch.float32 and out.shape == ref.shape
@@ -179,7 +184,7 @@ def cases(draw):
     sparsity = draw(st.one_of(st.sampled_from([0.0, 1.0]), st.floats(0.0, 1.0)))
     collinear = draw(st.booleans())
     seed = draw(st.integers(0, 2**31 - 1))
-    idx_mode = draw(st.sampled_from(["all", "all", "subset", "empty", "repeats"]))
+    idx_mode = draw(st.sampled_from(["all", "all", "subset", "empty", "repeats", "mask"]))
     layout = draw(st.sampled_from(["contiguous", "transposed", "strided", "float64", "float16"]))
     relu_threshold = draw(st.booleans())
     return v, T, d, n_ff, sparsity, collinear, seed, idx_mode, layout, relu_threshold
@@ -191,8 +196,10 @@ def test_matches_reference(case):
     v, T, d, n_ff, sparsity, collinear, seed, idx_mode, layout, relu_threshold = case
     weights, x = make_case(v, T, d, n_ff, 1.0 - sparsity, seed, collinear)
     gen = torch.Generator().manual_seed(seed + 1)
-    idx = None
-    if idx_mode == "subset":
+    idx = mask = None
+    if idx_mode == "mask":
+        mask = torch.rand(T, n_ff, generator=gen) < float(torch.rand((), generator=gen))
+    elif idx_mode == "subset":
         idx = torch.randperm(n_ff, generator=gen)[: int(torch.randint(0, n_ff + 1, (), generator=gen))]
     elif idx_mode == "empty":
         idx = torch.zeros(0, dtype=torch.long)
@@ -221,7 +228,7 @@ def test_matches_reference(case):
         x_view = xf
     if layout in ("transposed", "strided"):
         assert not x_view.is_contiguous() or T == 1 or d == 1
-    _, n_active, _ = check(v, weights, x, threshold=thr, idx=idx, x_view=x_view)
+    _, n_active, _ = check(v, weights, x, threshold=thr, idx=idx, mask=mask, x_view=x_view)
     if v.act == "relu" and not relu_threshold and idx is None and (collinear or v.bias):
         if sparsity == 1.0:  # every gate planted off for every token: the empty active set
             assert n_active == 0
@@ -280,6 +287,53 @@ def test_large_parallel_shape():
         torch.set_num_threads(threads)
     for out, n_active in results[1:]:
         assert n_active == results[0][1] and torch.equal(out, results[0][0])
+
+
+# ---------------------------------------------------------------------------------------------
+# The predictor kernel against Predictor.forward_native
+# ---------------------------------------------------------------------------------------------
+
+
+def random_predictor(d: int, r: int, n_ff: int, seed: int) -> Predictor:
+    g = torch.Generator().manual_seed(seed)
+    return Predictor(torch.randn(r, d, generator=g), torch.randn(r, generator=g),
+                     torch.randn(n_ff, r, generator=g), torch.randn(n_ff, generator=g))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(T=st.integers(0, 12), d=st.integers(1, 80), r=st.integers(1, 48), n_ff=st.integers(1, 200),
+       share=st.floats(0.0, 1.0), seed=st.integers(0, 2**16))
+def test_predictor_kernel_matches_reference(T, d, r, n_ff, share, seed):
+    """Same mask as the float64 logits, except within rounding distance of tau."""
+    pred = random_predictor(d, r, n_ff, seed)
+    x = torch.randn(T, d, generator=torch.Generator().manual_seed(seed + 1))
+    p1, pb1, p2, pb2, x64 = (t.double() for t in (pred.p1, pred.pb1, pred.p2, pred.pb2, x))
+    z = torch.relu(x64 @ p1.T + pb1)  # [T, r]
+    logits = z @ p2.T + pb2  # [T, n_ff]
+    pred.tau = float(logits.quantile(1 - share)) if logits.numel() else 0.0
+    kernel = c.predictor_kernel_for(pred)
+    assert kernel is not None
+    mask = kernel(x, pred.tau)
+    assert mask.dtype == torch.bool and mask.shape == (T, n_ff)
+    scale = (x64.abs() @ p1.abs().T + pb1.abs()) @ p2.abs().T + pb2.abs()
+    clear = (logits - pred.tau).abs() > 1e-5 * scale + 1e-6
+    assert torch.equal(mask[clear], (logits > pred.tau)[clear])
+    assert torch.equal(mask[clear], pred.forward_native(x)[clear])
+
+
+def test_predictor_module_picks_its_path():
+    pred = random_predictor(24, 8, 40, seed=3)
+    pred.tau = 0.5
+    assert pred.select_kernel() == "C"
+    calls = []
+    kernel = pred.kernel
+    pred.kernel = lambda x, tau: calls.append(x.shape[0]) or kernel(x, tau)
+    x = torch.randn(1, 3, 24)  # [batch, seq, d]: flattened to [3, 24]
+    torch.testing.assert_close(pred(x).float(), pred.forward_native(x.reshape(3, 24)).float())
+    pred(torch.randn(12, 24))  # prefill: the reference path
+    assert calls == [3]
+    pred.enabled = False
+    assert pred(x) is None  # the block then runs exact
 
 
 def test_sparse_ffn_forward_uses_kernel():

@@ -61,8 +61,9 @@ def test_predicted_mode_with_recall_one_equals_exact_mode():
     dense = zoo.make("llama_relu")
     exact = picompile.compile(copy.deepcopy(dense), quiet=True)
     pred = picompile.compile(copy.deepcopy(dense), mode="predicted", calibration=_calibration(),
-                             quiet=True)
+                             predictors="all", quiet=True)
     for ffn in pred.ffns().values():
+        assert ffn.predictor.enabled
         ffn.predictor.tau = float("-inf")  # every neuron predicted: recall 1.0
     ids = torch.randint(0, zoo.VOCAB, (2, 7))
     with torch.no_grad():
@@ -81,6 +82,50 @@ def test_predicted_mode_reports_predictors():
     assert "rank" in report and "recall" in report and "pred/true density" in report
     code = pred.graphs["model.layers.0.mlp"].code
     assert "self.sparse_ffn.predictor(x)" in code
+
+
+def test_predictors_run_only_where_they_read_fewer_bytes():
+    """predictors="auto": a block runs its predictor iff it then reads fewer weight bytes per
+    token; a block that does not runs exact (and equals exact mode)."""
+    dense = zoo.make("llama_relu")
+    auto = picompile.compile(copy.deepcopy(dense), mode="predicted", calibration=_calibration(),
+                             quiet=True)
+    exact = picompile.compile(copy.deepcopy(dense), quiet=True)
+    used = []
+    for name, ffn in auto.ffns().items():
+        b = ffn.block
+        assert b.decode_bytes_exact > 0 and b.decode_bytes_predicted > b.predictor_bytes
+        used.append(b.decode_bytes_predicted < b.decode_bytes_exact)
+        assert ffn.predictor.enabled == used[-1]
+        assert ("predictor off" in auto.paths[name]) != used[-1]
+    # d=32, n_ff=80: a rank >= 16 predictor reads more than the gate rows it could skip
+    assert not any(used)
+    ids = torch.randint(0, zoo.VOCAB, (1, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(zoo.logits(auto, ids), zoo.logits(exact, ids), **TOL[torch.float32])
+    assert "B/token exact->pred" in picompile.explain(auto)
+    with pytest.raises(ValueError, match="predictors="):
+        picompile.compile(copy.deepcopy(dense), mode="predicted", calibration=_calibration(),
+                          predictors="some")
+
+
+def test_decode_bytes_counts_the_rows_the_kernel_reads():
+    from picompile.passes.predictors import PredictorStats, decode_bytes
+
+    d, n_ff = 100, 400
+    row = d * 4  # float32
+    stats = PredictorStats(rank=8, recall=1.0, predicted_density=0.25, true_density=0.2, nbytes=1000)
+    relu = picompile.compile(zoo.make("tiny_plain_relu", d=d, n_ff=n_ff), quiet=True)
+    plain = next(iter(relu.ffns().values()))
+    # plain: every candidate's up row, then the down rows of the firing neurons
+    assert decode_bytes(plain, stats) == (round(n_ff * (1 + 0.2) * row),
+                                          round(1000 + n_ff * (0.25 + 0.2) * row))
+    gated = next(iter(picompile.compile(zoo.make("llama_relu"), quiet=True).ffns().values()))
+    row, n = gated.d_model * 4, gated.n_ff
+    # gated ReLU: the gate row of each candidate, up and down rows only where the gate fired
+    assert decode_bytes(gated, stats) == (round(n * (1 + 0.4) * row), round(1000 + n * (0.25 + 0.4) * row))
+    gated.act = "silu"  # SiLU never gives exact zeros: gate and up for every candidate
+    assert decode_bytes(gated, stats) == (round(n * (2 + 0.2) * row), round(1000 + n * (0.5 + 0.2) * row))
 
 
 def test_predicted_mode_needs_calibration():
@@ -125,7 +170,8 @@ def test_hot_first_order_keeps_outputs():
 def saved(tmp_path_factory):
     dense = zoo.make("llama_silu", n_ff=128)
     cm = picompile.compile(copy.deepcopy(dense), mode="predicted", sparsity=0.5,
-                           gpu_budget="30KB", calibration=_calibration(), quiet=True)
+                           gpu_budget="30KB", calibration=_calibration(), predictors="all",
+                           quiet=True)
     path = tmp_path_factory.mktemp("plans") / "plan"
     cm.save(path)
     return dense, cm, path
@@ -138,6 +184,7 @@ def test_load_rebuilds_the_same_model_without_profiling(saved, monkeypatch):
     monkeypatch.setattr(profile_pass, "profile", lambda *a, **k: pytest.fail("load profiled"))
     loaded = picompile.load(copy.deepcopy(dense), path)
     assert loaded.plan.to_json() == cm.plan.to_json()
+    assert all(f.predictor.enabled for f in loaded.ffns().values())  # predictors="all" kept
     ids = torch.randint(0, zoo.VOCAB, (1, 9))
     with torch.no_grad():
         torch.testing.assert_close(zoo.logits(loaded, ids), zoo.logits(cm, ids), atol=0, rtol=0)

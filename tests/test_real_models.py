@@ -44,7 +44,7 @@ def test_fixture_predictors_meet_targets_on_heldout_text(fixture_model, heldout)
     model was neither trained nor calibrated on."""
     dense, tok = fixture_model
     cm = picompile.compile(copy.deepcopy(dense), mode="predicted", tokenizer=tok,
-                           calibration_tokens=51200, quiet=True)
+                           calibration_tokens=51200, predictors="all", quiet=True)
     counts = {}
 
     def record(ffn, args, _out):

@@ -106,9 +106,21 @@ _HEADER = """\
  *            const float* b_up,     [n_ff] or NULL
  *            const float* b_down,   [d] or NULL
  *            const int32_t* idx,    [m] candidate neurons, or NULL = all n_ff neurons
- *            int64_t m, float threshold,
+ *            int64_t m,
+ *            const uint8_t* mask,   [T, n_ff] 0/1, or NULL; with idx NULL the candidates are
+ *                                   the neurons set for any token (a predictor's output)
+ *            float threshold,
  *            float* out,            [T, d] float32, written fully
  *            int64_t* n_active);    out: number of active (token, neuron) pairs; -1 = no memory
+ *   int predict(const float* x,     [T, d] float32: the block input
+ *               int64_t T, int64_t d, int64_t r, int64_t n_ff,
+ *               const wtype* p1,    [r, d]      the predictor's layers (wtype: this library's
+ *               const float* pb1,   [r]          weight dtype; picompile uses float32)
+ *               const wtype* p2,    [n_ff, r]   one row per neuron
+ *               const float* pb2,   [n_ff]
+ *               float tau,
+ *               uint8_t* mask);     out [T, n_ff]: 1 where p2 relu(p1 x + pb1) + pb2 > tau
+ *                                   returns 0, or -1 when out of memory
  *   void pic_set_num_threads(int n);  OpenMP threads for ffn (<= 0: the OpenMP default)
  *   const char* pic_variant(void);
  */
@@ -437,10 +449,88 @@ void pic_set_num_threads(int n) { pic_threads = n; }
 
 const char* pic_variant(void) { return PIC_VARIANT; }
 
+/* The neurons set in any of the T rows of mask [T, n_ff], ascending, into idx; their count. */
+static int64_t mask_union(const uint8_t* mask, int64_t T, int64_t n_ff, int32_t* idx) {
+    int64_t m = 0;
+    for (int64_t j = 0; j < n_ff; ++j) {
+        uint8_t any = 0;
+        for (int64_t t = 0; t < T; ++t) any |= mask[t * n_ff + j];
+        if (any) idx[m++] = (int32_t)j;
+    }
+    return m;
+}
+
+static void ffn_candidates(const float* x, int64_t T, int64_t d, int64_t n_ff,
+                           const wtype* w_gate, const wtype* w_up, const wtype* w_down_t,
+                           const float* b_gate, const float* b_up, const float* b_down,
+                           const int32_t* idx, int64_t m, float threshold, float* out,
+                           int64_t* n_active);
+
 void ffn(const float* x, int64_t T, int64_t d, int64_t n_ff,
          const wtype* w_gate, const wtype* w_up, const wtype* w_down_t,
          const float* b_gate, const float* b_up, const float* b_down,
-         const int32_t* idx, int64_t m, float threshold, float* out, int64_t* n_active) {
+         const int32_t* idx, int64_t m, const uint8_t* mask, float threshold, float* out,
+         int64_t* n_active) {
+    if (idx || !mask) {
+        ffn_candidates(x, T, d, n_ff, w_gate, w_up, w_down_t, b_gate, b_up, b_down, idx, m,
+                       threshold, out, n_active);
+        return;
+    }
+    int32_t* predicted = (int32_t*)malloc((size_t)(n_ff > 0 ? n_ff : 1) * sizeof(int32_t));
+    if (!predicted) { *n_active = -1; return; }
+    m = T > 0 ? mask_union(mask, T, n_ff, predicted) : 0;
+    ffn_candidates(x, T, d, n_ff, w_gate, w_up, w_down_t, b_gate, b_up, b_down, predicted, m,
+                   threshold, out, n_active);
+    free(predicted);
+}
+
+int predict(const float* x, int64_t T, int64_t d, int64_t r, int64_t n_ff,
+            const wtype* p1, const float* pb1, const wtype* p2, const float* pb2,
+            float tau, uint8_t* mask) {
+    if (T <= 0) return 0;
+    float* z = (float*)malloc((size_t)T * (size_t)(r > 0 ? r : 1) * sizeof(float)); /* [T, r] */
+    if (!z) return -1;
+    int nthr = 1;
+#ifdef _OPENMP
+    nthr = pic_threads > 0 ? pic_threads : omp_get_max_threads();
+#endif
+    for (int64_t t0 = 0; t0 < T; t0 += PIC_MAXTOK) {
+        const int nt = (int)(T - t0 < PIC_MAXTOK ? T - t0 : PIC_MAXTOK);
+        const float* xs[PIC_MAXTOK];
+        const float* zs[PIC_MAXTOK];
+        for (int n = 0; n < nt; ++n) { xs[n] = x + (t0 + n) * d; zs[n] = z + (t0 + n) * r; }
+        const int par1 = (double)r * (double)d * nt >= PIC_PARALLEL_MIN;
+        const int par2 = (double)n_ff * (double)r * nt >= PIC_PARALLEL_MIN;
+#ifdef _OPENMP
+#pragma omp parallel for if(par1) num_threads(nthr) schedule(static)
+#endif
+        for (int64_t i = 0; i < r; ++i) { /* z = relu(p1 x + pb1) */
+            float s[PIC_MAXTOK];
+            dot_rows(p1 + i * d, xs, nt, d, s);
+            for (int n = 0; n < nt; ++n) {
+                const float v = s[n] + pb1[i];
+                z[(t0 + n) * r + i] = v > 0.0f ? v : 0.0f;
+            }
+        }
+#ifdef _OPENMP
+#pragma omp parallel for if(par2) num_threads(nthr) schedule(static)
+#endif
+        for (int64_t j = 0; j < n_ff; ++j) { /* mask = p2 z + pb2 > tau */
+            float s[PIC_MAXTOK];
+            dot_rows(p2 + j * r, zs, nt, r, s);
+            for (int n = 0; n < nt; ++n) mask[(t0 + n) * n_ff + j] = s[n] + pb2[j] > tau;
+        }
+        (void)par1; (void)par2;
+    }
+    free(z);
+    return 0;
+}
+
+static void ffn_candidates(const float* x, int64_t T, int64_t d, int64_t n_ff,
+                           const wtype* w_gate, const wtype* w_up, const wtype* w_down_t,
+                           const float* b_gate, const float* b_up, const float* b_down,
+                           const int32_t* idx, int64_t m, float threshold, float* out,
+                           int64_t* n_active) {
     const int64_t M = idx ? m : n_ff; /* candidate neurons */
     *n_active = 0;
     if (T <= 0 || d <= 0) return;
@@ -597,8 +687,13 @@ _FFN_ARGTYPES = [
     _vp, _c_int64, _c_int64, _c_int64,  # x, T, d, n_ff
     _vp, _vp, _vp,  # w_gate, w_up, w_down_t
     _vp, _vp, _vp,  # b_gate, b_up, b_down
-    _vp, _c_int64, ctypes.c_float,  # idx, m, threshold
+    _vp, _c_int64, _vp, ctypes.c_float,  # idx, m, mask, threshold
     _vp, ctypes.POINTER(_c_int64),  # out, n_active
+]
+
+_PREDICT_ARGTYPES = [
+    _vp, _c_int64, _c_int64, _c_int64, _c_int64,  # x, T, d, r, n_ff
+    _vp, _vp, _vp, _vp, ctypes.c_float, _vp,  # p1, pb1, p2, pb2, tau, mask
 ]
 
 _libs: dict[tuple, ctypes.CDLL] = {}
@@ -627,6 +722,8 @@ def load(v: Variant) -> ctypes.CDLL:
             lib = ctypes.CDLL(str(build(v)))
             lib.ffn.argtypes = _FFN_ARGTYPES
             lib.ffn.restype = None
+            lib.predict.argtypes = _PREDICT_ARGTYPES
+            lib.predict.restype = ctypes.c_int
             lib.pic_set_num_threads.argtypes = [ctypes.c_int]
             lib.pic_set_num_threads.restype = None
             lib.pic_variant.restype = ctypes.c_char_p
@@ -663,6 +760,14 @@ def compile_all_variants(max_workers: int | None = None) -> dict[Variant, pathli
     vs = all_variants()
     with ThreadPoolExecutor(max_workers or os.cpu_count() or 2) as pool:
         return dict(zip(vs, pool.map(build, vs)))
+
+
+def _set_threads(lib: ctypes.CDLL) -> None:
+    """The kernels use as many OpenMP threads as torch does."""
+    nt = torch.get_num_threads()
+    if lib._pic_threads != nt:
+        lib.pic_set_num_threads(nt)
+        lib._pic_threads = nt
 
 
 _NO_CANDIDATES = torch.zeros(1, dtype=torch.int32)  # a non-NULL idx, used with m = 0
@@ -708,8 +813,11 @@ def _bind(lib: ctypes.CDLL, v: Variant, ffn) -> Kernel:
     ptrs = (_ptr(w_gate), _ptr(w_up), _ptr(w_down_t))
     fn = lib.ffn
 
-    def kernel(x: torch.Tensor, threshold: float = 0.0, idx: torch.Tensor | None = None):
-        """x [T, d] -> (out [T, d] float32, n_active: active (token, neuron) pairs)."""
+    def kernel(x: torch.Tensor, threshold: float = 0.0, idx: torch.Tensor | None = None,
+               mask: torch.Tensor | None = None):
+        """x [T, d] -> (out [T, d] float32, n_active: active (token, neuron) pairs).
+        Candidates: idx [m] (neuron numbers), else mask [T, n_ff] bool (those set for any
+        token), else all neurons."""
         biases = converted.get("biases")
         if biases is None:  # a racing first call just converts twice; one result is kept
             biases = converted.setdefault("biases", tuple(
@@ -730,14 +838,16 @@ def _bind(lib: ctypes.CDLL, v: Variant, ffn) -> Kernel:
                 idx = _NO_CANDIDATES
         else:
             m = n_ff
-        nt = torch.get_num_threads()
-        if lib._pic_threads != nt:
-            lib.pic_set_num_threads(nt)
-            lib._pic_threads = nt
+            if mask is not None:
+                if mask.shape != (x.shape[0], n_ff) or mask.dtype != torch.bool:
+                    raise ValueError(f"mask must be bool [{x.shape[0]}, {n_ff}], got "
+                                     f"{mask.dtype} {tuple(mask.shape)}")
+                mask = mask.to("cpu").contiguous()
+        _set_threads(lib)
         n_active = ctypes.c_int64(0)
         fn(
             x.data_ptr(), T, d, n_ff, *ptrs, *(_ptr(b) for b in biases),
-            _ptr(idx), m, float(threshold), out.data_ptr(), ctypes.byref(n_active),
+            _ptr(idx), m, _ptr(mask), float(threshold), out.data_ptr(), ctypes.byref(n_active),
         )
         if n_active.value < 0:
             raise MemoryError("C FFN kernel: out of memory for the partial outputs")
@@ -745,4 +855,42 @@ def _bind(lib: ctypes.CDLL, v: Variant, ffn) -> Kernel:
 
     kernel.variant = v  # type: ignore[attr-defined]
     kernel.library = lib  # type: ignore[attr-defined]
+    return kernel
+
+
+# Predictor weights are float32, so the predictor runs from the float32 libraries (every variant
+# library has `predict`; this one is as good as any).
+_PREDICTOR_VARIANT = Variant("float32", gated=False, drelu=False, bias=False, act="relu")
+
+
+def predictor_kernel_for(pred) -> Callable[[torch.Tensor, float], torch.Tensor] | None:
+    """A C kernel for a `passes.predictors.Predictor`, or None (as kernel_for):
+
+        kernel(x [T, d] float tensor, tau) -> mask [T, n_ff] bool
+    """
+    if reference_forced():
+        return None
+    params = (pred.p1, pred.pb1, pred.p2, pred.pb2)
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in params):
+        return None
+    lib = try_load(_PREDICTOR_VARIANT)
+    if lib is None:
+        return None
+    p1, pb1, p2, pb2 = (t.detach().contiguous() for t in params)  # kept referenced: raw pointers
+    r, d = p1.shape
+    n_ff = p2.shape[0]
+    fn = lib.predict
+
+    def kernel(x: torch.Tensor, tau: float) -> torch.Tensor:
+        """x [T, d] -> mask [T, n_ff] bool: the neurons predicted to fire, per token."""
+        if x.dim() != 2 or x.shape[1] != d:
+            raise ValueError(f"predictor input must be [T, {d}], got {tuple(x.shape)}")
+        x = x.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        mask = torch.empty((x.shape[0], n_ff), dtype=torch.bool)
+        _set_threads(lib)
+        if fn(x.data_ptr(), x.shape[0], d, r, n_ff, p1.data_ptr(), pb1.data_ptr(), p2.data_ptr(),
+              pb2.data_ptr(), float(tau), mask.data_ptr()) != 0:
+            raise MemoryError("C predictor kernel: out of memory")
+        return mask
+
     return kernel

@@ -18,8 +18,10 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from picompile.codegen import c as c_codegen
 from picompile.passes.profile import BlockProfile
 from picompile.progress import progress_bar
+from picompile.runtime.sparse_ffn import KERNEL_MAX_TOKENS
 
 RANKS = (16, 32, 64, 128, 256, 512)
 # Training steps per predictor are capped so that steps * n_ff stays under this: 2000 steps for
@@ -32,7 +34,10 @@ MISS_MARGIN = 0.8
 
 
 class Predictor(nn.Module):
-    """mask [T, n_ff] = relu(x p1^T + pb1) p2^T + pb2 > tau, for x [T, d]."""
+    """mask [T, n_ff] = relu(x p1^T + pb1) p2^T + pb2 > tau, for x [T, d].
+
+    `enabled` False makes it return None (the block then runs exact): see `decide_use`. Small
+    batches run a C kernel (picked once by select_kernel); `forward_native` is its reference."""
 
     def __init__(self, p1: torch.Tensor, pb1: torch.Tensor, p2: torch.Tensor, pb2: torch.Tensor,
                  tau: float = 0.0):
@@ -42,17 +47,31 @@ class Predictor(nn.Module):
         self.p2 = nn.Parameter(p2, requires_grad=False)  # [n_ff, r], one row per neuron
         self.pb2 = nn.Parameter(pb2, requires_grad=False)  # [n_ff]
         self.tau = float(tau)
+        self.enabled = True
+        self.kernel = None
 
     @property
     def rank(self) -> int:
         return self.p1.shape[0]
 
+    def select_kernel(self) -> str:
+        self.kernel = c_codegen.predictor_kernel_for(self)
+        return "C" if self.kernel is not None else "reference"
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:  # [T, d] -> [T, n_ff]
         z = F.relu(F.linear(x.to(self.p1.dtype), self.p1, self.pb1))
         return F.linear(z, self.p2, self.pb2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., d] -> [T, n_ff] bool
-        return self.logits(x.reshape(-1, self.p1.shape[1])) > self.tau
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:  # [T, d] -> [T, n_ff] bool
+        return self.logits(x) > self.tau
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:  # [..., d] -> [T, n_ff] bool
+        if not self.enabled:
+            return None
+        x = x.reshape(-1, self.p1.shape[1])
+        if self.kernel is not None and x.shape[0] <= KERNEL_MAX_TOKENS and x.device.type == "cpu":
+            return self.kernel(x, self.tau)
+        return self.forward_native(x)
 
     def extra_repr(self) -> str:
         return f"d={self.p1.shape[1]}, rank={self.rank}, n_ff={self.p2.shape[0]}, tau={self.tau:.3g}"
@@ -142,6 +161,26 @@ def train_predictor(
         if gain < MIN_GAIN:
             break  # a larger rank does not help: this block's activity is hard to predict
     return best
+
+
+def decode_bytes(ffn, stats: PredictorStats) -> tuple[int, int]:
+    """(exact, predicted): weight bytes the C decode kernel reads per token for this block,
+    without and with the predictor (whose own bytes count), from the held-out statistics.
+
+    The kernel reads one first row per candidate neuron (the gate; gate and up for gated blocks
+    whose activation is not ReLU, as SiLU never gives exact zeros) and the rest of a neuron's
+    rows only when it fires. Exact mode takes every neuron as a candidate, predicted mode the
+    predicted ones; a block gains from its predictor when the first rows it skips outweigh the
+    predictor's bytes."""
+    row_bytes = ffn.d_model * ffn.w_up.element_size()
+    gated = ffn.w_gate is not None
+    first_rows = 2 if gated and ffn.act != "relu" else 1  # per candidate
+    later_rows = 2 if gated and ffn.act == "relu" else 1  # per firing neuron
+    fired = stats.true_density * later_rows
+    exact = ffn.n_ff * (first_rows + fired) * row_bytes
+    predicted = (stats.nbytes
+                 + ffn.n_ff * (stats.predicted_density * first_rows + stats.recall * fired) * row_bytes)
+    return round(exact), round(predicted)
 
 
 def train_all(profiles: dict[str, BlockProfile], quiet: bool = False, **kw

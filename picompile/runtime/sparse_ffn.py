@@ -205,10 +205,10 @@ class SparseFFN(nn.Module):
             return self.hybrid(x2, predicted).to(x.dtype).reshape(shape)
         if tokens <= KERNEL_MAX_TOKENS:
             # Decode / small batch: one candidate list for all tokens (their union).
-            idx = None if predicted is None else predicted.any(0).nonzero().flatten()
             if self.kernel is not None:
-                out, n_active = self.kernel(x2, threshold=self.threshold, idx=idx)
+                out, n_active = self.kernel(x2, threshold=self.threshold, mask=predicted)
             else:
+                idx = None if predicted is None else predicted.any(0).nonzero().flatten()
                 out, active = self.forward_native(x2, idx)
                 n_active = int(active.sum())
         else:
