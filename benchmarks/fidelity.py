@@ -9,6 +9,12 @@ For SmolLM2 it also measures the two threshold criteria (|act(gate)| as CATS doe
 
     .venv/bin/python benchmarks/fidelity.py                 # both models
     .venv/bin/python benchmarks/fidelity.py --model relu    # the fixture only (about a minute)
+    .venv/bin/python benchmarks/fidelity.py --model DIR     # a local HF model, e.g. a larger
+                                                            # ReLU model from train_relu_llama.py
+
+Predicted mode is measured twice from one compile: with every predictor running
+(predictors="all") and with predictors="auto" (a block runs its predictor only where that reads
+fewer bytes per token); the second row is left out when both choose the same blocks.
 """
 
 from __future__ import annotations
@@ -29,10 +35,15 @@ from picompile.timing import timed_generate
 FIXTURE = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "relu_llama"
 
 
+REPEATS = 3
+
+
 def decode(model, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, float]:
-    """Greedy tokens [new_tokens] and decode tokens/s (prefill excluded), after a warm-up."""
+    """Greedy tokens [new_tokens] and decode tokens/s (prefill excluded, median of REPEATS runs),
+    after a warm-up."""
     timed_generate(model, prompt, 2)
-    return timed_generate(model, prompt, new_tokens, exact_length=True)
+    runs = [timed_generate(model, prompt, new_tokens, exact_length=True) for _ in range(REPEATS)]
+    return runs[0][0], sorted(tps for _, tps in runs)[len(runs) // 2]
 
 
 @torch.no_grad()
@@ -78,11 +89,21 @@ def report(name, dense, tokenizer, sparsity, calib_tokens, heldout_tokens, new_t
                      (sum(p for p, _ in dens) / len(dens), sum(t for _, t in dens) / len(dens)) if dens else None,
                      ppl, agree, tps, compile_s))
 
+    at = f" @{sparsity:.0%}" if sparsity else ""
     for mode in ("exact", "predicted"):
         t0 = time.perf_counter()
         cm = picompile.compile(copy.deepcopy(dense), mode=mode, sparsity=sparsity,
-                               calibration=calib, quiet=True)
-        measure(f"{mode}" + (f" @{sparsity:.0%}" if sparsity else ""), cm, time.perf_counter() - t0)
+                               calibration=calib, predictors="all", quiet=True)
+        compile_s = time.perf_counter() - t0
+        if mode == "exact":
+            measure(f"exact{at}", cm, compile_s)
+            continue
+        measure(f"predicted{at}, all predictors", cm, compile_s)
+        cm.use_predictors("auto")
+        used = sum(f.predictor.enabled for f in cm.ffns().values() if f.predictor is not None)
+        if used < len(cm.plan.blocks):
+            measure(f"predicted{at}, predictors=auto ({used}/{len(cm.plan.blocks)} blocks)",
+                    cm, compile_s)
     extra = []
     if sparsity and dense.config.hidden_act != "relu":
         extra.append(f"gate criterion |act(gate)| @{sparsity:.0%}: perplexity "
@@ -110,7 +131,8 @@ def print_table(name, rows, ppl_dense, n_calib, n_heldout, new_tokens, extra):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=["relu", "smollm2", "both"], default="both")
+    ap.add_argument("--model", default="both",
+                    help="relu (the test fixture), smollm2, both, or a local HF model directory")
     ap.add_argument("--sparsity", type=float, default=0.5, help="SmolLM2 threshold sparsity")
     ap.add_argument("--calibration-tokens", type=int, default=65536)
     ap.add_argument("--heldout-tokens", type=int, default=16384)
@@ -118,12 +140,15 @@ def main():
     args = ap.parse_args()
     print(f"machine: {platform.machine()}, {torch.get_num_threads()} torch threads, "
           f"torch {torch.__version__}, {time.strftime('%Y-%m-%d', time.gmtime())}")
-    if args.model in ("relu", "both"):
+    local = {"relu": FIXTURE, "both": FIXTURE}.get(args.model, args.model)
+    if args.model != "smollm2":
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        dense = AutoModelForCausalLM.from_pretrained(FIXTURE).eval()
-        tok = AutoTokenizer.from_pretrained(FIXTURE)
-        report("ReLU fixture (tests/fixtures/relu_llama)", dense, tok, None,
+        dense = AutoModelForCausalLM.from_pretrained(local, local_files_only=True).eval()
+        tok = AutoTokenizer.from_pretrained(local, local_files_only=True)
+        c = dense.config
+        report(f"{local} (hidden {c.hidden_size}, FFN {c.intermediate_size}, {c.hidden_act})",
+               dense, tok, None if c.hidden_act == "relu" else args.sparsity,
                args.calibration_tokens, args.heldout_tokens, args.new_tokens)
     if args.model in ("smollm2", "both"):
         dense, tok = models.load(None)

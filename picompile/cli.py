@@ -27,7 +27,7 @@ def _compile(args, model, tokenizer):
         return picompile.load(model, args.plan)
     cm = picompile.compile(model, mode=args.mode, sparsity=args.sparsity, tokenizer=tokenizer,
                            gpu_budget=args.gpu_budget, calibration_tokens=args.calibration_tokens,
-                           quiet=args.quiet)
+                           predictors=args.predictors, quiet=args.quiet)
     if args.save:
         cm.save(args.save)
         print(f"picompile: plan saved to {args.save} (reuse it with --plan)", file=sys.stderr)
@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
                             "0 keeps them dense (default 0.5)")
         p.add_argument("--mode", choices=["exact", "predicted"], default="exact",
                        help="exact: compute what fires; predicted: trained predictors pick it")
+        p.add_argument("--predictors", choices=["auto", "all"], default="auto",
+                       help="predicted mode: auto runs a predictor only where it saves bytes "
+                            "read per token; all runs every one")
         p.add_argument("--gpu-budget", default=None,
                        help="e.g. 24GB or 24GiB: hot neurons on the GPU within it")
         p.add_argument("--calibration-tokens", type=int, default=16384,

@@ -70,12 +70,23 @@ class CompiledModel(nn.Module):
         distribute(self.model, ffns, device, move_non_ffn=self.plan.placement.fixed_on_gpu)
         for name, ffn in ffns.items():
             if ffn.predictor is not None:
-                # On the GPU a predictor costs the CPU nothing and spares it the gate rows of
-                # every cold neuron not predicted: always worth running.
-                ffn.predictor.enabled = True
                 ffn.predictor.kernel = None  # the C kernel's weights were the CPU copies
             self.paths[name] = (f"hybrid: {ffn.block.hot_neurons} hot on {device}, "
                                 f"{ffn.n_ff - ffn.block.hot_neurons} cold on the CPU")
+        self.use_predictors(self.plan.predictors)
+
+    def use_predictors(self, policy: str) -> None:
+        """Which trained predictors run (the rest of the blocks run exact): "all", or "auto":
+        those whose block then reads fewer weight bytes per token on the CPU (BlockPlan's
+        decode_bytes_*), and every one in the hybrid runtime, where a predictor runs on the GPU,
+        costs the CPU nothing and spares it the gate rows of the cold neurons not predicted."""
+        _check_predictor_policy(policy)
+        self.plan.predictors = policy
+        for ffn in self.ffns().values():
+            if ffn.predictor is not None:
+                b = ffn.block
+                ffn.predictor.enabled = (policy == "all" or ffn.hybrid is not None
+                                         or b.decode_bytes_predicted < b.decode_bytes_exact)
 
     def __getattr__(self, name: str):
         try:
@@ -115,13 +126,17 @@ def _check_args(model, mode, sparsity, gpu_budget, predictors) -> int | None:
         raise TypeError(f"picompile.compile needs a torch.nn.Module, got {type(model).__name__}")
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(map(repr, MODES))}")
-    if predictors not in PREDICTOR_POLICIES:
-        raise ValueError(f"unknown predictors={predictors!r}; choose one of "
-                         f"{', '.join(map(repr, PREDICTOR_POLICIES))}")
+    _check_predictor_policy(predictors)
     if sparsity is not None:
         if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0 <= sparsity < 1:
             raise ValueError(f"sparsity must be a number in [0, 1), got {sparsity!r}")
     return parse_budget(gpu_budget)
+
+
+def _check_predictor_policy(policy) -> None:
+    if policy not in PREDICTOR_POLICIES:
+        raise ValueError(f"unknown predictors={policy!r}; choose one of "
+                         f"{', '.join(map(repr, PREDICTOR_POLICIES))}")
 
 
 def _calibration_ids(calibration, tokenizer, n_tokens: int):
@@ -265,18 +280,14 @@ def _attach_predictor(graphs, ffn: SparseFFN, predictor) -> None:
 
 
 def _finish(model, plan, graphs, ffns) -> CompiledModel:
-    """Pick each block's kernel, once, after every change to the weights, and which predictors
+    """Pick each block's kernels, once, after every change to the weights, and which predictors
     run (plan.predictors)."""
     paths = {name: ffn.select_kernel() for name, ffn in ffns.items()}
-    for name, ffn in ffns.items():
+    for ffn in ffns.values():
         if ffn.predictor is not None:
-            b = ffn.block
             ffn.predictor.select_kernel()
-            ffn.predictor.enabled = (plan.predictors == "all"
-                                     or b.decode_bytes_predicted < b.decode_bytes_exact)
-            if not ffn.predictor.enabled:
-                paths[name] += " (predictor off: exact reads fewer bytes)"
     cm = CompiledModel(model, plan, graphs, paths)
+    cm.use_predictors(plan.predictors)
     cm.reset_stats()  # what calibration ran through the blocks is not the user's run
     return cm
 
@@ -372,7 +383,7 @@ def explain(cm: CompiledModel) -> str:
     cols = f"  {'block':<34} {'kind':<8} {'act':<9} {'d x n_ff':<11} {'skips':<14} {'calib.':>6} {'run':>6}"
     if predicted:
         cols += (f" {'rank':>5} {'recall':>7} {'pred/true density':>17} {'pred.bytes':>10}"
-                 f" {'B/token exact->pred':>21}")
+                 f" {'B/token exact->pred':>21} {'used':>4}")
     if placed:
         cols += f" {'hot':>6}"
     lines = [head, cols + "  path"]
@@ -387,11 +398,15 @@ def explain(cm: CompiledModel) -> str:
         if predicted:
             dens = f"{pct(b.predicted_density)} / {pct(b.true_density)}"
             row += f" {b.predictor_rank or '-':>5} {pct(b.predictor_recall):>7} {dens:>17} {b.predictor_bytes:>10}"
-            row += f" {f'{b.decode_bytes_exact:,}->{b.decode_bytes_predicted:,}':>21}"
+            used = "yes" if ffn is not None and ffn.predictor is not None and ffn.predictor.enabled else "no"
+            row += f" {f'{b.decode_bytes_exact:,}->{b.decode_bytes_predicted:,}':>21} {used:>4}"
         if placed:
             row += f" {b.hot_neurons:>6}"
         lines.append(row + f"  {cm.paths.get(b.name, '-')}")
     lines.append("  calib.: sparsity measured on calibration data; run: since the last reset_stats()")
+    if predicted:
+        lines.append(f"  B/token: weight bytes read per decoded token; used: the block runs its "
+                     f"predictor (predictors={plan.predictors!r})")
     if placed:
         p = plan.placement
         lines.append(f"placement: budget {p.budget_bytes:,} B, on the GPU {p.gpu_bytes:,} B, "

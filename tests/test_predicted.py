@@ -92,40 +92,45 @@ def test_predictors_run_only_where_they_read_fewer_bytes():
                              quiet=True)
     exact = picompile.compile(copy.deepcopy(dense), quiet=True)
     used = []
-    for name, ffn in auto.ffns().items():
+    for ffn in auto.ffns().values():
         b = ffn.block
         assert b.decode_bytes_exact > 0 and b.decode_bytes_predicted > b.predictor_bytes
         used.append(b.decode_bytes_predicted < b.decode_bytes_exact)
         assert ffn.predictor.enabled == used[-1]
-        assert ("predictor off" in auto.paths[name]) != used[-1]
     # d=32, n_ff=80: a rank >= 16 predictor reads more than the gate rows it could skip
     assert not any(used)
     ids = torch.randint(0, zoo.VOCAB, (1, 5))
     with torch.no_grad():
         torch.testing.assert_close(zoo.logits(auto, ids), zoo.logits(exact, ids), **TOL[torch.float32])
-    assert "B/token exact->pred" in picompile.explain(auto)
+    report = picompile.explain(auto)
+    assert "B/token exact->pred" in report and " no" in report
+    auto.use_predictors("all")
+    assert all(f.predictor.enabled for f in auto.ffns().values())
     with pytest.raises(ValueError, match="predictors="):
         picompile.compile(copy.deepcopy(dense), mode="predicted", calibration=_calibration(),
                           predictors="some")
 
 
 def test_decode_bytes_counts_the_rows_the_kernel_reads():
-    from picompile.passes.predictors import PredictorStats, decode_bytes
+    from picompile.passes.predictors import PredictorStats, decode_bytes, kernel_bytes
 
     d, n_ff = 100, 400
     row = d * 4  # float32
-    stats = PredictorStats(rank=8, recall=1.0, predicted_density=0.25, true_density=0.2, nbytes=1000)
+    stats = PredictorStats(rank=8, recall=1.0, predicted_density=0.25, true_density=0.2, nbytes=0)
+    pred = kernel_bytes(8, d, n_ff)
+    assert pred == 8 * (d + n_ff) * 2 + (8 + n_ff) * 4  # float16 matrices, float32 biases
     relu = picompile.compile(zoo.make("tiny_plain_relu", d=d, n_ff=n_ff), quiet=True)
     plain = next(iter(relu.ffns().values()))
     # plain: every candidate's up row, then the down rows of the firing neurons
     assert decode_bytes(plain, stats) == (round(n_ff * (1 + 0.2) * row),
-                                          round(1000 + n_ff * (0.25 + 0.2) * row))
+                                          round(pred + n_ff * (0.25 + 0.2) * row))
     gated = next(iter(picompile.compile(zoo.make("llama_relu"), quiet=True).ffns().values()))
     row, n = gated.d_model * 4, gated.n_ff
+    pred = kernel_bytes(8, gated.d_model, n)
     # gated ReLU: the gate row of each candidate, up and down rows only where the gate fired
-    assert decode_bytes(gated, stats) == (round(n * (1 + 0.4) * row), round(1000 + n * (0.25 + 0.4) * row))
+    assert decode_bytes(gated, stats) == (round(n * (1 + 0.4) * row), round(pred + n * (0.25 + 0.4) * row))
     gated.act = "silu"  # SiLU never gives exact zeros: gate and up for every candidate
-    assert decode_bytes(gated, stats) == (round(n * (2 + 0.2) * row), round(1000 + n * (0.5 + 0.2) * row))
+    assert decode_bytes(gated, stats) == (round(n * (2 + 0.2) * row), round(pred + n * (0.5 + 0.2) * row))
 
 
 def test_predicted_mode_needs_calibration():

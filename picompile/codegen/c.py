@@ -858,9 +858,9 @@ def _bind(lib: ctypes.CDLL, v: Variant, ffn) -> Kernel:
     return kernel
 
 
-# Predictor weights are float32, so the predictor runs from the float32 libraries (every variant
-# library has `predict`; this one is as good as any).
-_PREDICTOR_VARIANT = Variant("float32", gated=False, drelu=False, bias=False, act="relu")
+# The predictor's matrices hold float16 values (Predictor keeps them so), read as float16: every
+# variant library has `predict` for its weight dtype; any float16 one serves.
+_PREDICTOR_VARIANT = Variant("float16", gated=False, drelu=False, bias=False, act="relu")
 
 
 def predictor_kernel_for(pred) -> Callable[[torch.Tensor, float], torch.Tensor] | None:
@@ -876,7 +876,9 @@ def predictor_kernel_for(pred) -> Callable[[torch.Tensor, float], torch.Tensor] 
     lib = try_load(_PREDICTOR_VARIANT)
     if lib is None:
         return None
-    p1, pb1, p2, pb2 = (t.detach().contiguous() for t in params)  # kept referenced: raw pointers
+    # Kept referenced by the closure: the C code reads them through raw pointers.
+    p1, p2 = (t.detach().to(torch.float16).contiguous() for t in (pred.p1, pred.p2))
+    pb1, pb2 = (t.detach().contiguous() for t in (pred.pb1, pred.pb2))
     r, d = p1.shape
     n_ff = p2.shape[0]
     fn = lib.predict

@@ -36,16 +36,18 @@ MISS_MARGIN = 0.8
 class Predictor(nn.Module):
     """mask [T, n_ff] = relu(x p1^T + pb1) p2^T + pb2 > tau, for x [T, d].
 
-    `enabled` False makes it return None (the block then runs exact): see `decide_use`. Small
-    batches run a C kernel (picked once by select_kernel); `forward_native` is its reference."""
+    `enabled` False makes it return None (the block then runs exact; CompiledModel.use_predictors
+    decides). Small batches run a C kernel (picked once by select_kernel); `forward_native` is its
+    reference. The weight matrices hold float16 values (in float32 tensors): the C kernel reads
+    them as float16, half the bytes, and computes exactly the products the reference does."""
 
     def __init__(self, p1: torch.Tensor, pb1: torch.Tensor, p2: torch.Tensor, pb2: torch.Tensor,
                  tau: float = 0.0):
         super().__init__()
-        self.p1 = nn.Parameter(p1, requires_grad=False)  # [r, d]
-        self.pb1 = nn.Parameter(pb1, requires_grad=False)  # [r]
-        self.p2 = nn.Parameter(p2, requires_grad=False)  # [n_ff, r], one row per neuron
-        self.pb2 = nn.Parameter(pb2, requires_grad=False)  # [n_ff]
+        self.p1 = nn.Parameter(_float16_values(p1), requires_grad=False)  # [r, d]
+        self.pb1 = nn.Parameter(pb1.float(), requires_grad=False)  # [r]
+        self.p2 = nn.Parameter(_float16_values(p2), requires_grad=False)  # [n_ff, r], a row per neuron
+        self.pb2 = nn.Parameter(pb2.float(), requires_grad=False)  # [n_ff]
         self.tau = float(tau)
         self.enabled = True
         self.kernel = None
@@ -75,6 +77,16 @@ class Predictor(nn.Module):
 
     def extra_repr(self) -> str:
         return f"d={self.p1.shape[1]}, rank={self.rank}, n_ff={self.p2.shape[0]}, tau={self.tau:.3g}"
+
+
+def _float16_values(t: torch.Tensor) -> torch.Tensor:
+    """t rounded to float16 precision, kept as float32."""
+    return t.detach().float().clamp(-65504, 65504).half().float()
+
+
+def kernel_bytes(rank: int, d: int, n_ff: int) -> int:
+    """Bytes the C predictor kernel reads per call: float16 matrices, float32 biases."""
+    return rank * (d + n_ff) * 2 + (rank + n_ff) * 4
 
 
 @dataclass
@@ -171,14 +183,14 @@ def decode_bytes(ffn, stats: PredictorStats) -> tuple[int, int]:
     whose activation is not ReLU, as SiLU never gives exact zeros) and the rest of a neuron's
     rows only when it fires. Exact mode takes every neuron as a candidate, predicted mode the
     predicted ones; a block gains from its predictor when the first rows it skips outweigh the
-    predictor's bytes."""
+    bytes of the predictor's kernel."""
     row_bytes = ffn.d_model * ffn.w_up.element_size()
     gated = ffn.w_gate is not None
     first_rows = 2 if gated and ffn.act != "relu" else 1  # per candidate
     later_rows = 2 if gated and ffn.act == "relu" else 1  # per firing neuron
     fired = stats.true_density * later_rows
     exact = ffn.n_ff * (first_rows + fired) * row_bytes
-    predicted = (stats.nbytes
+    predicted = (kernel_bytes(stats.rank, ffn.d_model, ffn.n_ff)
                  + ffn.n_ff * (stats.predicted_density * first_rows + stats.recall * fired) * row_bytes)
     return round(exact), round(predicted)
 
