@@ -104,6 +104,10 @@ def test_predictors_run_only_where_they_read_fewer_bytes():
         torch.testing.assert_close(zoo.logits(auto, ids), zoo.logits(exact, ids), **TOL[torch.float32])
     report = picompile.explain(auto)
     assert "B/token exact->pred" in report and " no" in report
+    first, *rest = auto.ffns().values()
+    first.block.decode_bytes_predicted = first.block.decode_bytes_exact - 1  # now it would pay
+    auto.use_predictors("auto")
+    assert first.predictor.enabled and not any(f.predictor.enabled for f in rest)
     auto.use_predictors("all")
     assert all(f.predictor.enabled for f in auto.ffns().values())
     with pytest.raises(ValueError, match="predictors="):
