@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--mode", choices=["exact", "predicted"], default="exact",
                        help="exact: compute what fires; predicted: trained predictors pick it")
         p.add_argument("--predictors", choices=["auto", "all"], default="auto",
-                       help="predicted mode: auto runs a predictor only where it saves bytes "
-                            "read per token; all runs every one")
+                       help="predicted mode: auto runs a predictor only where it makes decode "
+                            "faster (timed by compile); all runs every one")
         p.add_argument("--gpu-budget", default=None,
                        help="e.g. 24GB or 24GiB: hot neurons on the GPU within it")
         p.add_argument("--calibration-tokens", type=int, default=16384,

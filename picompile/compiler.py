@@ -77,8 +77,8 @@ class CompiledModel(nn.Module):
 
     def use_predictors(self, policy: str) -> None:
         """Which trained predictors run (the rest of the blocks run exact): "all", or "auto":
-        those whose block then reads fewer weight bytes per token on the CPU (BlockPlan's
-        decode_bytes_*), and every one in the hybrid runtime, where a predictor runs on the GPU,
+        those whose block decodes faster with it on the CPU (BlockPlan.decode_us_*, measured
+        by compile), and every one in the hybrid runtime, where a predictor runs on the GPU,
         costs the CPU nothing and spares it the gate rows of the cold neurons not predicted."""
         _check_predictor_policy(policy)
         self.plan.predictors = policy
@@ -86,7 +86,7 @@ class CompiledModel(nn.Module):
             if ffn.predictor is not None:
                 b = ffn.block
                 ffn.predictor.enabled = (policy == "all" or ffn.hybrid is not None
-                                         or b.decode_bytes_predicted < b.decode_bytes_exact)
+                                         or b.decode_us_predicted < b.decode_us_exact)
 
     def __getattr__(self, name: str):
         try:
@@ -131,6 +131,9 @@ def _check_args(model, mode, sparsity, gpu_budget, predictors) -> int | None:
         if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0 <= sparsity < 1:
             raise ValueError(f"sparsity must be a number in [0, 1), got {sparsity!r}")
     return parse_budget(gpu_budget)
+
+
+PREDICTOR_TIMING_SAMPLES = 32  # block inputs from the profile on which compile times each block
 
 
 def _check_predictor_policy(policy) -> None:
@@ -182,9 +185,9 @@ def compile(
     mode="predicted": per block a trained low-rank predictor picks the neurons to compute
     (gate, up and down alike), catching `target_recall` of those that fire on calibration data.
     With only `tokenizer`, calibration uses `calibration_tokens` of the built-in corpus.
-    predictors="auto" runs a block's predictor only where the block then reads fewer weight
-    bytes per token than exact mode (small blocks may not gain: explain() shows both figures);
-    in the hybrid runtime they all run, on the GPU. predictors="all" runs every one.
+    predictors="auto" runs a block's predictor only where the block then decodes faster on the
+    CPU, as timed here (small blocks may not gain: explain() shows bytes read and times); in
+    the hybrid runtime they all run, on the GPU. predictors="all" runs every one.
 
     gpu_budget ("24GB", "24GiB", bytes): place the hottest neurons on the GPU within it, after
     the non-FFN weights, predictors and a KV cache for `max_context` tokens.
@@ -234,6 +237,11 @@ def compile(
     if budget is not None:
         _place(model, ffns, plan.placement, profiles, budget, max_context)
     cm = _finish(model, plan, graphs, ffns)
+    if mode == "predicted":  # time each block with and without its predictor, on the CPU
+        for name, prof in profiles.items():
+            b, xs = ffns[name].block, prof.x[:: max(1, len(prof.x) // PREDICTOR_TIMING_SAMPLES)]
+            b.decode_us_exact, b.decode_us_predicted = predictors_pass.time_decode(ffns[name], xs)
+        cm.use_predictors(predictors)
     if budget is not None and torch.cuda.is_available() and plan.placement.fixed_on_gpu:
         cm.distribute("cuda")
     return cm
@@ -383,7 +391,7 @@ def explain(cm: CompiledModel) -> str:
     cols = f"  {'block':<34} {'kind':<8} {'act':<9} {'d x n_ff':<11} {'skips':<14} {'calib.':>6} {'run':>6}"
     if predicted:
         cols += (f" {'rank':>5} {'recall':>7} {'pred/true density':>17} {'pred.bytes':>10}"
-                 f" {'B/token exact->pred':>21} {'used':>4}")
+                 f" {'B/token exact->pred':>21} {'us exact->pred':>14} {'used':>4}")
     if placed:
         cols += f" {'hot':>6}"
     lines = [head, cols + "  path"]
@@ -399,14 +407,16 @@ def explain(cm: CompiledModel) -> str:
             dens = f"{pct(b.predicted_density)} / {pct(b.true_density)}"
             row += f" {b.predictor_rank or '-':>5} {pct(b.predictor_recall):>7} {dens:>17} {b.predictor_bytes:>10}"
             used = "yes" if ffn is not None and ffn.predictor is not None and ffn.predictor.enabled else "no"
-            row += f" {f'{b.decode_bytes_exact:,}->{b.decode_bytes_predicted:,}':>21} {used:>4}"
+            row += (f" {f'{b.decode_bytes_exact:,}->{b.decode_bytes_predicted:,}':>21}"
+                    f" {f'{b.decode_us_exact:.0f}->{b.decode_us_predicted:.0f}':>14} {used:>4}")
         if placed:
             row += f" {b.hot_neurons:>6}"
         lines.append(row + f"  {cm.paths.get(b.name, '-')}")
     lines.append("  calib.: sparsity measured on calibration data; run: since the last reset_stats()")
     if predicted:
-        lines.append(f"  B/token: weight bytes read per decoded token; used: the block runs its "
-                     f"predictor (predictors={plan.predictors!r})")
+        lines.append(f"  B/token: weight bytes read per decoded token; us: measured microseconds "
+                     f"per decoded token; used: the block runs its predictor "
+                     f"(predictors={plan.predictors!r})")
     if placed:
         p = plan.placement
         lines.append(f"placement: budget {p.budget_bytes:,} B, on the GPU {p.gpu_bytes:,} B, "

@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass, field
 
 ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh")
 MODES = ("exact", "predicted")
-# Which trained predictors run: "auto" those that make a block read fewer bytes per token (on
-# the CPU; all of them in the hybrid runtime, where they run on the GPU), "all" every one.
+# Which trained predictors run: "auto" those that make a block's decode faster (measured on the
+# CPU at compile time; all of them in the hybrid runtime, where they run on the GPU), "all" every one.
 PREDICTOR_POLICIES = ("auto", "all")
 
 
@@ -42,9 +42,12 @@ class BlockPlan:
     predictor_bytes: int = 0
     predictor_tau: float = 0.0
     # Weight bytes the CPU decode kernel reads per token without / with the predictor (the
-    # predictor's own bytes included): a predictor is used where it reads fewer (Plan.predictors).
+    # predictor's own bytes included), and the measured microseconds per decoded token: a
+    # predictor runs on the CPU where it is faster (Plan.predictors="auto").
     decode_bytes_exact: int = 0
     decode_bytes_predicted: int = 0
+    decode_us_exact: float = 0.0
+    decode_us_predicted: float = 0.0
     hot_neurons: int = 0  # neurons 0 .. hot_neurons-1 (after the hot-first permutation) on the GPU
 
     @property

@@ -11,6 +11,8 @@ rank: their activity is far less predictable than ReLU's), keeping the best rank
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -193,6 +195,32 @@ def decode_bytes(ffn, stats: PredictorStats) -> tuple[int, int]:
     predicted = (kernel_bytes(stats.rank, ffn.d_model, ffn.n_ff)
                  + ffn.n_ff * (stats.predicted_density * first_rows + stats.recall * fired) * row_bytes)
     return round(exact), round(predicted)
+
+
+@torch.no_grad()
+def time_decode(ffn, xs: torch.Tensor, rounds: int = 5) -> tuple[float, float]:
+    """(exact, predicted): median microseconds of one single-token call of `ffn` without and
+    with its predictor, over block inputs xs [N, d]. The two are timed alternately, so that
+    both see the same load on the machine. The byte counts of decode_bytes leave out fixed
+    costs per call (Python, thread start-up), which decide small blocks: hence a measurement."""
+    pred, enabled = ffn.predictor, ffn.predictor.enabled
+    pred.enabled = True
+    xs = xs.to(ffn.w_up.dtype if ffn.w_up.is_floating_point() else torch.float32)
+    exact, predicted = [], []
+    try:
+        for _ in range(rounds):
+            for x in xs.split(1):  # [1, d]
+                t0 = time.perf_counter()
+                ffn(x)
+                t1 = time.perf_counter()
+                ffn(x, pred(x))
+                t2 = time.perf_counter()
+                exact.append(t1 - t0)
+                predicted.append(t2 - t1)
+    finally:
+        pred.enabled = enabled
+        ffn.reset_stats()
+    return statistics.median(exact) * 1e6, statistics.median(predicted) * 1e6
 
 
 def train_all(profiles: dict[str, BlockProfile], quiet: bool = False, **kw
