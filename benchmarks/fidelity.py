@@ -23,6 +23,7 @@ import argparse
 import copy
 import pathlib
 import platform
+import statistics
 import time
 
 import torch
@@ -35,15 +36,24 @@ from picompile.timing import timed_generate
 FIXTURE = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "relu_llama"
 
 
-REPEATS = 3
+REPEATS = 5
 
 
-def decode(model, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, float]:
-    """Greedy tokens [new_tokens] and decode tokens/s (prefill excluded, median of REPEATS runs),
-    after a warm-up."""
-    timed_generate(model, prompt, 2)
-    runs = [timed_generate(model, prompt, new_tokens, exact_length=True) for _ in range(REPEATS)]
-    return runs[0][0], sorted(tps for _, tps in runs)[len(runs) // 2]
+def decode_speeds(runs: list, prompt: torch.Tensor, new_tokens: int) -> list[float]:
+    """Decode tokens/s (prefill excluded) of each (model, predictor policy or None) in `runs`:
+    the median of REPEATS rounds, each round timing every run in turn, so that all of them see
+    the same drift in the shared machine's speed."""
+    def run(model, policy):
+        if policy is not None:
+            model.use_predictors(policy)
+        return timed_generate(model, prompt, new_tokens, exact_length=True)[1]
+
+    for model, policy in runs:  # warm-up
+        if policy is not None:
+            model.use_predictors(policy)
+        timed_generate(model, prompt, 2)
+    speeds = [[run(*r) for r in runs] for _ in range(REPEATS)]
+    return [statistics.median(col) for col in zip(*speeds)]
 
 
 @torch.no_grad()
@@ -66,45 +76,56 @@ def gate_criterion_perplexity(dense, calib: torch.Tensor, heldout: torch.Tensor,
 
 
 def report(name, dense, tokenizer, sparsity, calib_tokens, heldout_tokens, new_tokens):
-    rows = []
     heldout = corpus.token_batches(tokenizer, "heldout",
                                    min(heldout_tokens, corpus.available_tokens(tokenizer, "heldout")))
     calib = corpus.token_batches(tokenizer, "calibration",
                                  min(calib_tokens, corpus.available_tokens(tokenizer, "calibration")))
     prompt = heldout[:1, :32]
-    ppl_dense = perplexity(dense, heldout)
-    toks_dense, tps_dense = decode(dense, prompt, new_tokens)
-    rows.append(("dense", None, None, None, ppl_dense, 1.0, tps_dense))
-
-    def measure(label, cm, compile_s):
-        cm.reset_stats()
-        ppl = perplexity(cm, heldout)
-        sp = cm.sparsity()
-        toks, tps = decode(cm, prompt, new_tokens)
-        agree = int((toks == toks_dense).int().cumprod(0).sum()) / new_tokens
-        blocks = cm.plan.blocks
-        recall = [b.predictor_recall for b in blocks if b.predictor_recall is not None]
-        dens = [(b.predicted_density, b.true_density) for b in blocks if b.predicted_density is not None]
-        rows.append((label, sp, sum(recall) / len(recall) if recall else None,
-                     (sum(p for p, _ in dens) / len(dens), sum(t for _, t in dens) / len(dens)) if dens else None,
-                     ppl, agree, tps, compile_s))
-
     at = f" @{sparsity:.0%}" if sparsity else ""
+    runs = [("dense", dense, None, 0.0)]  # label, model, predictor policy, compile seconds
     for mode in ("exact", "predicted"):
         t0 = time.perf_counter()
         cm = picompile.compile(copy.deepcopy(dense), mode=mode, sparsity=sparsity,
                                calibration=calib, predictors="all", quiet=True)
         compile_s = time.perf_counter() - t0
         if mode == "exact":
-            measure(f"exact{at}", cm, compile_s)
+            runs.append((f"exact{at}", cm, None, compile_s))
             continue
-        measure(f"predicted{at}, all predictors", cm, compile_s)
+        runs.append((f"predicted{at}, all predictors", cm, "all", compile_s))
         cm.use_predictors("auto")
         used = sum(f.predictor.enabled for f in cm.ffns().values() if f.predictor is not None)
         if used < len(cm.plan.blocks):
-            measure(f"predicted{at}, predictors=auto ({used}/{len(cm.plan.blocks)} blocks)",
-                    cm, compile_s)
+            runs.append((f"predicted{at}, predictors=auto ({used}/{len(cm.plan.blocks)} blocks)",
+                         cm, "auto", compile_s))
+
+    rows, toks_dense = [], None
+    for label, model, policy, compile_s in runs:  # quality: perplexity, sparsity, greedy tokens
+        if policy is not None:
+            model.use_predictors(policy)
+        compiled = model is not dense
+        if compiled:
+            model.reset_stats()
+        ppl = perplexity(model, heldout)
+        sp = model.sparsity() if compiled else None
+        toks = timed_generate(model, prompt, new_tokens, exact_length=True)[0]
+        toks_dense = toks if toks_dense is None else toks_dense
+        agree = int((toks == toks_dense).int().cumprod(0).sum()) / new_tokens
+        blocks = model.plan.blocks if compiled else []
+        recall = [b.predictor_recall for b in blocks if b.predictor_recall is not None]
+        dens = [(b.predicted_density, b.true_density) for b in blocks if b.predicted_density is not None]
+        rows.append([label, sp, sum(recall) / len(recall) if recall else None,
+                     (sum(p for p, _ in dens) / len(dens), sum(t for _, t in dens) / len(dens)) if dens else None,
+                     ppl, agree, None, compile_s])
+    for row, tps in zip(rows, decode_speeds([(m, pol) for _, m, pol, _ in runs], prompt, new_tokens)):
+        row[6] = tps
+    ppl_dense = rows[0][4]
     extra = []
+    blocks = runs[2][1].plan.blocks  # the predicted model's
+    us = [sum(getattr(b, f"decode_us_{k}") for b in blocks) for k in ("exact", "predicted")]
+    mb = [sum(getattr(b, f"decode_bytes_{k}") for b in blocks) / 1e6 for k in ("exact", "predicted")]
+    extra.append(f"FFN blocks alone, per decoded token (timed by compile on calibration inputs): "
+                 f"exact {us[0]:.0f} us, every predictor on {us[1]:.0f} us ({us[0] / us[1]:.2f}x); "
+                 f"weight bytes read {mb[0]:.1f} MB vs {mb[1]:.1f} MB")
     if sparsity and dense.config.hidden_act != "relu":
         extra.append(f"gate criterion |act(gate)| @{sparsity:.0%}: perplexity "
                      f"{gate_criterion_perplexity(dense, calib, heldout, sparsity):.3f} "
@@ -119,12 +140,12 @@ def print_table(name, rows, ppl_dense, n_calib, n_heldout, new_tokens, extra):
           "| greedy agreement | decode tok/s (vs dense) | compile s |")
     print("|---|---|---|---|---|---|---|---|")
     tps_dense = rows[0][6]
-    for label, sp, rec, dens, ppl, agree, tps, *cs in rows:
+    for label, sp, rec, dens, ppl, agree, tps, compile_s in rows:
         print(f"| {label} | {'-' if sp is None else f'{sp:.1%}'} | "
               f"{'-' if rec is None else f'{rec:.3f}'} | "
               f"{'-' if dens is None else f'{dens[0]:.3f} / {dens[1]:.3f}'} | "
               f"{ppl:.3f} ({ppl / ppl_dense - 1:+.2%}) | {agree:.0%} | "
-              f"{tps:.1f} ({tps / tps_dense:.2f}x) | {cs[0] if cs else 0:.0f} |")
+              f"{tps:.1f} ({tps / tps_dense:.2f}x) | {compile_s:.0f} |")
     for line in extra:
         print(f"\n{line}")
 

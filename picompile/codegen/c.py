@@ -116,10 +116,10 @@ _HEADER = """\
  *               int64_t T, int64_t d, int64_t r, int64_t n_ff,
  *               const wtype* p1,    [r, d]      the predictor's layers (wtype: this library's
  *               const float* pb1,   [r]          weight dtype; picompile uses float32)
- *               const wtype* p2,    [n_ff, r]   one row per neuron
+ *               const wtype* p2t,   [r, n_ff]   the second layer's weight, transposed
  *               const float* pb2,   [n_ff]
  *               float tau,
- *               uint8_t* mask);     out [T, n_ff]: 1 where p2 relu(p1 x + pb1) + pb2 > tau
+ *               uint8_t* mask);     out [T, n_ff]: 1 where p2t^T relu(p1 x + pb1) + pb2 > tau
  *                                   returns 0, or -1 when out of memory
  *   void pic_set_num_threads(int n);  OpenMP threads for ffn (<= 0: the OpenMP default)
  *   const char* pic_variant(void);
@@ -165,6 +165,7 @@ _BODY = r"""
 #ifndef PIC_PF_BYTES
 #define PIC_PF_BYTES 2048       /* software prefetch distance in a weight row */
 #endif
+#define PIC_PRED_CHUNK 512      /* neurons per chunk of the predictor's second layer */
 #define PIC_CHUNKS 16           /* chunks of candidate neurons, each with a partial output */
 #define PIC_PARTIAL_MAX_BYTES ((int64_t)64 << 20) /* cap on the partial outputs */
 
@@ -485,7 +486,7 @@ void ffn(const float* x, int64_t T, int64_t d, int64_t n_ff,
 }
 
 int predict(const float* x, int64_t T, int64_t d, int64_t r, int64_t n_ff,
-            const wtype* p1, const float* pb1, const wtype* p2, const float* pb2,
+            const wtype* p1, const float* pb1, const wtype* p2t, const float* pb2,
             float tau, uint8_t* mask) {
     if (T <= 0) return 0;
     float* z = (float*)malloc((size_t)T * (size_t)(r > 0 ? r : 1) * sizeof(float)); /* [T, r] */
@@ -512,13 +513,30 @@ int predict(const float* x, int64_t T, int64_t d, int64_t r, int64_t n_ff,
                 z[(t0 + n) * r + i] = v > 0.0f ? v : 0.0f;
             }
         }
+        /* mask = p2 z + pb2 > tau, with p2 transposed ([r, n_ff]): per chunk of neurons,
+         * accumulate z[i] * p2t[i, chunk] over i, skipping the i where relu zeroed z for every
+         * token (rows read contiguously, about half of them skipped). */
+        const int64_t nchunks = (n_ff + PIC_PRED_CHUNK - 1) / PIC_PRED_CHUNK;
 #ifdef _OPENMP
 #pragma omp parallel for if(par2) num_threads(nthr) schedule(static)
 #endif
-        for (int64_t j = 0; j < n_ff; ++j) { /* mask = p2 z + pb2 > tau */
-            float s[PIC_MAXTOK];
-            dot_rows(p2 + j * r, zs, nt, r, s);
-            for (int n = 0; n < nt; ++n) mask[(t0 + n) * n_ff + j] = s[n] + pb2[j] > tau;
+        for (int64_t c = 0; c < nchunks; ++c) {
+            const int64_t j0 = c * PIC_PRED_CHUNK;
+            const int64_t nj = n_ff - j0 < PIC_PRED_CHUNK ? n_ff - j0 : PIC_PRED_CHUNK;
+            float acc[PIC_MAXTOK][PIC_PRED_CHUNK];
+            float* ps[PIC_MAXTOK];
+            for (int n = 0; n < nt; ++n) {
+                ps[n] = acc[n];
+                for (int64_t j = 0; j < nj; ++j) acc[n][j] = pb2[j0 + j];
+            }
+            for (int64_t i = 0; i < r; ++i) {
+                float zi[PIC_MAXTOK];
+                int any = 0;
+                for (int n = 0; n < nt; ++n) { zi[n] = zs[n][i]; any |= zi[n] != 0.0f; }
+                if (any) axpy_rows(p2t + i * n_ff + j0, zi, ps, nt, nj);
+            }
+            for (int n = 0; n < nt; ++n)
+                for (int64_t j = 0; j < nj; ++j) mask[(t0 + n) * n_ff + j0 + j] = acc[n][j] > tau;
         }
         (void)par1; (void)par2;
     }
@@ -877,10 +895,10 @@ def predictor_kernel_for(pred) -> Callable[[torch.Tensor, float], torch.Tensor] 
     if lib is None:
         return None
     # Kept referenced by the closure: the C code reads them through raw pointers.
-    p1, p2 = (t.detach().to(torch.float16).contiguous() for t in (pred.p1, pred.p2))
+    p1, p2t = (t.detach().to(torch.float16).contiguous() for t in (pred.p1, pred.p2.T))
     pb1, pb2 = (t.detach().contiguous() for t in (pred.pb1, pred.pb2))
     r, d = p1.shape
-    n_ff = p2.shape[0]
+    n_ff = p2t.shape[1]
     fn = lib.predict
 
     def kernel(x: torch.Tensor, tau: float) -> torch.Tensor:
@@ -890,7 +908,7 @@ def predictor_kernel_for(pred) -> Callable[[torch.Tensor, float], torch.Tensor] 
         x = x.detach().to(device="cpu", dtype=torch.float32).contiguous()
         mask = torch.empty((x.shape[0], n_ff), dtype=torch.bool)
         _set_threads(lib)
-        if fn(x.data_ptr(), x.shape[0], d, r, n_ff, p1.data_ptr(), pb1.data_ptr(), p2.data_ptr(),
+        if fn(x.data_ptr(), x.shape[0], d, r, n_ff, p1.data_ptr(), pb1.data_ptr(), p2t.data_ptr(),
               pb2.data_ptr(), float(tau), mask.data_ptr()) != 0:
             raise MemoryError("C predictor kernel: out of memory")
         return mask
