@@ -25,6 +25,7 @@ from picompile.passes import profile as profile_pass
 from picompile.passes import rewrite as rewrite_pass
 from picompile.passes.detect import detect
 from picompile.plan import MODES, PREDICTOR_POLICIES, BlockPlan, Plan, Unmatched
+from picompile.progress import progress_bar
 from picompile.runtime.sparse_ffn import SparseFFN
 
 
@@ -238,7 +239,8 @@ def compile(
         _place(model, ffns, plan.placement, profiles, budget, max_context)
     cm = _finish(model, plan, graphs, ffns)
     if mode == "predicted":  # time each block with and without its predictor, on the CPU
-        for name, prof in profiles.items():
+        for name, prof in progress_bar(profiles.items(), "timing predictors", quiet,
+                                       total=len(profiles)):
             b, xs = ffns[name].block, prof.x[:: max(1, len(prof.x) // PREDICTOR_TIMING_SAMPLES)]
             b.decode_us_exact, b.decode_us_predicted = predictors_pass.time_decode(ffns[name], xs)
         cm.use_predictors(predictors)

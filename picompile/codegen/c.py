@@ -115,7 +115,7 @@ _HEADER = """\
  *   int predict(const float* x,     [T, d] float32: the block input
  *               int64_t T, int64_t d, int64_t r, int64_t n_ff,
  *               const wtype* p1,    [r, d]      the predictor's layers (wtype: this library's
- *               const float* pb1,   [r]          weight dtype; picompile uses float32)
+ *               const float* pb1,   [r]          weight dtype; picompile uses float16)
  *               const wtype* p2t,   [r, n_ff]   the second layer's weight, transposed
  *               const float* pb2,   [n_ff]
  *               float tau,
@@ -711,7 +711,7 @@ _FFN_ARGTYPES = [
 
 _PREDICT_ARGTYPES = [
     _vp, _c_int64, _c_int64, _c_int64, _c_int64,  # x, T, d, r, n_ff
-    _vp, _vp, _vp, _vp, ctypes.c_float, _vp,  # p1, pb1, p2, pb2, tau, mask
+    _vp, _vp, _vp, _vp, ctypes.c_float, _vp,  # p1, pb1, p2t, pb2, tau, mask
 ]
 
 _libs: dict[tuple, ctypes.CDLL] = {}

@@ -7,7 +7,11 @@ threshold `tau` is then set on held-out samples so that the target share of firi
 caught (recall, default 0.99); the rank is the smallest of RANKS whose predicted density is at
 most `max_density_ratio` times the true density at that recall. The search stops early when a
 larger rank stops helping (SiLU blocks of SmolLM2 predict ~95% of neurons at recall 0.99 at any
-rank: their activity is far less predictable than ReLU's), keeping the best rank tried."""
+rank: their activity is far less predictable than ReLU's), keeping the best rank tried.
+
+A predictor only pays where the gate rows it lets the block skip cost more than the predictor
+itself: `decode_bytes` counts both, `time_decode` measures both (what decides
+`predictors="auto"`, since fixed costs per call dominate small blocks)."""
 
 from __future__ import annotations
 
@@ -205,7 +209,7 @@ def time_decode(ffn, xs: torch.Tensor, rounds: int = 5) -> tuple[float, float]:
     costs per call (Python, thread start-up), which decide small blocks: hence a measurement."""
     pred, enabled = ffn.predictor, ffn.predictor.enabled
     pred.enabled = True
-    xs = xs.to(ffn.w_up.dtype if ffn.w_up.is_floating_point() else torch.float32)
+    xs = xs.to(ffn.w_up.dtype)
     exact, predicted = [], []
     try:
         for _ in range(rounds):
