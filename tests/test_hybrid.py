@@ -76,3 +76,27 @@ def test_timeline_records_both_sides():
     (step,) = ffn.hybrid.timeline
     assert step["tokens"] == 1 and step["cold_s"] > 0 and step["hot_s"] > 0
     assert step["wall_s"] >= max(step["hot_s"], step["cold_s"]) * 0.5
+
+
+def test_cuda_hot_kernel_takes_the_sparse_ffn_kernel_interface():
+    """SparseFFN hands its kernel the predicted mask; the CUDA adapter turns it into the hot
+    row list. Checked without a GPU through a stand-in for codegen.cuda.CudaFFN."""
+    from picompile.runtime.hybrid import CudaHotKernel
+
+    calls = []
+
+    class StandInCudaFFN:
+        def ffn_given_idx(self, x, idx):
+            calls.append(idx)
+            return torch.zeros_like(x), 0
+
+    cm = picompile.compile(zoo.make("tiny_gated_relu", n_ff=6), quiet=True)
+    ffn = next(iter(cm.ffns().values()))
+    kernel = CudaHotKernel.__new__(CudaHotKernel)  # no CUDA: skip building the real one
+    kernel.ffn, kernel.all_rows = StandInCudaFFN(), torch.arange(6, dtype=torch.int32)
+    ffn.kernel = kernel
+    x = torch.randn(2, ffn.d_model)
+    predicted = torch.tensor([[1, 0, 0, 1, 0, 0], [0, 0, 0, 1, 0, 1]], dtype=torch.bool)
+    assert torch.equal(ffn(x, predicted), torch.zeros_like(x))
+    ffn(x)
+    assert calls[0].tolist() == [0, 3, 5] and torch.equal(calls[1], kernel.all_rows)

@@ -60,7 +60,11 @@ class CudaHotKernel:
                            threshold=view.threshold)
         self.all_rows = torch.arange(view.n_ff, dtype=torch.int32, device=view.w_up.device)
 
-    def __call__(self, x, threshold: float = 0.0, idx=None):
+    def __call__(self, x, threshold: float = 0.0, idx=None, mask=None):
+        """SparseFFN's kernel interface: candidates idx [m], else the rows set for any token in
+        mask [T, n_hot] (nonzero synchronizes once per block), else all hot rows."""
+        if idx is None and mask is not None:
+            idx = mask.any(0).nonzero().flatten()
         # n_active stays a device tensor: reading it would synchronize every block.
         return self.ffn.ffn_given_idx(x, self.all_rows if idx is None else idx)
 
