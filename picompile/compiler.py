@@ -25,7 +25,7 @@ from picompile.passes import profile as profile_pass
 from picompile.passes import rewrite as rewrite_pass
 from picompile.passes.detect import detect
 from picompile.plan import MODES, PREDICTOR_POLICIES, BlockPlan, Plan, Unmatched
-from picompile.progress import progress_bar
+from picompile.progress import note, progress_bar
 from picompile.runtime.sparse_ffn import SparseFFN
 
 
@@ -246,6 +246,10 @@ def compile(
         cm.use_predictors(predictors)
     if budget is not None and torch.cuda.is_available() and plan.placement.fixed_on_gpu:
         cm.distribute("cuda")
+    used = sum(f.predictor.enabled for f in ffns.values() if f.predictor is not None)
+    if mode == "predicted" and used < len(ffns):
+        note(f"predictors run in {used} of {len(ffns)} blocks; the others decode faster exact "
+             "on this CPU (explain() shows the timings; predictors='all' runs every one)", quiet)
     return cm
 
 

@@ -6,6 +6,7 @@ tqdm, because it already handles terminals, notebooks, pipes and rate estimates 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterable
 
 from tqdm.auto import tqdm
@@ -18,3 +19,9 @@ def quiet_by_default() -> bool:
 def progress_bar(items: Iterable, desc: str, quiet: bool = False, total: int | None = None):
     return tqdm(items, desc=f"picompile: {desc}", total=total, leave=False,
                 disable=quiet or quiet_by_default())
+
+
+def note(message: str, quiet: bool = False) -> None:
+    """One line on stderr about a decision the user may want to know of (not when quiet)."""
+    if not (quiet or quiet_by_default()):
+        tqdm.write(f"picompile: {message}", file=sys.stderr)
