@@ -207,6 +207,8 @@ def time_decode(ffn, xs: torch.Tensor, rounds: int = 5) -> tuple[float, float]:
     with its predictor, over block inputs xs [N, d]. The two are timed alternately, so that
     both see the same load on the machine. The byte counts of decode_bytes leave out fixed
     costs per call (Python, thread start-up), which decide small blocks: hence a measurement."""
+    if len(xs) == 0:
+        return 0.0, 0.0  # nothing to time on: predictors="auto" leaves the block exact
     pred, enabled = ffn.predictor, ffn.predictor.enabled
     pred.enabled = True
     xs = xs.to(ffn.w_up.dtype)
