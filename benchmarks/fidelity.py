@@ -39,19 +39,22 @@ FIXTURE = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" 
 REPEATS = 5
 
 
+def with_policy(model, policy: str | None):
+    """The model, its predictors switched to `policy` (None: leave it; not a predicted model)."""
+    if policy is not None:
+        model.use_predictors(policy)
+    return model
+
+
 def decode_speeds(runs: list, prompt: torch.Tensor, new_tokens: int) -> list[float]:
     """Decode tokens/s (prefill excluded) of each (model, predictor policy or None) in `runs`:
     the median of REPEATS rounds, each round timing every run in turn, so that all of them see
     the same drift in the shared machine's speed."""
     def run(model, policy):
-        if policy is not None:
-            model.use_predictors(policy)
-        return timed_generate(model, prompt, new_tokens, exact_length=True)[1]
+        return timed_generate(with_policy(model, policy), prompt, new_tokens, exact_length=True)[1]
 
     for model, policy in runs:  # warm-up
-        if policy is not None:
-            model.use_predictors(policy)
-        timed_generate(model, prompt, 2)
+        timed_generate(with_policy(model, policy), prompt, 2)
     speeds = [[run(*r) for r in runs] for _ in range(REPEATS)]
     return [statistics.median(col) for col in zip(*speeds)]
 
@@ -100,8 +103,7 @@ def report(name, dense, tokenizer, sparsity, calib_tokens, heldout_tokens, new_t
 
     rows, toks_dense = [], None
     for label, model, policy, compile_s in runs:  # quality: perplexity, sparsity, greedy tokens
-        if policy is not None:
-            model.use_predictors(policy)
+        model = with_policy(model, policy)
         compiled = model is not dense
         if compiled:
             model.reset_stats()
