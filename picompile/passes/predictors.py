@@ -205,8 +205,10 @@ def decode_bytes(ffn, stats: PredictorStats) -> tuple[int, int]:
 def time_decode(ffn, xs: torch.Tensor, rounds: int = 5) -> tuple[float, float]:
     """(exact, predicted): median microseconds of one single-token call of `ffn` without and
     with its predictor, over block inputs xs [N, d]. The two are timed alternately, so that
-    both see the same load on the machine. The byte counts of decode_bytes leave out fixed
-    costs per call (Python, thread start-up), which decide small blocks: hence a measurement."""
+    both see the same load on the machine, and each goes first every other round, so that
+    neither always finds the weight rows the other just read in the cache. The byte counts of
+    decode_bytes leave out fixed costs per call (Python, thread start-up), which decide small
+    blocks: hence a measurement."""
     if len(xs) == 0:
         return 0.0, 0.0  # nothing to time on: predictors="auto" leaves the block exact
     pred, enabled = ffn.predictor, ffn.predictor.enabled
@@ -214,15 +216,13 @@ def time_decode(ffn, xs: torch.Tensor, rounds: int = 5) -> tuple[float, float]:
     xs = xs.to(ffn.w_up.dtype)
     exact, predicted = [], []
     try:
-        for _ in range(rounds):
+        calls = [(exact, lambda x: ffn(x)), (predicted, lambda x: ffn(x, pred(x)))]
+        for r in range(rounds):
             for x in xs.split(1):  # [1, d]
-                t0 = time.perf_counter()
-                ffn(x)
-                t1 = time.perf_counter()
-                ffn(x, pred(x))
-                t2 = time.perf_counter()
-                exact.append(t1 - t0)
-                predicted.append(t2 - t1)
+                for times, call in calls[:: 1 if r % 2 == 0 else -1]:
+                    t0 = time.perf_counter()
+                    call(x)
+                    times.append(time.perf_counter() - t0)
     finally:
         pred.enabled = enabled
         ffn.reset_stats()
