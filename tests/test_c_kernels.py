@@ -305,6 +305,23 @@ def random_predictor(d: int, r: int, n_ff: int, seed: int) -> Predictor:
        share=st.floats(0.0, 1.0), seed=st.integers(0, 2**16))
 def test_predictor_kernel_matches_reference(T, d, r, n_ff, share, seed):
     """Same mask as the float64 logits, except within rounding distance of tau."""
+    check_predictor_kernel(T, d, r, n_ff, share, seed)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("T", [1, 8, 11])
+def test_predictor_kernel_large_layer(T, threads):
+    """n_ff large enough that each thread takes its slice of neurons in several passes
+    (PIC_PRED_ACC partial logits at a time), odd so the last slice is not whole cache lines."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_predictor_kernel(T, d=72, r=40, n_ff=5003, share=0.2, seed=T)
+    finally:
+        torch.set_num_threads(before)
+
+
+def check_predictor_kernel(T, d, r, n_ff, share, seed):
     pred = random_predictor(d, r, n_ff, seed)
     x = torch.randn(T, d, generator=torch.Generator().manual_seed(seed + 1))
     p1, pb1, p2, pb2, x64 = (t.double() for t in (pred.p1, pred.pb1, pred.p2, pred.pb2, x))

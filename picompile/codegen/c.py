@@ -165,7 +165,7 @@ _BODY = r"""
 #ifndef PIC_PF_BYTES
 #define PIC_PF_BYTES 2048       /* software prefetch distance in a weight row */
 #endif
-#define PIC_PRED_CHUNK 512      /* neurons per chunk of the predictor's second layer */
+#define PIC_PRED_ACC 8192       /* partial logits per pass of the predictor's second layer (32 KiB) */
 #define PIC_CHUNKS 16           /* chunks of candidate neurons, each with a partial output */
 #define PIC_PARTIAL_MAX_BYTES ((int64_t)64 << 20) /* cap on the partial outputs */
 
@@ -387,6 +387,8 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
         int nfired = 0;
         for (int64_t i = b0; i < b1; ++i) {
             const int64_t j = idx ? (int64_t)idx[i] : i;
+            if (idx && i + 1 < hi) /* candidates are scattered: start the next one's first row */
+                prefetch_head((PIC_GATED ? w_gate : w_up) + (int64_t)idx[i + 1] * d, d);
             pic_fired* fi = &f[nfired];
             float g[PIC_MAXTOK];
             fi->j = j;
@@ -489,8 +491,10 @@ int predict(const float* x, int64_t T, int64_t d, int64_t r, int64_t n_ff,
             const wtype* p1, const float* pb1, const wtype* p2t, const float* pb2,
             float tau, uint8_t* mask) {
     if (T <= 0) return 0;
-    float* z = (float*)malloc((size_t)T * (size_t)(r > 0 ? r : 1) * sizeof(float)); /* [T, r] */
-    if (!z) return -1;
+    const size_t rr = (size_t)(r > 0 ? r : 1);
+    float* z = (float*)malloc((size_t)T * rr * sizeof(float)); /* [T, r] */
+    int32_t* live = (int32_t*)malloc(rr * sizeof(int32_t));    /* rows of p2t some token needs */
+    if (!z || !live) { free(z); free(live); return -1; }
     int nthr = 1;
 #ifdef _OPENMP
     nthr = pic_threads > 0 ? pic_threads : omp_get_max_threads();
@@ -498,49 +502,69 @@ int predict(const float* x, int64_t T, int64_t d, int64_t r, int64_t n_ff,
     for (int64_t t0 = 0; t0 < T; t0 += PIC_MAXTOK) {
         const int nt = (int)(T - t0 < PIC_MAXTOK ? T - t0 : PIC_MAXTOK);
         const float* xs[PIC_MAXTOK];
-        const float* zs[PIC_MAXTOK];
-        for (int n = 0; n < nt; ++n) { xs[n] = x + (t0 + n) * d; zs[n] = z + (t0 + n) * r; }
-        const int par1 = (double)r * (double)d * nt >= PIC_PARALLEL_MIN;
-        const int par2 = (double)n_ff * (double)r * nt >= PIC_PARALLEL_MIN;
+        for (int n = 0; n < nt; ++n) xs[n] = x + (t0 + n) * d;
+        int64_t nlive = 0;
+        const int par = (double)r * (double)(d + n_ff) * nt >= PIC_PARALLEL_MIN;
+        (void)par;
 #ifdef _OPENMP
-#pragma omp parallel for if(par1) num_threads(nthr) schedule(static)
+#pragma omp parallel if(par) num_threads(nthr)
 #endif
-        for (int64_t i = 0; i < r; ++i) { /* z = relu(p1 x + pb1) */
-            float s[PIC_MAXTOK];
-            dot_rows(p1 + i * d, xs, nt, d, s);
-            for (int n = 0; n < nt; ++n) {
-                const float v = s[n] + pb1[i];
-                z[(t0 + n) * r + i] = v > 0.0f ? v : 0.0f;
-            }
-        }
-        /* mask = p2 z + pb2 > tau, with p2 transposed ([r, n_ff]): per chunk of neurons,
-         * accumulate z[i] * p2t[i, chunk] over i, skipping the i where relu zeroed z for every
-         * token (rows read contiguously, about half of them skipped). */
-        const int64_t nchunks = (n_ff + PIC_PRED_CHUNK - 1) / PIC_PRED_CHUNK;
+        {
+            /* z = relu(p1 x + pb1): threads split the rows of p1 */
 #ifdef _OPENMP
-#pragma omp parallel for if(par2) num_threads(nthr) schedule(static)
+#pragma omp for schedule(static)
 #endif
-        for (int64_t c = 0; c < nchunks; ++c) {
-            const int64_t j0 = c * PIC_PRED_CHUNK;
-            const int64_t nj = n_ff - j0 < PIC_PRED_CHUNK ? n_ff - j0 : PIC_PRED_CHUNK;
-            float acc[PIC_MAXTOK][PIC_PRED_CHUNK];
-            float* ps[PIC_MAXTOK];
-            for (int n = 0; n < nt; ++n) {
-                ps[n] = acc[n];
-                for (int64_t j = 0; j < nj; ++j) acc[n][j] = pb2[j0 + j];
-            }
             for (int64_t i = 0; i < r; ++i) {
-                float zi[PIC_MAXTOK];
-                int any = 0;
-                for (int n = 0; n < nt; ++n) { zi[n] = zs[n][i]; any |= zi[n] != 0.0f; }
-                if (any) axpy_rows(p2t + i * n_ff + j0, zi, ps, nt, nj);
+                float s[PIC_MAXTOK];
+                dot_rows(p1 + i * d, xs, nt, d, s);
+                for (int n = 0; n < nt; ++n) {
+                    const float v = s[n] + pb1[i];
+                    z[(t0 + n) * r + i] = v > 0.0f ? v : 0.0f;
+                }
             }
-            for (int n = 0; n < nt; ++n)
-                for (int64_t j = 0; j < nj; ++j) mask[(t0 + n) * n_ff + j0 + j] = acc[n][j] > tau;
+            /* (barrier) the rows i where relu left z nonzero for some token: about half */
+#ifdef _OPENMP
+#pragma omp single
+#endif
+            for (int64_t i = 0; i < r; ++i) {
+                int any = 0;
+                for (int n = 0; n < nt; ++n) any |= z[(t0 + n) * r + i] != 0.0f;
+                if (any) live[nlive++] = (int32_t)i;
+            }
+            /* (barrier) mask = p2 z + pb2 > tau with p2 transposed ([r, n_ff]): each thread takes
+             * one contiguous slice of the neurons (whole cache lines) and accumulates
+             * z[i] * p2t[i, slice] over the live rows i, prefetching the next row's slice. */
+            int me = 0, nth = 1;
+#ifdef _OPENMP
+            me = omp_get_thread_num();
+            nth = omp_get_num_threads();
+#endif
+            const int64_t lines = (n_ff + PIC_WPL - 1) / PIC_WPL;
+            const int64_t lo = lines * me / nth * PIC_WPL;
+            const int64_t hi_ = lines * (me + 1) / nth * PIC_WPL, hi = hi_ < n_ff ? hi_ : n_ff;
+            const int64_t per = PIC_PRED_ACC / nt; /* neurons per pass */
+            float acc[PIC_PRED_ACC];
+            for (int64_t j0 = lo; j0 < hi; j0 += per) {
+                const int64_t nj = hi - j0 < per ? hi - j0 : per;
+                float* ps[PIC_MAXTOK];
+                for (int n = 0; n < nt; ++n) {
+                    ps[n] = acc + n * nj;
+                    memcpy(ps[n], pb2 + j0, (size_t)nj * sizeof(float));
+                }
+                for (int64_t q = 0; q < nlive; ++q) {
+                    const int64_t i = live[q];
+                    if (q + 1 < nlive) prefetch_head(p2t + live[q + 1] * n_ff + j0, nj);
+                    float zi[PIC_MAXTOK];
+                    for (int n = 0; n < nt; ++n) zi[n] = z[(t0 + n) * r + i];
+                    axpy_rows(p2t + i * n_ff + j0, zi, ps, nt, nj);
+                }
+                for (int n = 0; n < nt; ++n)
+                    for (int64_t j = 0; j < nj; ++j) mask[(t0 + n) * n_ff + j0 + j] = ps[n][j] > tau;
+            }
         }
-        (void)par1; (void)par2;
     }
     free(z);
+    free(live);
     return 0;
 }
 
