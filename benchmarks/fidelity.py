@@ -12,9 +12,11 @@ For SmolLM2 it also measures the two threshold criteria (|act(gate)| as CATS doe
     .venv/bin/python benchmarks/fidelity.py --model DIR     # a local HF model, e.g. a larger
                                                             # ReLU model from train_relu_llama.py
 
-Predicted mode is measured twice from one compile: with every predictor running
-(predictors="all") and with predictors="auto" (a block runs its predictor only where that reads
-fewer bytes per token); the second row is left out when both choose the same blocks.
+Predicted mode is measured from one compile with every predictor running (predictors="all"),
+with predictors="auto" (a block runs its predictor only where compile timed its decode faster
+with it; the row is left out when that is every block), and with predictors="none": the same
+model, weights and memory with its blocks run exact, which isolates what the predictors
+themselves change.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ def report(name, dense, tokenizer, sparsity, calib_tokens, heldout_tokens, new_t
         if used < len(cm.plan.blocks):
             runs.append((f"predicted{at}, predictors=auto ({used}/{len(cm.plan.blocks)} blocks)",
                          cm, "auto", compile_s))
+        runs.append((f"predicted{at}, predictors=none", cm, "none", compile_s))
 
     rows, toks_dense = [], None
     for label, model, policy, compile_s in runs:  # quality: perplexity, sparsity, greedy tokens
@@ -112,7 +115,7 @@ def report(name, dense, tokenizer, sparsity, calib_tokens, heldout_tokens, new_t
         toks = timed_generate(model, prompt, new_tokens, exact_length=True)[0]
         toks_dense = toks if toks_dense is None else toks_dense
         agree = int((toks == toks_dense).int().cumprod(0).sum()) / new_tokens
-        blocks = model.plan.blocks if compiled else []
+        blocks = model.plan.blocks if compiled and policy != "none" else []
         recall = [b.predictor_recall for b in blocks if b.predictor_recall is not None]
         dens = [(b.predicted_density, b.true_density) for b in blocks if b.predicted_density is not None]
         rows.append([label, sp, sum(recall) / len(recall) if recall else None,

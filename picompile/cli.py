@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from picompile.plan import PREDICTOR_POLICIES
+
 DEFAULT_PROMPT = "What is the capital of France? Answer in two sentences."
 
 
@@ -103,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
                             "0 keeps them dense (default 0.5)")
         p.add_argument("--mode", choices=["exact", "predicted"], default="exact",
                        help="exact: compute what fires; predicted: trained predictors pick it")
-        p.add_argument("--predictors", choices=["auto", "all"], default="auto",
+        p.add_argument("--predictors", choices=list(PREDICTOR_POLICIES), default="auto",
                        help="predicted mode: auto runs a predictor only where it makes decode "
-                            "faster (timed by compile); all runs every one")
+                            "faster (timed by compile); all runs every one; none, none of them")
         p.add_argument("--gpu-budget", default=None,
                        help="e.g. 24GB or 24GiB: hot neurons on the GPU within it")
         p.add_argument("--calibration-tokens", type=int, default=16384,

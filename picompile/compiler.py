@@ -77,17 +77,17 @@ class CompiledModel(nn.Module):
         self.use_predictors(self.plan.predictors)
 
     def use_predictors(self, policy: str) -> None:
-        """Which trained predictors run (the rest of the blocks run exact): "all", or "auto":
-        those whose block decodes faster with it on the CPU (BlockPlan.decode_us_*, measured
-        by compile), and every one in the hybrid runtime, where a predictor runs on the GPU,
-        costs the CPU nothing and spares it the gate rows of the cold neurons not predicted."""
+        """Which trained predictors run (the rest of the blocks run exact): "all", "none", or
+        "auto": those whose block decodes faster with it on the CPU (BlockPlan.decode_us_*,
+        measured by compile), and every one in the hybrid runtime, where a predictor runs on the
+        GPU, costs the CPU nothing and spares it the gate rows of the cold neurons not predicted."""
         _check_predictor_policy(policy)
         self.plan.predictors = policy
         for ffn in self.ffns().values():
             if ffn.predictor is not None:
                 b = ffn.block
-                ffn.predictor.enabled = (policy == "all" or ffn.hybrid is not None
-                                         or b.decode_us_predicted < b.decode_us_exact)
+                ffn.predictor.enabled = policy == "all" or policy == "auto" and (
+                    ffn.hybrid is not None or b.decode_us_predicted < b.decode_us_exact)
 
     def __getattr__(self, name: str):
         try:

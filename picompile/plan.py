@@ -12,7 +12,7 @@ ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh")
 MODES = ("exact", "predicted")
 # Which trained predictors run: "auto" those that make a block's decode faster (measured on the
 # CPU at compile time; all of them in the hybrid runtime, where they run on the GPU), "all" every one.
-PREDICTOR_POLICIES = ("auto", "all")
+PREDICTOR_POLICIES = ("auto", "all", "none")
 
 
 @dataclass

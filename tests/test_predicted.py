@@ -109,6 +109,10 @@ def test_predictors_run_only_where_they_make_decode_faster():
     assert first.predictor.enabled and not any(f.predictor.enabled for f in rest)
     auto.use_predictors("all")
     assert all(f.predictor.enabled for f in auto.ffns().values())
+    auto.use_predictors("none")  # trained and kept, none runs: exact mode again
+    assert not any(f.predictor.enabled for f in auto.ffns().values())
+    with torch.no_grad():
+        torch.testing.assert_close(zoo.logits(auto, ids), zoo.logits(exact, ids), **TOL[torch.float32])
     with pytest.raises(ValueError, match="predictors="):
         picompile.compile(copy.deepcopy(dense), mode="predicted", calibration=_calibration(),
                           predictors="some")
