@@ -25,7 +25,7 @@ from picompile.passes import profile as profile_pass
 from picompile.passes import rewrite as rewrite_pass
 from picompile.passes.detect import detect
 from picompile.plan import MODES, PREDICTOR_POLICIES, BlockPlan, Plan, Unmatched
-from picompile.progress import note, progress_bar
+from picompile.progress import note
 from picompile.runtime.sparse_ffn import SparseFFN
 
 
@@ -239,10 +239,10 @@ def compile(
         _place(model, ffns, plan.placement, profiles, budget, max_context)
     cm = _finish(model, plan, graphs, ffns)
     if mode == "predicted":  # time each block with and without its predictor, on the CPU
-        for name, prof in progress_bar(profiles.items(), "timing predictors", quiet,
-                                       total=len(profiles)):
-            b, xs = ffns[name].block, prof.x[:: max(1, len(prof.x) // PREDICTOR_TIMING_SAMPLES)]
-            b.decode_us_exact, b.decode_us_predicted = predictors_pass.time_decode(ffns[name], xs)
+        xs = [p.x[:: max(1, len(p.x) // PREDICTOR_TIMING_SAMPLES)] for p in profiles.values()]
+        timed = predictors_pass.time_decode([ffns[name] for name in profiles], xs, quiet=quiet)
+        for name, (exact_us, predicted_us) in zip(profiles, timed):
+            ffns[name].block.decode_us_exact, ffns[name].block.decode_us_predicted = exact_us, predicted_us
         cm.use_predictors(predictors)
     if budget is not None and torch.cuda.is_available() and plan.placement.fixed_on_gpu:
         cm.distribute("cuda")

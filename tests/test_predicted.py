@@ -118,6 +118,43 @@ def test_predictors_run_only_where_they_make_decode_faster():
                           predictors="some")
 
 
+def test_time_decode_calls_blocks_in_model_order_token_by_token():
+    """Each token runs through every block in order, exact and predicted in turn (each first
+    every other round), as decode would; the predictors' switches are left as they were."""
+    from picompile.passes.predictors import time_decode
+
+    calls = []
+
+    class Pred:
+        def __init__(self):
+            self.enabled = True
+
+        def __call__(self, x):
+            return torch.ones(1, 3, dtype=torch.bool) if self.enabled else None
+
+    class Block:
+        def __init__(self, name):
+            self.name, self.w_up, self.predictor = name, torch.zeros(3, 2), Pred()
+
+        def __call__(self, x, mask):
+            calls.append((self.name, int(x[0, 0]), mask is not None))
+
+        def reset_stats(self):
+            calls.append((self.name, "reset"))
+
+    blocks = [Block("a"), Block("b")]
+    blocks[1].predictor.enabled = False
+    xs = [torch.arange(3.0)[:, None].expand(3, 2), torch.arange(5.0)[:, None].expand(5, 2)]
+    timed = time_decode(blocks, xs, rounds=2, quiet=True)
+    assert len(timed) == 2 and all(e > 0 and p > 0 for e, p in timed)
+    first_round = [(n, t, p) for t in range(3) for p in (False, True) for n in "ab"]
+    second_round = [(n, t, p) for t in range(3) for p in (True, False) for n in "ab"]
+    assert calls[:-2] == first_round + second_round  # 3 tokens: the shorter sample list
+    assert sorted(calls[-2:]) == [("a", "reset"), ("b", "reset")]
+    assert blocks[0].predictor.enabled and not blocks[1].predictor.enabled
+    assert time_decode(blocks, [xs[0][:0], xs[1]], quiet=True) == [(0.0, 0.0)] * 2
+
+
 def test_decode_bytes_counts_the_rows_the_kernel_reads():
     from picompile.passes.predictors import PredictorStats, decode_bytes, kernel_bytes
 

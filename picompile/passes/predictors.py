@@ -202,31 +202,38 @@ def decode_bytes(ffn, stats: PredictorStats) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def time_decode(ffn, xs: torch.Tensor, rounds: int = 5) -> tuple[float, float]:
-    """(exact, predicted): median microseconds of one single-token call of `ffn` without and
-    with its predictor, over block inputs xs [N, d]. The two are timed alternately, so that
-    both see the same load on the machine, and each goes first every other round, so that
-    neither always finds the weight rows the other just read in the cache. The byte counts of
-    decode_bytes leave out fixed costs per call (Python, thread start-up), which decide small
-    blocks: hence a measurement."""
-    if len(xs) == 0:
-        return 0.0, 0.0  # nothing to time on: predictors="auto" leaves the block exact
-    pred, enabled = ffn.predictor, ffn.predictor.enabled
-    pred.enabled = True
-    xs = xs.to(ffn.w_up.dtype)
-    exact, predicted = [], []
+def time_decode(ffns: list, xs: list[torch.Tensor], rounds: int = 5, quiet: bool = False
+                ) -> list[tuple[float, float]]:
+    """Per block, (exact, predicted): median microseconds of one single-token call without and
+    with its predictor, over the block's inputs xs[i] [N, d].
+
+    The blocks are called in model order, token after token, as decode calls them, so each
+    finds in the cache what decode leaves there: in a model larger than the cache the other
+    blocks evict a block's rows before its next call, which timing one block alone misses.
+    Exact and predicted take turns per token, each going first every other round, so both see
+    the same load on the machine. The byte counts of decode_bytes leave out fixed costs per
+    call (Python, thread start-up), which decide small blocks: hence a measurement."""
+    n = min((len(x) for x in xs), default=0)
+    if n == 0:
+        return [(0.0, 0.0)] * len(ffns)  # nothing to time on: predictors="auto" leaves them exact
+    xs = [x[:n].to(f.w_up.dtype) for f, x in zip(ffns, xs)]
+    times = [([], []) for _ in ffns]  # per block: exact, predicted seconds
+    enabled = [f.predictor.enabled for f in ffns]
     try:
-        calls = [(exact, lambda x: ffn(x)), (predicted, lambda x: ffn(x, pred(x)))]
-        for r in range(rounds):
-            for x in xs.split(1):  # [1, d]
-                for times, call in calls[:: 1 if r % 2 == 0 else -1]:
-                    t0 = time.perf_counter()
-                    call(x)
-                    times.append(time.perf_counter() - t0)
+        for r in progress_bar(range(rounds), "timing predictors", quiet):
+            for s in range(n):
+                for use in (False, True) if r % 2 == 0 else (True, False):
+                    for ffn, x, t in zip(ffns, xs, times):
+                        ffn.predictor.enabled = use
+                        x1 = x[s : s + 1]  # [1, d]
+                        t0 = time.perf_counter()
+                        ffn(x1, ffn.predictor(x1))
+                        t[use].append(time.perf_counter() - t0)
     finally:
-        pred.enabled = enabled
-        ffn.reset_stats()
-    return statistics.median(exact) * 1e6, statistics.median(predicted) * 1e6
+        for ffn, on in zip(ffns, enabled):
+            ffn.predictor.enabled = on
+            ffn.reset_stats()
+    return [(statistics.median(e) * 1e6, statistics.median(p) * 1e6) for e, p in times]
 
 
 def train_all(profiles: dict[str, BlockProfile], quiet: bool = False, **kw
