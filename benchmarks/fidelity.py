@@ -80,11 +80,15 @@ def gate_criterion_perplexity(dense, calib: torch.Tensor, heldout: torch.Tensor,
     return perplexity(model, heldout)
 
 
+def whole_rows(tokenizer, split: str, n_tokens: int, seq_len: int = 256) -> torch.Tensor:
+    """Token ids [rows, seq_len] from the split: n_tokens, or as many whole rows as it has."""
+    have = corpus.available_tokens(tokenizer, split) // seq_len * seq_len
+    return corpus.token_batches(tokenizer, split, min(n_tokens, have), seq_len)
+
+
 def report(name, dense, tokenizer, sparsity, calib_tokens, heldout_tokens, new_tokens):
-    heldout = corpus.token_batches(tokenizer, "heldout",
-                                   min(heldout_tokens, corpus.available_tokens(tokenizer, "heldout")))
-    calib = corpus.token_batches(tokenizer, "calibration",
-                                 min(calib_tokens, corpus.available_tokens(tokenizer, "calibration")))
+    heldout = whole_rows(tokenizer, "heldout", heldout_tokens)
+    calib = whole_rows(tokenizer, "calibration", calib_tokens)
     prompt = heldout[:1, :32]
     at = f" @{sparsity:.0%}" if sparsity else ""
     runs = [("dense", dense, None, 0.0)]  # label, model, predictor policy, compile seconds

@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass, field
 ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh")
 MODES = ("exact", "predicted")
 # Which trained predictors run: "auto" those that make a block's decode faster (measured on the
-# CPU at compile time; all of them in the hybrid runtime, where they run on the GPU), "all" every one.
+# CPU at compile time; all of them in the hybrid runtime, where they run on the GPU), "all" every
+# one, "none" none (kept trained: the blocks run exact).
 PREDICTOR_POLICIES = ("auto", "all", "none")
 
 
