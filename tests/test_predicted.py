@@ -155,6 +155,20 @@ def test_time_decode_calls_blocks_in_model_order_token_by_token():
     assert time_decode(blocks, [xs[0][:0], xs[1]], quiet=True) == [(0.0, 0.0)] * 2
 
 
+def test_timing_samples_spread_over_positions():
+    """The profile holds calibration rows in order; the timing inputs must not all sit at one
+    position of every row (as a stride of 1024 over 256-token rows would, all at position 0)."""
+    from picompile.compiler import timing_samples
+
+    x = torch.arange(128 * 256, dtype=torch.float32)[:, None]  # [N, 1]: the token's place
+    picked = timing_samples(x, 32)[:, 0].long()
+    assert picked.shape == (32,) and len(set(picked.tolist())) == 32
+    assert len(set((picked % 256).tolist())) > 16  # many positions within the rows
+    assert torch.equal(picked, timing_samples(x, 32)[:, 0].long())  # seeded
+    assert torch.equal(picked, picked.sort().values)  # in profile order
+    assert timing_samples(x[:5], 32).shape == (5, 1)
+
+
 def test_decode_bytes_counts_the_rows_the_kernel_reads():
     from picompile.passes.predictors import PredictorStats, decode_bytes, kernel_bytes
 
