@@ -1,24 +1,32 @@
 """Hybrid decode: hot neurons on the GPU, cold on the CPU, against the other ways to run a model
-that does not fit: Hugging Face accelerate offloading at the same budget, all on the CPU, and
-all on the GPU where it fits.
+that does not fit: Hugging Face accelerate offloading at the same budget, picompile all on the
+CPU, and the dense model all on the GPU where it fits.
 
-Models are OPT-shaped with random weights, float16, whose fc1 biases plant a power-law firing
-distribution (about 90% of neurons inactive per token, a small hot set firing most of the time,
-as the PowerInfer paper measures on real OPT models).
+Models are OPT- or ReLU-Llama-shaped with random float16 weights, built straight in float16 on
+the device. Their first FFN layer (OPT fc1, Llama gate) plants what PowerInfer measures on real
+models: a power-law firing distribution (about 10% of neurons active per token, a small hot set
+firing most of the time), through the biases, and activity a low-rank predictor can learn: the
+rows lie near a rank-64 subspace (random full-rank rows would make every neuron's firing an
+independent direction of x, which no low-rank predictor, and no real model, has).
 
-    python benchmarks/hybrid.py --shape opt-6.7b            # needs a CUDA GPU and cupy
-    python benchmarks/hybrid.py --cpu-standin --shape tiny  # CPU stands in for the GPU: overlap
+    python benchmarks/hybrid.py --shape opt-13b               # needs a CUDA GPU and cupy
+    python benchmarks/hybrid.py --cpu-standin --shape tiny    # CPU stands in for the GPU
 
-Reports decode tokens/s per run, the share of the budget used (peak of PyTorch's and CuPy's
-pools), the sparse kernels' bandwidth on the bytes they read, and per-block overlap: wall time
-per block against max(hot part, cold part).
+Each run starts from a fresh copy of the same weights (same seed). picompile runs predicted
+mode (PowerInfer's), calibrated on random token ids; the all-CPU run loads the hybrid run's plan
+(no second profile). Reports decode tokens/s per run, compile (profile + training) time, peak GPU
+memory against the budget (PyTorch's reserved pool + CuPy's pool + the CUDA context), and per
+block and decode step: GPU time of the hot part and its bytes read / s (CUDA events), CPU time of
+the cold part, wall time against max(hot, cold).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import gc
 import statistics
+import sys
+import tempfile
 import time
 
 import torch
@@ -26,12 +34,16 @@ import torch
 import picompile
 from picompile.timing import timed_generate
 
-SHAPES = {  # hidden, ffn, layers, heads, vocab
-    "tiny": (512, 2048, 4, 8, 4096),
-    "opt-1.3b": (2048, 8192, 24, 32, 50272),
-    "opt-6.7b": (4096, 16384, 32, 32, 50272),
-    "opt-13b": (5120, 20480, 40, 40, 50272),
+# kind, hidden, ffn, layers, heads, vocab
+SHAPES = {
+    "tiny": ("opt", 512, 2048, 4, 8, 4096),
+    "tiny-llama": ("llama", 512, 1408, 4, 8, 4096),
+    "opt-1.3b": ("opt", 2048, 8192, 24, 32, 50272),
+    "opt-6.7b": ("opt", 4096, 16384, 32, 32, 50272),
+    "opt-13b": ("opt", 5120, 20480, 40, 40, 50272),
+    "llama-13b": ("llama", 5120, 13824, 40, 40, 32000),
 }
+PLANTED_RANK = 64
 
 
 def power_law_rates(n: int, mean: float, alpha: float = 1.2, gen=None) -> torch.Tensor:
@@ -43,31 +55,48 @@ def power_law_rates(n: int, mean: float, alpha: float = 1.2, gen=None) -> torch.
     return rates
 
 
+def config(shape: str):
+    from transformers import LlamaConfig, OPTConfig
+
+    kind, hidden, ffn, layers, heads, vocab = SHAPES[shape]
+    if kind == "opt":
+        return OPTConfig(vocab_size=vocab, hidden_size=hidden, ffn_dim=ffn, num_hidden_layers=layers,
+                         num_attention_heads=heads, word_embed_proj_dim=hidden,
+                         max_position_embeddings=2048)
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
+                       num_hidden_layers=layers, num_attention_heads=heads, hidden_act="relu",
+                       mlp_bias=True, max_position_embeddings=4096)
+
+
 @torch.no_grad()
 def build(shape: str, dtype, device) -> torch.nn.Module:
-    from transformers import OPTConfig, OPTForCausalLM
+    """The model in `dtype` on `device`, deterministic in `shape` (seeded on the CPU)."""
+    from transformers import AutoModelForCausalLM
 
-    hidden, ffn, layers, heads, vocab = SHAPES[shape]
-    cfg = OPTConfig(vocab_size=vocab, hidden_size=hidden, ffn_dim=ffn, num_hidden_layers=layers,
-                    num_attention_heads=heads, word_embed_proj_dim=hidden,
-                    max_position_embeddings=2048, torch_dtype=dtype)
     gen = torch.Generator().manual_seed(0)
-    with torch.device("meta"):
-        model = OPTForCausalLM(cfg)
-    model = model.to_empty(device=device).to(dtype)
+    with torch.device(device):  # built in `dtype` where it runs: never materialised in float32
+        model = AutoModelForCausalLM.from_config(config(shape), dtype=dtype)
+    dgen = torch.Generator(device=device).manual_seed(0)
     for name, p in model.named_parameters():
         if p.dim() >= 2:
-            p.normal_(0, 0.02)
+            p.normal_(0, 0.02, generator=dgen)
         elif "bias" in name:
             p.zero_()
         else:
-            p.fill_(1.0)  # layer norm weights
+            p.fill_(1.0)  # norm weights
     normal = torch.distributions.Normal(0.0, 1.0)
-    for layer in model.model.decoder.layers:
-        # fc1 pre-activation of neuron j ~ N(0, ||w_j||) on layer-normed input: bias for rate p_j
+    hidden, ffn = SHAPES[shape][1], SHAPES[shape][2]
+    for layer in (model.model.decoder.layers if SHAPES[shape][0] == "opt" else model.model.layers):
+        first = layer.fc1 if SHAPES[shape][0] == "opt" else layer.mlp.gate_proj
+        # rows near a rank-PLANTED_RANK subspace, norm about 0.02 * sqrt(hidden) as before
+        a = torch.randn(ffn, PLANTED_RANK, generator=dgen, device=device)
+        b = torch.randn(PLANTED_RANK, hidden, generator=dgen, device=device)
+        w = (a @ b) * (0.02 / PLANTED_RANK**0.5) + first.weight.float() * 0.1
+        first.weight.copy_(w.to(dtype))
+        # pre-activation of neuron j ~ N(0, ||w_j||) on normed input: bias for rate p_j
         rates = power_law_rates(ffn, 0.1, gen=gen)
-        std = layer.fc1.weight.float().norm(dim=1).cpu()
-        layer.fc1.bias.copy_((std * normal.icdf(rates)).to(dtype))
+        std = first.weight.float().norm(dim=1).cpu()
+        first.bias.copy_((std * normal.icdf(rates)).to(dtype))
     return model.eval()
 
 
@@ -80,25 +109,53 @@ def decode_tps(model, ids, new_tokens: int) -> float:
     return timed_generate(model, ids, new_tokens, exact_length=True)[1]
 
 
-def overlap_report(cm) -> str:
-    steps = [s for f in cm.ffns().values() if f.hybrid and f.hybrid.timeline for s in f.hybrid.timeline
-             if s["tokens"] == 1]
+def gpu_peak_bytes() -> int:
+    """Peak of PyTorch's reserved pool since the last reset, + CuPy's pool, + the memory the
+    process holds outside both (the CUDA context and modules)."""
+    free, total = torch.cuda.mem_get_info()
+    cupy_pool = 0
+    try:
+        import cupy
+
+        cupy_pool = cupy.get_default_memory_pool().total_bytes()
+    except ImportError:
+        pass
+    outside = total - free - torch.cuda.memory_reserved() - cupy_pool
+    return torch.cuda.max_memory_reserved() + cupy_pool + outside
+
+
+def overlap_report(cm) -> list[str]:
+    """Per block and decode step (one token): hot GPU time, bytes the hot kernels read per
+    second, cold CPU time, wall time against max(hot, cold); medians."""
+    steps = []
+    for f in cm.ffns().values():
+        if f.hybrid is None:
+            continue
+        for s in f.hybrid.timings():
+            if s["tokens"] == 1:
+                steps.append(s)
     if not steps:
-        return "no decode steps recorded"
+        return ["no decode steps recorded"]
+    med = lambda key: statistics.median(s[key] for s in steps)  # noqa: E731
     ratio = statistics.median(s["wall_s"] / max(s["hot_s"], s["cold_s"], 1e-9) for s in steps)
-    hot = statistics.median(s["hot_s"] for s in steps) * 1e6
-    cold = statistics.median(s["cold_s"] for s in steps) * 1e6
-    wall = statistics.median(s["wall_s"] for s in steps) * 1e6
-    return (f"per block and decode step (median of {len(steps)}): hot {hot:.0f} us, cold {cold:.0f} us, "
-            f"wall {wall:.0f} us, wall / max(hot, cold) = {ratio:.2f}")
+    lines = [f"per block and decode step (median of {len(steps)}): hot {med('hot_s') * 1e6:.0f} us "
+             f"(GPU, CUDA events), cold {med('cold_s') * 1e6:.0f} us (CPU), wall "
+             f"{med('wall_s') * 1e6:.0f} us; wall / max(hot, cold) = {ratio:.2f}"]
+    with_bytes = [s for s in steps if s.get("hot_bytes") and s["hot_s"] > 0]
+    if with_bytes:
+        gbs = statistics.median(s["hot_bytes"] / s["hot_s"] / 1e9 for s in with_bytes)
+        mb = statistics.median(s["hot_bytes"] for s in with_bytes) / 1e6
+        lines.append(f"hot kernels: {mb:.2f} MB read per block and step, {gbs:.0f} GB/s (median)")
+    return lines
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="opt-6.7b")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="opt-13b")
     ap.add_argument("--budget-share", type=float, default=0.4, help="gpu_budget / weight bytes")
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--max-context", type=int, default=1024, help="KV cache the budget holds")
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--max-context", type=int, default=512, help="KV cache the budget holds")
+    ap.add_argument("--calibration-tokens", type=int, default=32768)
     ap.add_argument("--cpu-standin", action="store_true", help="the CPU stands in for the GPU")
     ap.add_argument("--skip", nargs="*", default=[], choices=["accelerate", "cpu", "gpu"])
     args = ap.parse_args()
@@ -108,63 +165,100 @@ def main():
     dtype = torch.float16 if gpu else torch.float32
     device = "cuda" if gpu else "cpu"
     name = torch.cuda.get_device_name() if gpu else "CPU stand-in"
-    print(f"{args.shape}, {dtype}, {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+    print(f"{args.shape}, {dtype}, {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, "
+          f"{torch.get_num_threads()} CPU threads", flush=True)
+    vocab = SHAPES[args.shape][5]
+    ids = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(1))
+    seq = 256
+    calib = torch.randint(0, vocab, (max(1, args.calibration_tokens // seq), seq),
+                          generator=torch.Generator().manual_seed(2))
+    results = {}
+    plan_dir = tempfile.mkdtemp(prefix="picompile-plan-")
 
-    model = build(args.shape, dtype, device)  # profiled where it runs fastest
+    # 1. picompile hybrid (and the dense model all on the GPU first, where it fits)
+    model = build(args.shape, dtype, device)
     total = weight_bytes(model)
     budget = int(total * args.budget_share)
-    vocab = SHAPES[args.shape][4]
-    ids = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(1))
-    calib = torch.randint(0, vocab, (8, 128), generator=torch.Generator().manual_seed(2))
-    results = {}
+    if not gpu:  # what a GPU holds besides tensors is counted as stated constants here
+        from picompile.passes import place
 
-    if gpu and "gpu" not in args.skip and torch.cuda.mem_get_info()[1] > total * 1.3:
-        results["all on the GPU (dense)"] = decode_tps(model, ids.cuda(), args.new_tokens)
-
-    dense_cpu = copy.deepcopy(model).to("cpu") if "cpu" not in args.skip else None
-    cm = picompile.compile(model, gpu_budget=budget, calibration=calib.to(device),
-                           max_context=args.max_context, quiet=False)
+        budget += place.DEFAULT_CUDA_CONTEXT_BYTES + place.CUBLAS_WORKSPACE_BYTES
+    print(f"weights {total / 1e9:.2f} GB, budget {budget / 1e9:.2f} GB", flush=True)
+    if gpu and "gpu" not in args.skip:
+        results["dense, all on the GPU"] = decode_tps(model, ids.cuda(), args.new_tokens)
+        print(results, flush=True)
+    t0 = time.perf_counter()
+    cm = picompile.compile(model, mode="predicted", gpu_budget=budget, calibration=calib,
+                           max_context=args.max_context, quiet=not sys.stderr.isatty())
+    compile_s = time.perf_counter() - t0
+    cm.save(plan_dir)
     if not gpu:
         cm.distribute("cpu")
-    if gpu:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    for f in cm.ffns().values():
-        f.hybrid.timeline = []
-    results[f"picompile hybrid, budget {budget / 1e9:.2f} GB"] = decode_tps(cm, ids, args.new_tokens)
+    if all(f.hybrid is None for f in cm.ffns().values()):
+        print("the fixed parts do not fit the budget: picompile runs all on the CPU", flush=True)
+    print(picompile.explain(cm), flush=True)
     peak = None
     if gpu:
-        peak = torch.cuda.max_memory_allocated()
-        try:
-            import cupy
-
-            peak += cupy.get_default_memory_pool().total_bytes()
-        except ImportError:
-            pass
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    label = f"picompile hybrid (predicted), budget {budget / 1e9:.2f} GB"
+    results[label] = decode_tps(cm, ids, args.new_tokens)
+    print(results, flush=True)
+    if gpu:
+        peak = gpu_peak_bytes()
+    for f in cm.ffns().values():  # a second pass, timed per block (events cost a little)
+        if f.hybrid is not None:
+            f.hybrid.timeline = []
+    timed_generate(cm, ids, 8)
     overlap = overlap_report(cm)
     sparsity = cm.sparsity()
     hot_share = cm.plan.placement.expected_gpu_share
     del cm, model
+    gc.collect()
+    if gpu:
+        torch.cuda.empty_cache()
 
-    if dense_cpu is not None:
-        results["all on the CPU (dense)"] = decode_tps(dense_cpu, ids, args.new_tokens)
-    if gpu and "accelerate" not in args.skip and dense_cpu is not None:
+    # 2. accelerate offloading at the same budget (dense, layers moved to the GPU per step)
+    if gpu and "accelerate" not in args.skip:
         from accelerate import dispatch_model, infer_auto_device_map
 
-        dmap = infer_auto_device_map(dense_cpu, max_memory={0: budget, "cpu": 10**12},
-                                     no_split_module_classes=["OPTDecoderLayer"])
-        offloaded = dispatch_model(dense_cpu, device_map=dmap)
+        dense = build(args.shape, dtype, device).to("cpu")
+        torch.cuda.empty_cache()
+        layer_cls = type(dense.model.decoder.layers[0] if SHAPES[args.shape][0] == "opt"
+                         else dense.model.layers[0]).__name__
+        dmap = infer_auto_device_map(dense, max_memory={0: budget, "cpu": 10**12},
+                                     no_split_module_classes=[layer_cls])
+        offloaded = dispatch_model(dense, device_map=dmap)
         results["accelerate offloading, same budget"] = decode_tps(offloaded, ids.cuda(), args.new_tokens)
+        print(results, flush=True)
+        del offloaded, dense
+        gc.collect()
+        torch.cuda.empty_cache()
 
+    # 3. picompile all on the CPU, same plan (loaded, not profiled again)
+    if "cpu" not in args.skip:
+        dense = build(args.shape, dtype, device).to("cpu")
+        if gpu:
+            torch.cuda.empty_cache()
+        cpu_cm = picompile.load(dense, plan_dir)
+        cpu_cm.use_predictors("all")
+        results["picompile all on the CPU (predicted)"] = decode_tps(cpu_cm, ids, args.new_tokens)
+        del cpu_cm, dense
+        gc.collect()
+
+    print()
     print("| run | decode tok/s |")
     print("|---|---|")
     for label, tps in results.items():
         print(f"| {label} | {tps:.2f} |")
+    print(f"compile (profile {calib.numel()} tokens + predictors + placement): {compile_s:.0f} s")
     print(f"FFN sparsity while decoding {sparsity:.1%}; expected share of firing neurons on the GPU "
           f"{hot_share:.1%}; weights {total / 1e9:.2f} GB")
     if peak is not None:
-        print(f"peak GPU memory (torch + cupy pools) {peak / 1e9:.2f} GB of budget {budget / 1e9:.2f} GB")
-    print(overlap)
+        print(f"peak GPU memory (torch reserved + cupy pool + context) {peak / 1e9:.2f} GB "
+              f"of budget {budget / 1e9:.2f} GB")
+    print("\n".join(overlap))
 
 
 if __name__ == "__main__":

@@ -90,6 +90,10 @@ def test_cuda_hot_kernel_takes_the_sparse_ffn_kernel_interface():
             calls.append(idx)
             return torch.zeros_like(x), 0
 
+        def ffn_given_mask(self, x, mask):
+            calls.append(mask)
+            return torch.zeros_like(x), 0
+
     cm = picompile.compile(zoo.make("tiny_gated_relu", n_ff=6), quiet=True)
     ffn = next(iter(cm.ffns().values()))
     kernel = CudaHotKernel.__new__(CudaHotKernel)  # no CUDA: skip building the real one
@@ -99,4 +103,27 @@ def test_cuda_hot_kernel_takes_the_sparse_ffn_kernel_interface():
     predicted = torch.tensor([[1, 0, 0, 1, 0, 0], [0, 0, 0, 1, 0, 1]], dtype=torch.bool)
     assert torch.equal(ffn(x, predicted), torch.zeros_like(x))
     ffn(x)
-    assert calls[0].tolist() == [0, 3, 5] and torch.equal(calls[1], kernel.all_rows)
+    assert torch.equal(calls[0], predicted) and torch.equal(calls[1], kernel.all_rows)
+
+
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 100])
+def test_pack_mask_bits_is_what_pi_compact_reads(n):
+    from picompile.codegen.cuda import pack_mask_bits
+
+    gen = torch.Generator().manual_seed(n)
+    mask = torch.rand(3, n, generator=gen) < 0.3
+    mask[0, n - 1] = True  # the top bit of the last word
+    words = pack_mask_bits(mask)
+    assert words.dtype == torch.int32 and words.numel() == (n + 31) // 32
+    bits = [(int(words[j // 32]) >> (j % 32)) & 1 for j in range(len(words) * 32)]
+    assert bits == mask.any(0).int().tolist() + [0] * (len(words) * 32 - n)
+
+
+def test_distribute_copies_hot_rows_and_frees_none_on_the_device():
+    """Hot rows are copies, not views of the full weights (a view keeps the whole storage on
+    the device after the full weights move to the CPU)."""
+    cm = _hybrid(zoo.make("llama_relu"), 0, 0.5)
+    for ffn in cm.ffns().values():
+        hot = ffn.hybrid.hot
+        assert hot.w_up.untyped_storage().nbytes() == hot.w_up.numel() * hot.w_up.element_size()
+        assert hot.w_up.untyped_storage().data_ptr() != ffn.w_up.untyped_storage().data_ptr()

@@ -262,7 +262,10 @@ def test_account_on_hf_models(arch, dtype):
     cm = compiled(arch, dtype)
     ffns = cm.ffns()
     acc = account(cm, ffns, max_context=40, batch=3)
-    assert set(acc) == {"non_ffn_weights", "predictors", "kv_cache", "ffn_biases_down", "workspace"}
+    assert set(acc) == {"non_ffn_weights", "predictors", "kv_cache", "ffn_biases_down", "workspace",
+                        "cuda_context", "cublas_workspace", "allocator_reserve"}
+    assert acc["allocator_reserve"] == 0  # no budget given
+    assert acc["cuda_context"] > 0 and acc["cublas_workspace"] > 0
     assert acc["non_ffn_weights"] == non_ffn_bytes_by_modules(cm)
     assert acc["predictors"] == 0
     assert acc["ffn_biases_down"] == sum(0 if f.b_down is None else f.b_down.numel() * f.b_down.element_size()
@@ -325,9 +328,10 @@ def test_neuron_bytes_and_predictor_accounting():
     d = f.d_model
     assert neuron_bytes(f) == (2 * d + 1) * 4  # w_up row, w_down_t row, b_up entry
     pred = attach_predictor(f, rank=8)
-    assert neuron_bytes(f) == (2 * d + 1) * 4 + (8 + 1) * 4  # + p2 row, pb2 entry
-    acc = account(cm, ffns, max_context=8)
-    assert acc["predictors"] == (8 * d + 8) * 4  # p1, pb1
+    assert neuron_bytes(f) == (2 * d + 1) * 4  # the predictor is not per neuron: it goes whole
+    acc = account(cm, ffns, max_context=8, budget_bytes=10**6)
+    assert acc["predictors"] == (8 * d + 8 + f.n_ff * 8 + f.n_ff) * 2  # all of it, in float16
+    assert acc["allocator_reserve"] == 30_000
     assert acc["non_ffn_weights"] == non_ffn_bytes_by_modules(cm)  # predictor is FFN-side
     del pred
 

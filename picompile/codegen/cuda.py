@@ -923,8 +923,8 @@ def _cupy():
         import cupy
     except ImportError as e:
         raise CudaUnavailable(
-            "the CUDA kernels need cupy: install picompile[cuda] (pip install 'picompile[cuda]', "
-            "which brings cupy-cuda12x), or pick a cupy wheel matching your CUDA"
+            "the CUDA kernels need cupy: pip install 'picompile[cuda13]' (CUDA 13) or "
+            "'picompile[cuda12]' (CUDA 12), matching your driver's CUDA version"
         ) from e
     return cupy
 
@@ -1232,6 +1232,22 @@ class CudaFFN:
             self.last_idx, self.last_count = idx, count
             return self._run(x, idx, count, self.n_rows, out, accumulate)
 
+    def ffn_given_mask(self, x, mask, *, out=None, accumulate: bool = False):
+        """x [T, d], mask [T, n_rows] bool on the device (a predictor's decision) -> (out,
+        n_active) over the rows set for any token. Compacted on the device: no host sync."""
+        import torch
+
+        x = self._x(x)
+        out = self._out(out, x.shape[0])
+        if tuple(mask.shape[-1:]) != (self.n_rows,):
+            raise ValueError(f"mask: expected [T, {self.n_rows}], got {tuple(mask.shape)}")
+        with torch_stream(self.device):
+            words = pack_mask_bits(mask)
+            idx = torch.empty(max(1, self.n_rows), dtype=torch.int32, device=self.device)
+            count = torch.empty(1, dtype=torch.int32, device=self.device)
+            self.kernels.compact(words, words.numel(), idx, count)
+            return self._run(x, idx, count, self.n_rows, out, accumulate)
+
     def ffn_given_idx(self, x, idx, *, out=None, accumulate: bool = False):
         """x [T, d], idx [m] rows (any order, int32 or int64, on the device) -> (out, n_active);
         matches ffn_reference(..., idx=idx) on the same weights."""
@@ -1244,6 +1260,21 @@ class CudaFFN:
         with torch_stream(self.device):
             count = torch.full((1,), m, dtype=torch.int32, device=self.device)
             return self._run(x, idx, count, m, out, accumulate)
+
+
+def pack_mask_bits(mask):
+    """mask [T, n] bool (on the device) -> words [ceil(n / 32)] int32, bit j % 32 of word j // 32
+    set when neuron j is on for any token: the bitmask pi_compact reads. Plain torch ops, so no
+    host sync (torch.nonzero would wait for the device)."""
+    import torch
+
+    n = mask.shape[-1]
+    n_words = max(1, math.ceil(n / 32))
+    on = mask.reshape(-1, n).any(0).to(torch.int64)  # [n]
+    on = torch.nn.functional.pad(on, (0, n_words * 32 - n)).view(n_words, 32)
+    shifts = torch.arange(32, dtype=torch.int64, device=mask.device)
+    words = (on << shifts).sum(1)  # [n_words], in [0, 2^32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 def hot_ffn(x, w_up, w_down_t, *, w_gate=None, b_gate=None, b_up=None, b_down=None,

@@ -28,7 +28,16 @@ from picompile.runtime.sparse_ffn import SparseFFN
 
 # Per-neuron tensors of a SparseFFN (rows / entries indexed by neuron), and of its predictor.
 FFN_ROW_TENSORS = ("w_gate", "w_up", "w_down_t", "b_gate", "b_up")
-PREDICTOR_ROW_TENSORS = ("p2", "pb2")
+PREDICTOR_ROW_TENSORS = ("p2", "pb2")  # permuted with the neurons
+
+# What the GPU holds outside PyTorch's tensors, when it cannot be measured (no GPU here at
+# compile time). Stated, not measured: a CUDA 12/13 context with cuBLAS and the loaded kernel
+# modules takes a few hundred MB on an H100.
+DEFAULT_CUDA_CONTEXT_BYTES = 512 * 2**20
+# cuBLAS and cuBLASLt workspaces (PyTorch allocates them in its pool: 32 MiB each on Hopper).
+CUBLAS_WORKSPACE_BYTES = 64 * 2**20
+# The caching allocator rounds blocks up and fragments: this share of the budget stays free.
+ALLOCATOR_RESERVE_SHARE = 0.03
 
 # Default workspace: this many float32 [batch, max(d_model, n_ff)] buffers per FFN block (its
 # input copy, the down input h, the candidate index list, the partial output), plus the float32
@@ -53,14 +62,10 @@ def _row_bytes(t: torch.Tensor | None) -> int:
 
 def neuron_bytes(ffn: SparseFFN) -> int:
     """Bytes one neuron of `ffn` costs on the GPU: its rows of w_gate (if any), w_up and w_down_t,
-    its entries of b_gate / b_up (if any), and its row of the predictor's second layer (p2 row and
-    pb2 entry) when the block has a predictor. b_down is not per neuron (see `account`); nor is a
-    `freq` statistics buffer (not needed on the GPU)."""
-    total = sum(_row_bytes(getattr(ffn, name, None)) for name in FFN_ROW_TENSORS)
-    pred = getattr(ffn, "predictor", None)
-    if pred is not None:
-        total += sum(_row_bytes(getattr(pred, name, None)) for name in PREDICTOR_ROW_TENSORS)
-    return total
+    and its entries of b_gate / b_up (if any). b_down is not per neuron, and the predictor goes
+    to the GPU whole (every neuron's row: the GPU predicts the cold ones too), so both are fixed
+    costs (see `account`)."""
+    return sum(_row_bytes(getattr(ffn, name, None)) for name in FFN_ROW_TENSORS)
 
 
 # -- what must be on the GPU besides the hot neurons -------------------------------------------
@@ -157,6 +162,7 @@ def account(
     max_context: int,
     batch: int = 1,
     workspace_bytes: int | None = None,
+    budget_bytes: int | None = None,
 ) -> Accounting:
     """Bytes that must be on the GPU for a useful hybrid run, by item (a dict, with `.notes`):
 
@@ -164,18 +170,20 @@ def account(
                      (embeddings, attention, norms, head), shared / tied tensors counted once
                      (by the bytes of storage they cover, so views of one storage are not
                      double counted either);
-    predictors       the predictors' parts that are not per neuron (p1, pb1, anything else but
-                     the p2 rows and pb2 entries, which `neuron_bytes` counts);
+    predictors       every predictor whole, in float16 (what distribute() puts on the GPU);
     kv_cache         2 * layers * kv_heads * head_dim * max_context * batch * element size of the
                      model dtype, from the Hugging Face config (0, with a note, without one);
     ffn_biases_down  every block's b_down: the output side of a block stays on the GPU;
     workspace        `workspace_bytes` if given, else WORKSPACE_BUFFERS_PER_BLOCK float32
                      [batch, max(d_model, n_ff)] buffers per block plus float32 logits
-                     [batch, vocab] (decode-sized scratch).
+                     [batch, vocab] (decode-sized scratch);
+    cuda_context     the CUDA context and loaded modules, outside PyTorch's pool: measured
+                     where a GPU exists, else DEFAULT_CUDA_CONTEXT_BYTES;
+    cublas_workspace CUBLAS_WORKSPACE_BYTES (stated);
+    allocator_reserve ALLOCATOR_RESERVE_SHARE of `budget_bytes` (0 without one).
 
-    Not counted: the CUDA context and cuBLAS/NVRTC module memory (a few hundred MB, outside
-    PyTorch's allocator, so not something a budget of PyTorch tensors can see); the gpu_budget
-    should leave room for it. Prefill activations beyond decode size are not counted either.
+    Not counted: prefill activations beyond decode size (prefill runs before the budget's
+    promise is measured by the tests: decode).
     """
     if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 0:
         raise ValueError(f"max_context must be an int >= 0, got {max_context!r}")
@@ -210,18 +218,9 @@ def account(
         intervals.setdefault(key, []).append((a, b))
     non_ffn = sum(_union_bytes(v) for v in intervals.values())
 
-    predictors = 0
-    for f in ffns.values():
-        pred = getattr(f, "predictor", None)
-        if pred is None:
-            continue
-        seen: dict[tuple, list[tuple[int, int]]] = {}
-        for t in _tensors_of(pred):
-            key, a, b = _extent(t)
-            seen.setdefault(key, []).append((a, b))
-        whole = sum(_union_bytes(v) for v in seen.values())
-        rows = sum(_nbytes(getattr(pred, n, None)) for n in PREDICTOR_ROW_TENSORS)
-        predictors += max(0, whole - rows)
+    # Predictors go to the GPU whole, in float16 (runtime.hybrid.distribute).
+    predictors = sum(2 * t.numel() for f in ffns.values() if getattr(f, "predictor", None) is not None
+                     for t in _tensors_of(f.predictor))
 
     fallback = next(iter(ffns.values())).w_up.dtype if ffns else torch.float32
     dtype = _model_dtype(others, fallback)
@@ -240,8 +239,11 @@ def account(
         workspace_bytes = per_block + (batch * vocab * 4 if isinstance(vocab, int) else 0)
         notes.append(
             f"workspace: {WORKSPACE_BUFFERS_PER_BLOCK} float32 [batch, max(d, n_ff)] buffers per "
-            "block + float32 logits; the CUDA context (a few hundred MB, outside PyTorch's "
-            "memory pools) is not counted: leave room for it in gpu_budget")
+            "block + float32 logits")
+
+    context, how = cuda_context_bytes()
+    notes.append(f"cuda_context: {how}; cublas_workspace: stated; allocator_reserve: "
+                 f"{ALLOCATOR_RESERVE_SHARE:.0%} of the budget for the caching allocator's rounding")
 
     return Accounting(
         non_ffn_weights=non_ffn,
@@ -249,8 +251,23 @@ def account(
         kv_cache=kv,
         ffn_biases_down=biases_down,
         workspace=workspace_bytes,
+        cuda_context=context,
+        cublas_workspace=CUBLAS_WORKSPACE_BYTES,
+        allocator_reserve=round(ALLOCATOR_RESERVE_SHARE * budget_bytes) if budget_bytes else 0,
         notes=notes,
     )
+
+
+def cuda_context_bytes() -> tuple[int, str]:
+    """(bytes, how): GPU memory in use outside PyTorch's pool (the CUDA context, kernel modules),
+    measured on device 0 when a GPU is there (conservative: other processes count too), else
+    DEFAULT_CUDA_CONTEXT_BYTES."""
+    if not torch.cuda.is_available():
+        return DEFAULT_CUDA_CONTEXT_BYTES, "no GPU here, a stated 512 MiB"
+    torch.cuda.init()
+    free, total = torch.cuda.mem_get_info()
+    used = total - free - torch.cuda.memory_reserved()
+    return max(0, used), "measured (GPU memory in use outside PyTorch's pool)"
 
 
 # -- the placement problem ---------------------------------------------------------------------

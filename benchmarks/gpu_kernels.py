@@ -1,0 +1,129 @@
+"""Bandwidth probes and the GPU sparse kernels' read rate, on a CUDA machine.
+
+    python benchmarks/gpu_kernels.py
+
+1. device copy bandwidth: a 2 GB device-to-device copy, bytes read + written per second
+   (the ceiling a memory-bound kernel is held to);
+2. host streaming read: torch's sum over a 4 GB float32 tensor on all CPU threads;
+3. host <-> device copies through pinned memory (what the hybrid hand-off crosses);
+4. the hot-side kernels (codegen.cuda.CudaFFN) on 13B-shaped float16 blocks: OPT (plain ReLU
+   with biases, d 5120 x 20480) and ReLU-Llama (gated, 5120 x 13824), for candidate shares from
+   5% to 100%, given the rows' mask on the device (the hybrid path): weight bytes they must read
+   (a first row per candidate, the others per firing neuron) per second, and the share of the
+   copy bandwidth. Times are medians of CUDA-event intervals; two copies of the weights take
+   turns so that no call finds the previous one's rows in L2.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from picompile.codegen.cuda import CudaFFN
+
+
+def event_median(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median seconds of fn() on the current stream, from CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    n = 2 * 10**9 // 2
+    src = torch.randn(n // 2, device="cuda", dtype=torch.float32).view(torch.float16)
+    dst = torch.empty_like(src)
+    s = event_median(lambda: dst.copy_(src), reps=10)
+    return 2 * src.numel() * 2 / s
+
+
+def host_read_bandwidth() -> float:
+    import time
+
+    x = torch.randn(10**9)  # 4 GB float32
+    x.sum()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return x.numel() * 4 / statistics.median(times)
+
+
+def pinned_copy_bandwidth() -> tuple[float, float]:
+    host = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    h2d = event_median(lambda: dev.copy_(host, non_blocking=True), reps=10)
+    d2h = event_median(lambda: host.copy_(dev, non_blocking=True), reps=10)
+    return host.numel() / h2d, host.numel() / d2h
+
+
+def block(gated: bool, d: int, n: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = lambda *shape: (torch.randn(*shape, generator=g, device="cuda") * 0.02).half()  # noqa: E731
+    kw = dict(w_up=w(n, d), w_down_t=w(n, d))
+    if gated:
+        kw["w_gate"] = w(n, d)
+    else:
+        kw["b_up"] = w(n)
+        kw["b_down"] = w(d)
+    return kw
+
+
+def kernel_rates(gated: bool, d: int, n: int, copy_bw: float) -> list[str]:
+    ffns = []
+    for seed in (0, 1):
+        kw = block(gated, d, n, seed)
+        ffns.append(CudaFFN(kw.pop("w_up"), kw.pop("w_down_t"), **kw))
+    x = torch.randn(1, d, device="cuda").half()
+    first, later = (1, 2) if gated else (1, 1)
+    row = d * 2
+    lines = []
+    for share in (0.05, 0.1, 0.25, 0.5, 1.0):
+        g = torch.Generator(device="cuda").manual_seed(7)
+        mask = torch.rand(1, n, generator=g, device="cuda") < share
+        turn = [0]
+
+        def call():
+            turn[0] ^= 1
+            return ffns[turn[0]].ffn_given_mask(x, mask)
+
+        s = event_median(call)
+        candidates = int(mask.sum())
+        active = int(ffns[0].ffn_given_mask(x, mask)[1])  # same firing pattern on both copies'
+        active = (active + int(ffns[1].ffn_given_mask(x, mask)[1])) / 2  # rows: the mean of the two
+        nbytes = (candidates * first + active * later) * row
+        lines.append(f"| {'gated' if gated else 'plain'} {d}x{n} | {share:.0%} | {candidates} | "
+                     f"{active:.0f} | {nbytes / 1e6:.1f} | {s * 1e6:.1f} | {nbytes / s / 1e9:.0f} | "
+                     f"{nbytes / s / copy_bw:.0%} |")
+    return lines
+
+
+def main():
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
+    copy_bw = copy_bandwidth()
+    print(f"device copy: {copy_bw / 1e9:.0f} GB/s (read + write)")
+    print(f"host streaming read (torch sum, {torch.get_num_threads()} threads): "
+          f"{host_read_bandwidth() / 1e9:.1f} GB/s")
+    h2d, d2h = pinned_copy_bandwidth()
+    print(f"pinned host -> device {h2d / 1e9:.1f} GB/s, device -> host {d2h / 1e9:.1f} GB/s")
+    print()
+    print("| block | candidate share | candidates | fired | MB read | us | GB/s | of copy bw |")
+    print("|---|---|---|---|---|---|---|---|")
+    for line in kernel_rates(False, 5120, 20480, copy_bw) + kernel_rates(True, 5120, 13824, copy_bw):
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The GPU acceptance run (issue 13), on a CUDA machine that already has torch, cupy,
+# transformers, accelerate, pytest and hypothesis: nothing is installed, the repo runs from its
+# directory through PYTHONPATH. Each part writes $OUT/<part>.log (OUT defaults to out/gpu) and
+# ends well inside 10 minutes, so a part fits one command on a lent machine:
+#
+#   bash scripts/gpu_acceptance.sh env kernels tests      # then, one command each:
+#   bash scripts/gpu_acceptance.sh kernel-tests sanitizer
+#   bash scripts/gpu_acceptance.sh opt-13b
+#   bash scripts/gpu_acceptance.sh llama-13b
+#   bash scripts/gpu_acceptance.sh llama-cpp               # needs build/gpu-carry/llama-bench
+#
+# With no part named, runs them all (over 10 minutes in all).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+OUT=${OUT:-out/gpu}
+mkdir -p "$OUT"
+parts=("$@")
+[ ${#parts[@]} -gt 0 ] || parts=(env kernels tests kernel-tests sanitizer opt-13b llama-13b llama-cpp)
+
+run_part() {
+    case "$1" in
+    env)
+        nvidia-smi
+        nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
+        "$PY" -c "import sys, torch, cupy, transformers, accelerate; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda); print('cupy', cupy.__version__); print('transformers', transformers.__version__); print('accelerate', accelerate.__version__)"
+        lscpu
+        free -g
+        git log -1 --format='commit %H %cd' 2>/dev/null || true ;;
+    kernels)  # bandwidth probes (device copy, host read, pinned copies) and the kernels' read rate
+        timeout 540 "$PY" benchmarks/gpu_kernels.py ;;
+    tests)  # the hybrid runtime and GPU profiling on a real GPU
+        timeout 540 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_hybrid_gpu.py tests/test_layerwise.py ;;
+    kernel-tests)  # every CUDA kernel against its plain-PyTorch reference
+        timeout 420 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_cuda_kernels_gpu.py ;;
+    sanitizer)  # memcheck and racecheck over a few kernel tests
+        for tool in memcheck racecheck; do
+            timeout 200 compute-sanitizer --tool "$tool" --error-exitcode 1 --target-processes all \
+                "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_cuda_kernels_gpu.py \
+                -k "test_predictor_and_compaction and float16 or test_accumulate_into_out or test_given_mask_compacts and float16" \
+                || echo "compute-sanitizer $tool: FAILED (exit $?)"
+        done ;;
+    opt-13b|llama-13b)  # hybrid vs accelerate vs all-CPU vs all-GPU, budget 40% of the weights
+        timeout 570 "$PY" benchmarks/hybrid.py --shape "$1" --budget-share 0.4 --new-tokens 16 ;;
+    llama-cpp)  # the peer: llama.cpp partial offload (-ngl) at the same budget, F16
+        timeout 570 "$PY" benchmarks/llama_offload.py --shape llama-13b --budget-share 0.4 ;;
+    *)
+        echo "unknown part $1" >&2; return 2 ;;
+    esac
+}
+
+status=0
+for part in "${parts[@]}"; do
+    echo "== $part ($(date -u +%FT%TZ))"
+    start=$SECONDS
+    run_part "$part" 2>&1 | tee "$OUT/$part.log"
+    rc=${PIPESTATUS[0]}
+    echo "== $part: exit $rc after $((SECONDS - start)) s"
+    [ "$rc" -eq 0 ] || status=1
+done
+exit $status
