@@ -222,13 +222,14 @@ def compile(
 
     # calibrate: thresholds for SiLU/GELU blocks, measured sparsity for all
     needs_threshold = bool(sparsity) and any(not b.exact for b in plan.blocks)
+    device = calibrate_pass.calibration_device(model)  # "cuda": layer by layer for a CPU model
     if ids is not None:
         plan.calibration_tokens = int(ids.numel())
         if needs_threshold or not needs_profile:
-            calibrate_pass.calibrate(model, ffns, ids, sparsity, quiet=quiet)
+            calibrate_pass.calibrate(model, ffns, ids, sparsity, quiet=quiet, device=device)
 
     # profile + predictors: which neurons fire, and small MLPs that guess it per token
-    profiles = profile_pass.profile(model, ffns, ids, quiet=quiet) if needs_profile else {}
+    profiles = profile_pass.profile(model, ffns, ids, quiet=quiet, device=device) if needs_profile else {}
     for name, prof in profiles.items():
         ffns[name].block.measured_sparsity = 1.0 - prof.density
     if mode == "predicted":
@@ -247,13 +248,17 @@ def compile(
     if budget is not None:
         _place(model, ffns, plan.placement, profiles, budget, max_context)
     cm = _finish(model, plan, graphs, ffns)
-    if mode == "predicted":  # time each block with and without its predictor, on the CPU
+    hybrid = budget is not None and torch.cuda.is_available() and plan.placement.fixed_on_gpu
+    if mode == "predicted" and not hybrid:  # time each block with and without its predictor
+        # (on the CPU: in the hybrid runtime every predictor runs, on the GPU)
         xs = [timing_samples(p.x) for p in profiles.values()]
         timed = predictors_pass.time_decode([ffns[name] for name in profiles], xs, quiet=quiet)
         for name, (exact_us, predicted_us) in zip(profiles, timed):
             ffns[name].block.decode_us_exact, ffns[name].block.decode_us_predicted = exact_us, predicted_us
         cm.use_predictors(predictors)
-    if budget is not None and torch.cuda.is_available() and plan.placement.fixed_on_gpu:
+    if hybrid:
+        profiles.clear()  # their samples may sit on the GPU, outside the budget
+        torch.cuda.empty_cache()
         cm.distribute("cuda")
     used = sum(f.predictor.enabled for f in ffns.values() if f.predictor is not None)
     if mode == "predicted" and used < len(ffns):
@@ -356,7 +361,7 @@ def _place(model, ffns, placement, profiles, budget: int, max_context: int) -> N
     """Run the placement pass and record its decision in plan.placement and the blocks."""
     from picompile.passes import place as place_pass
 
-    fixed = place_pass.account(model, ffns, max_context=max_context)
+    fixed = place_pass.account(model, ffns, max_context=max_context, budget_bytes=budget)
     demands = [place_pass.BlockDemand(name, f.n_ff, place_pass.neuron_bytes(f), profiles[name].freq)
                for name, f in ffns.items()]
     result = place_pass.place(budget_bytes=budget, fixed_bytes=fixed, blocks=demands)

@@ -44,17 +44,135 @@ def calibration_ids(calibration, tokenizer, seq_len: int = 256) -> torch.Tensor:
     )
 
 
+class LayerwiseUnsupported(ValueError):
+    """The model has no list of decoder layers to calibrate one at a time."""
+
+
+class _Caught(Exception):
+    """Raised by the hook on the first decoder layer: its inputs are recorded, stop the forward."""
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's decoder layers: the first (outermost) ModuleList whose every child holds a
+    SparseFFN. Children may be torch.fx GraphModules (what capture made of OPT's layers)."""
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0 and all(
+                any(isinstance(m, SparseFFN) for m in layer.modules()) for layer in module):
+            # Layer 0's keyword arguments (attention mask, ...) are given to every layer: refuse
+            # models whose layers take different ones (sliding-window layers between full ones).
+            if len({getattr(layer, "attention_type", None) for layer in module}) > 1:
+                break
+            return module
+    raise LayerwiseUnsupported(
+        f"layer-by-layer calibration needs a model with a list of decoder layers (an "
+        f"nn.ModuleList of layers that each hold an FFN block, all taking the same attention "
+        f"mask); {type(model).__name__} has none: calibrate it whole (device=None)")
+
+
+def calibration_device(model: nn.Module) -> str | None:
+    """Where compile runs calibration layer by layer: "cuda" when a CUDA GPU is there, the
+    model's weights are on the CPU (it may not fit the GPU) and it has decoder layers; None
+    (the whole model where it is) otherwise."""
+    if not torch.cuda.is_available() or next(model.parameters()).device.type != "cpu":
+        return None
+    try:
+        decoder_layers(model)
+    except LayerwiseUnsupported:
+        return None
+    return "cuda"
+
+
+def _forward(model: nn.Module, batch: torch.Tensor) -> None:
+    try:
+        model(batch, use_cache=False)
+    except TypeError:  # plain nn.Module models take only the ids
+        model(batch)
+
+
+def _tensor_slots(module: nn.Module, skip: set[int] = frozenset()) -> list[tuple]:
+    """(owner module, "_parameters" or "_buffers", name) of every tensor held by `module` and
+    its submodules, each tensor once (tied weights are one), none whose id is in `skip`."""
+    slots, seen = [], set(skip)
+    for m in module.modules():
+        for kind in ("_parameters", "_buffers"):
+            for name, t in getattr(m, kind).items():
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    slots.append((m, kind, name))
+    return slots
+
+
+def _move(slots: list[tuple], devices) -> list[torch.device]:
+    """Move each slot's tensor to its device in `devices` (one per slot, or one for all);
+    return where each was, to move it back with. Parameters keep their identity (only .data
+    changes), as nn.Module.to does, so hooks and references to them stay valid."""
+    if not isinstance(devices, list):
+        devices = [devices] * len(slots)
+    before = []
+    for (owner, kind, name), device in zip(slots, devices):
+        t = getattr(owner, kind)[name]
+        before.append(t.device)
+        if kind == "_parameters":
+            t.data = t.data.to(device)
+        else:
+            owner._buffers[name] = t.to(device)
+    return before
+
+
 @torch.no_grad()
 def run_calibration(model: nn.Module, ids: torch.Tensor, batch_size: int = 4, quiet: bool = False,
-                    desc: str = "calibrating") -> None:
-    """Feed calibration rows through the model (no KV cache), `batch_size` rows at a time."""
-    device = next(model.parameters()).device
-    for start in progress_bar(range(0, ids.shape[0], batch_size), desc=desc, quiet=quiet):
-        batch = ids[start : start + batch_size].to(device)
+                    desc: str = "calibrating", device: str | torch.device | None = None) -> None:
+    """Feed calibration rows through the model (no KV cache), `batch_size` rows at a time.
+
+    device=None: the whole model, on the device of its first weights. A device ("cuda", or "cpu"
+    in tests): layer by layer, as GPTQ calibrates, so a model larger than that device is run
+    on it: the inputs of the first decoder layer are recorded for every batch, then each layer
+    in turn goes to `device`, takes every batch's hidden states and goes back to where it was.
+    Forward hooks on the SparseFFN modules fire as in a whole-model run, block by block in
+    model order but with all batches of a layer before the next layer's."""
+    if device is None:
+        first = next(model.parameters()).device
+        for start in progress_bar(range(0, ids.shape[0], batch_size), desc=desc, quiet=quiet):
+            _forward(model, ids[start : start + batch_size].to(first))
+        return
+
+    layers = decoder_layers(model)
+    device = torch.device(device)
+    # 1. Everything before the first layer (embeddings, rotary tables, masks) runs on `device`;
+    # a hook on layer 0 records its inputs and stops the forward there ("Catcher").
+    hidden: list[torch.Tensor] = []  # per batch: hidden states [batch, seq, d] on `device`
+    inputs: list[tuple[tuple, dict]] = []  # per batch: the rest of layer 0's (args, kwargs)
+
+    def catch(_layer, args, kwargs):
+        hidden.append(args[0])
+        inputs.append((args[1:], kwargs))
+        raise _Caught
+
+    in_layers = {id(t) for t in (*layers.parameters(), *layers.buffers())}
+    outside = _tensor_slots(model, skip=in_layers)  # embeddings, final norm, rotary buffers
+    where = _move(outside, device)
+    handle = layers[0].register_forward_pre_hook(catch, with_kwargs=True)
+    try:
+        for start in range(0, ids.shape[0], batch_size):
+            try:
+                _forward(model, ids[start : start + batch_size].to(device))
+            except _Caught:
+                pass
+    finally:
+        handle.remove()
+        _move(outside, where)
+
+    # 2. Layer by layer: all batches' hidden states [batch, seq, d] stay on `device` (32k tokens
+    # of d=5120 in float16: 335 MB); one layer's weights are there at a time.
+    for layer in progress_bar(layers, desc=desc, quiet=quiet, total=len(layers)):
+        slots = _tensor_slots(layer)
+        where = _move(slots, device)
         try:
-            model(batch, use_cache=False)
-        except TypeError:  # plain nn.Module models take only the ids
-            model(batch)
+            for i, (args, kwargs) in enumerate(inputs):
+                out = layer(hidden[i], *args, **kwargs)
+                hidden[i] = out[0] if isinstance(out, (tuple, list)) else out  # OPT: maybe a tuple
+        finally:
+            _move(slots, where)
 
 
 @torch.no_grad()
@@ -64,25 +182,30 @@ def calibrate(
     ids: torch.Tensor,
     sparsity: float | None,
     quiet: bool = False,
+    device: str | torch.device | None = None,
 ) -> None:
     """Set block.measured_sparsity for every block and, when a sparsity is asked for, the
-    threshold of every non-ReLU block (ReLU blocks stay exact)."""
+    threshold of every non-ReLU block (ReLU blocks stay exact). device: as run_calibration's
+    (None: the whole model where it is; else layer by layer on that device)."""
     samples: dict[str, list[torch.Tensor]] = {name: [] for name in ffns}
-    gen = torch.Generator().manual_seed(0)
+    # One generator per block: its samples are the same whichever order the blocks run in
+    # (whole model: batch after batch; layer by layer: block after block).
+    gens = {name: torch.Generator().manual_seed(i) for i, name in enumerate(ffns)}
 
     def hook(name):
         def record(ffn: SparseFFN, args, _out):
             x = args[0].reshape(-1, ffn.d_model)
             h = down_input(x, ffn.w_up, w_gate=ffn.w_gate, b_gate=ffn.b_gate, b_up=ffn.b_up,
-                           act=ffn.act, drelu=ffn.drelu).abs().flatten()
+                           act=ffn.act, drelu=ffn.drelu).abs().flatten()  # [T * n_ff]
             if h.numel() > SAMPLES_PER_CALL:
-                h = h[torch.randint(h.numel(), (SAMPLES_PER_CALL,), generator=gen)]
-            samples[name].append(h)
+                pick = torch.randint(h.numel(), (SAMPLES_PER_CALL,), generator=gens[name])  # CPU
+                h = h[pick.to(h.device)]
+            samples[name].append(h)  # stays on the activations' device
         return record
 
     handles = [ffn.register_forward_hook(hook(name)) for name, ffn in ffns.items()]
     try:
-        run_calibration(model, ids, quiet=quiet)
+        run_calibration(model, ids, quiet=quiet, device=device)
     finally:
         for h in handles:
             h.remove()

@@ -33,6 +33,10 @@ RANKS = (16, 32, 64, 128, 256, 512)
 # Training steps per predictor are capped so that steps * n_ff stays under this: 2000 steps for
 # n_ff = 640, 830 for SmolLM2's 1536. Bounds compile time on large models.
 STEP_BUDGET = 2000 * 640
+# On a GPU a step costs far less: 8x the budget, and at least MIN_GPU_STEPS where the samples
+# are few (a 13B model's 2 GB of samples is ~1,600 tokens per block: 40 steps by epochs alone).
+GPU_STEP_BUDGET = 8 * STEP_BUDGET
+MIN_GPU_STEPS = 300
 MIN_GAIN = 0.02  # a rank that lowers the predicted density by less than this ends the search
 # tau is set on held-out samples for a miss rate this much under the target's: text unlike the
 # calibration data (measured on the ReLU fixture's held-out split) misses a little more.
@@ -105,7 +109,12 @@ class PredictorStats:
 
 
 def _fit(x: torch.Tensor, y: torch.Tensor, rank: int, epochs: int, seed: int) -> Predictor:
-    """x [N, d] float32, y [N, n_ff] float32 -> a trained predictor (tau unset)."""
+    """x [N, d] float32, y [N, n_ff] float32 -> a trained predictor (tau unset), on x's device.
+
+    Trained where the samples are (a GPU when profiling ran on one: much faster for large
+    n_ff). Random numbers come from a CPU generator on any device (weights initialised on the
+    CPU, batch indices drawn there and moved), so a CPU run gives the same result whether or
+    not a GPU is there."""
     gen = torch.Generator().manual_seed(seed)
     n, d = x.shape
     n_ff = y.shape[1]
@@ -114,17 +123,21 @@ def _fit(x: torch.Tensor, y: torch.Tensor, rank: int, epochs: int, seed: int) ->
         bound = 1 / layer.in_features**0.5
         layer.weight.data.uniform_(-bound, bound, generator=gen)
         layer.bias.data.zero_()
+    l1, l2 = l1.to(x.device), l2.to(x.device)
     # start from the marginal firing rate, so early steps need not learn it
     rate = y.mean(0).clamp(1e-4, 1 - 1e-4)
     l2.bias.data.copy_(torch.log(rate / (1 - rate)))
     params = [*l1.parameters(), *l2.parameters()]
     batch = min(1024, n)
-    steps = max(1, min(epochs * (n // batch), STEP_BUDGET // max(n_ff, 1)))
+    if x.is_cuda:
+        steps = min(GPU_STEP_BUDGET // max(n_ff, 1), max(epochs * (n // batch), MIN_GPU_STEPS))
+    else:
+        steps = max(1, min(epochs * (n // batch), STEP_BUDGET // max(n_ff, 1)))
     opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
     with torch.enable_grad():
         for step in range(steps):
-            sel = torch.randint(n, (batch,), generator=gen)
+            sel = torch.randint(n, (batch,), generator=gen).to(x.device)  # [batch]
             loss = F.binary_cross_entropy_with_logits(l2(F.relu(l1(x[sel]))), y[sel])
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -137,8 +150,9 @@ def _fit(x: torch.Tensor, y: torch.Tensor, rank: int, epochs: int, seed: int) ->
 @torch.no_grad()
 def calibrate_tau(pred: Predictor, x: torch.Tensor, y: torch.Tensor, target_recall: float
                   ) -> PredictorStats:
-    """Set pred.tau so that `target_recall` of the firing (x, neuron) pairs are predicted."""
-    logits = pred.logits(x)  # [N, n_ff]
+    """Set pred.tau so that `target_recall` of the firing (x [N, d], neuron) pairs (y [N, n_ff]
+    bool) are predicted. Runs on the samples' device: pred is moved there (in place)."""
+    logits = pred.to(x.device).logits(x)  # [N, n_ff]
     pos = logits[y]
     if pos.numel() == 0:
         pred.tau = float(logits.max()) if logits.numel() else 0.0
@@ -159,8 +173,10 @@ def train_predictor(
     epochs: int = 40,
     seed: int = 0,
 ) -> tuple[Predictor, PredictorStats]:
-    """Smallest rank meeting the density target at `target_recall`, on held-out samples."""
-    x, y = prof.x.float(), prof.y
+    """Smallest rank meeting the density target at `target_recall`, on held-out samples.
+    Trains on the device of the profile's samples; the predictor returned is on the CPU
+    (compile places it later)."""
+    x, y = prof.x.float(), prof.y  # [N, d] float32, [N, n_ff] bool
     n_val = max(1, len(x) // 10)
     xt, yt, xv, yv = x[n_val:], y[n_val:].float(), x[:n_val], y[:n_val]
     if len(xt) == 0:
@@ -172,13 +188,13 @@ def train_predictor(
         pred = _fit(xt, yt, rank, epochs, seed)
         stats = calibrate_tau(pred, xv, yv, 1 - (1 - target_recall) * MISS_MARGIN)
         if stats.predicted_density <= max_density_ratio * max(stats.true_density, 1e-9):
-            return pred, stats
+            return pred.cpu(), stats
         gain = 1.0 if best is None else best[1].predicted_density - stats.predicted_density
         if gain > 0:
             best = (pred, stats)
         if gain < MIN_GAIN:
             break  # a larger rank does not help: this block's activity is hard to predict
-    return best
+    return best[0].cpu(), best[1]
 
 
 def decode_bytes(ffn, stats: PredictorStats) -> tuple[int, int]:
@@ -216,7 +232,8 @@ def time_decode(ffns: list, xs: list[torch.Tensor], rounds: int = 5, quiet: bool
     n = min((len(x) for x in xs), default=0)
     if n == 0:
         return [(0.0, 0.0)] * len(ffns)  # nothing to time on: predictors="auto" leaves them exact
-    xs = [x[:n].to(f.w_up.dtype) for f, x in zip(ffns, xs)]
+    # the samples may be on the GPU that profiled: time on the blocks' own device (the CPU)
+    xs = [x[:n].to(f.w_up.device, f.w_up.dtype) for f, x in zip(ffns, xs)]
     times = [([], []) for _ in ffns]  # per block: exact, predicted seconds
     enabled = [f.predictor.enabled for f in ffns]
     try:

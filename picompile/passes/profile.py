@@ -21,9 +21,9 @@ DEFAULT_SAMPLE_BYTES = 2 * 10**9  # all blocks' samples together stay under this
 
 @dataclass
 class BlockProfile:
-    freq: torch.Tensor  # [n_ff] float32: share of tokens on which each neuron fired
-    x: torch.Tensor  # [N, d] float16: block inputs
-    y: torch.Tensor  # [N, n_ff] bool: which neurons fired for that input
+    freq: torch.Tensor  # [n_ff] float32 on the CPU: share of tokens on which each neuron fired
+    x: torch.Tensor  # [N, d] float16: block inputs, on the device they were recorded on
+    y: torch.Tensor  # [N, n_ff] bool: which neurons fired for that input, same device as x
     tokens: int  # calibration tokens seen
 
     @property
@@ -45,17 +45,28 @@ def profile(
     memory_bytes: int = DEFAULT_SAMPLE_BYTES,
     quiet: bool = False,
     seed: int = 0,
+    device: str | torch.device | None = None,
 ) -> dict[str, BlockProfile]:
+    """Per block, its BlockProfile. device: as run_calibration's (None: the whole model where it
+    is; else layer by layer on that device).
+
+    Counters and samples live on the device the activations are on (no copy to the host per
+    call). freq comes back on the CPU; the samples stay where they were recorded, so that a
+    GPU that profiled also trains the predictors on them (passes/predictors.py trains on the
+    samples' device), at most `memory_bytes` of them."""
     total = ids.numel()
     keep_n = samples_per_block(ffns, total, memory_bytes)
     keep_p = keep_n / total
-    gen = torch.Generator().manual_seed(seed)
-    counts = {n: torch.zeros(f.n_ff, dtype=torch.float64) for n, f in ffns.items()}
+    gen = torch.Generator().manual_seed(seed)  # on the CPU: the same draws whatever the device
+    counts: dict[str, torch.Tensor] = {}  # [n_ff] int64 on the activations' device
     xs: dict[str, list] = {n: [] for n in ffns}
     ys: dict[str, list] = {n: [] for n in ffns}
     seen = {n: 0 for n in ffns}
-    order = list(ffns)
-    picks: dict[int, torch.Tensor] = {}  # one token subset per forward call, shared by blocks
+    calls = {n: 0 for n in ffns}
+    # One token subset per forward call, shared by blocks: the block's i-th call with T tokens
+    # takes picks[(i, T)], drawn by the first block to need it. Whole-model and layer-by-layer
+    # runs call blocks in different orders but draw the same subsets.
+    picks: dict[tuple[int, int], torch.Tensor] = {}  # -> [n_kept] token indices, CPU
 
     def hook(name):
         def record(ffn: SparseFFN, args, _out):
@@ -63,25 +74,28 @@ def profile(
             h = down_input(x, ffn.w_up, w_gate=ffn.w_gate, b_gate=ffn.b_gate, b_up=ffn.b_up,
                            act=ffn.act, drelu=ffn.drelu)
             active = h.abs() > ffn.threshold  # [T, n_ff]
-            counts[name] += active.sum(0, dtype=torch.float64)
+            if name not in counts:
+                counts[name] = torch.zeros(ffn.n_ff, dtype=torch.int64, device=active.device)
+            counts[name] += active.sum(0).to(counts[name].device)
             seen[name] += x.shape[0]
-            key = x.shape[0]
-            if name == order[0] or key not in picks:
-                picks[key] = (torch.rand(key, generator=gen) < keep_p).nonzero().flatten()
-            sel = picks[key]
+            key = (calls[name], x.shape[0])
+            calls[name] += 1
+            if key not in picks:
+                picks[key] = (torch.rand(key[1], generator=gen) < keep_p).nonzero().flatten()
+            sel = picks[key].to(x.device)
             xs[name].append(x[sel].to(torch.float16))
             ys[name].append(active[sel])
         return record
 
     handles = [f.register_forward_hook(hook(n)) for n, f in ffns.items()]
     try:
-        run_calibration(model, ids, quiet=quiet, desc="profiling neurons")
+        run_calibration(model, ids, quiet=quiet, desc="profiling neurons", device=device)
     finally:
         for h in handles:
             h.remove()
     return {
         n: BlockProfile(
-            freq=(counts[n] / max(seen[n], 1)).float(),
+            freq=(counts[n].double() / max(seen[n], 1)).float().cpu(),
             x=torch.cat(xs[n])[:keep_n],
             y=torch.cat(ys[n])[:keep_n],
             tokens=seen[n],
