@@ -108,6 +108,37 @@ def kernel_rates(gated: bool, d: int, n: int, copy_bw: float) -> list[str]:
     return lines
 
 
+def launch_profile(calls: int = 200) -> str:
+    """Where the host's time goes in one hot-part call (OPT-13B-shaped block, 5% of rows): the
+    kernels take microseconds, so Python and CuPy launch costs show as GPU idle time."""
+    import cProfile
+    import io
+    import pstats
+    import time
+
+    kw = block(False, 5120, 20480, 0)
+    ffn = CudaFFN(kw.pop("w_up"), kw.pop("w_down_t"), **kw)
+    x = torch.randn(1, 5120, device="cuda").half()
+    mask = torch.rand(1, 20480, device="cuda") < 0.05
+    for _ in range(10):
+        ffn.ffn_given_mask(x, mask)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        ffn.ffn_given_mask(x, mask)
+    host = (time.perf_counter() - t) / calls
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        ffn.ffn_given_mask(x, mask)
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
+    return f"host time per hot-part call: {host * 1e6:.0f} us\n" + out.getvalue()
+
+
 def main():
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -123,6 +154,8 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     for line in kernel_rates(False, 5120, 20480, copy_bw) + kernel_rates(True, 5120, 13824, copy_bw):
         print(line, flush=True)
+    print()
+    print(launch_profile())
 
 
 if __name__ == "__main__":

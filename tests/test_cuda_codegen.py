@@ -131,8 +131,8 @@ def test_combined_source_defines_each_kernel_once():
     assert len(defined) == len(set(defined))
     expected = {n for v in VARIANTS for n in v.kernel_names().values()}
     assert set(defined) == expected == set(names)
-    # 3 dtypes x 7 dtype kernels + compaction + 2 gate/up kernels per variant
-    assert len(defined) == 3 * 7 + 1 + 2 * len(VARIANTS)
+    # 3 dtypes x 7 dtype kernels + mask bits + compaction + 2 gate/up kernels per variant
+    assert len(defined) == 3 * 7 + 2 + 2 * len(VARIANTS)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -200,7 +200,7 @@ def test_bad_arch():
 
 def test_load_without_cupy_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ImportError
-    with pytest.raises(cuda.CudaUnavailable, match=r"picompile\[cuda\]"):
+    with pytest.raises(cuda.CudaUnavailable, match=r"picompile\[cuda13\]"):
         cuda.load(VARIANTS[0])
 
 

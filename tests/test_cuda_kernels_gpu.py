@@ -433,16 +433,18 @@ def test_cuda_ffn_reuses_buffers_safely_across_calls():
 @pytest.mark.parametrize("d,n,T", [(64, 40, 1), (576, 1536, 1), (203, 333, 3), (100, 77, 8)])
 def test_given_mask_compacts_on_the_device(dtype, d, n, T):
     """The hybrid path: a predictor's bool mask [T, n] on the device -> the rows set for any
-    token (packed to bits and compacted by pi_compact, no host sync) -> the block over them."""
+    token (pi_mask_bits, then pi_compact, no host sync) -> the block over them. The mask is a
+    column slice of a wider one, as the hot part's is (rows strided)."""
     v = cuda.CudaVariant(dtype=dtype, gated=True, drelu=False, bias=False, act="relu",
                          threshold=False)
     w = make_block(d, n, v)
     x = make_x(T, d, dtype)
     g = torch.Generator().manual_seed(d + n + T)
-    mask = torch.rand(T, n, generator=g) < 0.2
+    wide = torch.rand(T, n + 37, generator=g) < 0.2
+    mask = wide[:, :n]
     wd = to_dev(w)
     ffn = cuda.CudaFFN(wd.pop("w_up"), wd.pop("w_down_t"), **wd, act="relu")
-    out, n_active = ffn.ffn_given_mask(x.to(DEV), mask.to(DEV))
+    out, n_active = ffn.ffn_given_mask(x.to(DEV), wide.to(DEV)[:, :n])
     idx = mask.any(0).nonzero().flatten()
     ref, active = reference_given_idx(v, w, x, idx, 0.0)
     check_close(out, ref, dtype, f"mask d={d} n={n} T={T}")

@@ -106,19 +106,6 @@ def test_cuda_hot_kernel_takes_the_sparse_ffn_kernel_interface():
     assert torch.equal(calls[0], predicted) and torch.equal(calls[1], kernel.all_rows)
 
 
-@pytest.mark.parametrize("n", [1, 31, 32, 33, 100])
-def test_pack_mask_bits_is_what_pi_compact_reads(n):
-    from picompile.codegen.cuda import pack_mask_bits
-
-    gen = torch.Generator().manual_seed(n)
-    mask = torch.rand(3, n, generator=gen) < 0.3
-    mask[0, n - 1] = True  # the top bit of the last word
-    words = pack_mask_bits(mask)
-    assert words.dtype == torch.int32 and words.numel() == (n + 31) // 32
-    bits = [(int(words[j // 32]) >> (j % 32)) & 1 for j in range(len(words) * 32)]
-    assert bits == mask.any(0).int().tolist() + [0] * (len(words) * 32 - n)
-
-
 def test_distribute_copies_hot_rows_and_frees_none_on_the_device():
     """Hot rows are copies, not views of the full weights (a view keeps the whole storage on
     the device after the full weights move to the CPU)."""

@@ -6,6 +6,7 @@ Run where a GPU exists: `pytest -m gpu`."""
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -21,15 +22,28 @@ cupy = pytest.importorskip("cupy", reason="needs cupy (pip install picompile[cud
 
 
 def _model(dtype, arch="opt"):
-    return zoo.make(arch, dtype, n_ff=512, hidden=128, layers=2)
+    return zoo.make(arch, dtype, n_ff=2048, hidden=256, layers=2)
 
 
-def _warm_gpu() -> None:
-    """Create the CUDA context and cuBLAS's workspace before anything is measured, so that no
-    test's baseline depends on which test ran first."""
+@pytest.fixture(scope="module", autouse=True)
+def _warm_gpu():
+    """Create the CUDA context and cuBLAS's workspace and load every kernel module these tests
+    use (both dtypes, both architectures, both modes) before anything is measured, so that the
+    memory outside PyTorch's pool measured by a test's budget is the one compile measures, and
+    no test depends on which ran first."""
     a = torch.randn(64, 64, device="cuda")
     (a @ a).sum().item()
+    for arch in ("opt", "llama_relu"):
+        for dtype in (torch.float16, torch.float32):
+            cm = picompile.compile(_model(dtype, arch), gpu_budget=8 * 2**30, mode="predicted",
+                                   calibration=torch.randint(0, zoo.VOCAB, (2, 16)),
+                                   max_context=64, quiet=True)
+            for f in cm.ffns().values():
+                f.predictor.tau = float("-inf")
+            cm(torch.randint(0, zoo.VOCAB, (1, 4)))
+            del cm
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
 
 
 def _peak_bytes() -> int:
@@ -41,14 +55,20 @@ def _peak_bytes() -> int:
     return torch.cuda.max_memory_reserved() + pool + outside
 
 
-def _budget(dense, ffn_share: float) -> int:
-    """The fixed parts (measured context included) plus `ffn_share` of the weights."""
-    _warm_gpu()
-    context, _ = place.cuda_context_bytes()
-    total = sum(p.numel() * p.element_size() for p in dense.parameters())
-    # + 64 MiB: compile measures the context again, after CuPy and NVRTC have loaded
-    needed = context + 64 * 2**20 + place.CUBLAS_WORKSPACE_BYTES + total + int(ffn_share * total)
-    return int(needed / (1 - place.ALLOCATOR_RESERVE_SHARE))
+def _compile(dense, ffn_share: float, **kw):
+    """compile(dense, gpu_budget=B, **kw) with B such that `ffn_share` of the FFN neurons' bytes
+    fit after the fixed parts, as a first compile with room for everything accounts them (the
+    CUDA context measured, so the same in both: _warm_gpu loaded every module first)."""
+    kw = dict(max_context=64, quiet=True, **kw)
+    probe = picompile.compile(copy.deepcopy(dense), gpu_budget=64 * 2**30, **kw)
+    fixed = dict(probe.plan.placement.fixed_bytes)
+    fixed.pop("allocator_reserve")
+    ffn_bytes = sum(place.neuron_bytes(f) * f.n_ff for f in probe.ffns().values())
+    del probe
+    gc.collect()
+    torch.cuda.empty_cache()
+    budget = int((sum(fixed.values()) + ffn_share * ffn_bytes) / (1 - place.ALLOCATOR_RESERVE_SHARE))
+    return picompile.compile(copy.deepcopy(dense), gpu_budget=budget, **kw), budget
 
 
 def _split_blocks(cm) -> int:
@@ -61,11 +81,7 @@ def _split_blocks(cm) -> int:
 @pytest.mark.parametrize("mode", ["exact", "predicted"])
 def test_hybrid_on_gpu_splits_equals_dense_and_holds_the_budget(dtype, mode):
     dense = _model(dtype)
-    torch.cuda.empty_cache()
-    budget = _budget(dense, 0.2)
-    calib = torch.randint(0, zoo.VOCAB, (4, 32))
-    cm = picompile.compile(copy.deepcopy(dense), gpu_budget=budget, mode=mode, calibration=calib,
-                           max_context=64, quiet=True)
+    cm, budget = _compile(dense, 0.3, mode=mode, calibration=torch.randint(0, zoo.VOCAB, (4, 32)))
     assert cm.plan.placement.fixed_on_gpu
     assert _split_blocks(cm) > 0, picompile.explain(cm)
     if mode == "predicted":
@@ -87,9 +103,7 @@ def test_hybrid_predicted_decode_on_gpu_counts_both_sides_and_times_with_events(
     """PowerInfer's path: the predictor on the GPU, hot rows compacted on the device, cold rows
     on the CPU at the same time."""
     dense = _model(torch.float16, "llama_relu")
-    cm = picompile.compile(copy.deepcopy(dense), gpu_budget=_budget(dense, 0.2), mode="predicted",
-                           calibration=torch.randint(0, zoo.VOCAB, (8, 32)), max_context=64,
-                           quiet=True)
+    cm, _ = _compile(dense, 0.3, mode="predicted", calibration=torch.randint(0, zoo.VOCAB, (8, 32)))
     assert _split_blocks(cm) > 0, picompile.explain(cm)
     for f in cm.ffns().values():
         assert f.predictor.p1.device.type == "cuda" and f.predictor.p1.dtype == torch.float16
@@ -107,9 +121,7 @@ def test_hybrid_predicted_decode_on_gpu_counts_both_sides_and_times_with_events(
 
 def test_hybrid_logits_match_dense_on_gpu_in_predicted_mode_with_everything_predicted():
     dense = _model(torch.float32)
-    cm = picompile.compile(copy.deepcopy(dense), gpu_budget=_budget(dense, 0.3), mode="predicted",
-                           calibration=torch.randint(0, zoo.VOCAB, (4, 32)), max_context=64,
-                           quiet=True)
+    cm, _ = _compile(dense, 0.3, mode="predicted", calibration=torch.randint(0, zoo.VOCAB, (4, 32)))
     assert _split_blocks(cm) > 0
     for ffn in cm.ffns().values():
         ffn.predictor.tau = float("-inf")
@@ -121,10 +133,8 @@ def test_hybrid_logits_match_dense_on_gpu_in_predicted_mode_with_everything_pred
 
 def test_a_model_on_the_gpu_compiles_in_predicted_mode():
     dense = _model(torch.float16, "llama_relu")
-    on_gpu = copy.deepcopy(dense).cuda()
-    cm = picompile.compile(on_gpu, gpu_budget=_budget(dense, 0.2), mode="predicted",
-                           calibration=torch.randint(0, zoo.VOCAB, (4, 32)), max_context=64,
-                           quiet=True)
+    cm, _ = _compile(dense.cuda(), 0.3, mode="predicted",
+                     calibration=torch.randint(0, zoo.VOCAB, (4, 32)))
     assert _split_blocks(cm) > 0
     for f in cm.ffns().values():  # hot rows copied, the full weights on the CPU only
         assert f.w_up.device.type == "cpu" and f.hybrid.hot.w_up.device.type == "cuda"

@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import picompile
-from picompile.passes.place import BlockDemand, account, apply_order, neuron_bytes, place
+from picompile.passes.place import (ALLOCATOR_RESERVE_SHARE, BlockDemand, account, apply_order,
+                                    neuron_bytes, place)
 from picompile.passes.predictors import Predictor
 from picompile.runtime.sparse_ffn import SparseFFN
 from tests import zoo
@@ -331,7 +332,7 @@ def test_neuron_bytes_and_predictor_accounting():
     assert neuron_bytes(f) == (2 * d + 1) * 4  # the predictor is not per neuron: it goes whole
     acc = account(cm, ffns, max_context=8, budget_bytes=10**6)
     assert acc["predictors"] == (8 * d + 8 + f.n_ff * 8 + f.n_ff) * 2  # all of it, in float16
-    assert acc["allocator_reserve"] == 30_000
+    assert acc["allocator_reserve"] == round(ALLOCATOR_RESERVE_SHARE * 10**6)
     assert acc["non_ffn_weights"] == non_ffn_bytes_by_modules(cm)  # predictor is FFN-side
     del pred
 

@@ -145,6 +145,7 @@ class CudaVariant:
             "pred_mask_1": f"pi_pred_mask_1_{dt}",
             "pred_mask_b": f"pi_pred_mask_b_{dt}",
             "compact": "pi_compact",
+            "mask_bits": "pi_mask_bits",
             "gate_up_1": f"pi_gate_up_1_{self.tag}",
             "gate_up_b": f"pi_gate_up_b_{self.tag}",
             "down_1": f"pi_down_1_{dt}",
@@ -361,6 +362,28 @@ __device__ __forceinline__ void pi_pred_mask_body(
     }
     const unsigned bits = __ballot_sync(PI_FULL, fire);
     if (lane == 0) mask[w] = bits;
+  }
+}
+
+// ---- 2a. mask -> bitmask: a predictor's bool mask [T, n] (one byte each, rows `stride` bytes
+// apart) -> bits [ceil(n / 32)], bit b of word w set when neuron 32 w + b is on for any token.
+// One thread per word: the hybrid runtime's mask from PyTorch, in one launch, no host sync.
+extern "C" __global__ void __launch_bounds__(256) pi_mask_bits(
+    const unsigned char* __restrict__ mask,  // [T, stride] bool, n used per row
+    int T,                                   //            tokens
+    int n,                                   //            neurons
+    int stride,                              //            bytes between rows (>= n)
+    unsigned* __restrict__ bits)             // [ceil(n / 32)] out
+{
+  const int n_words = (n + PI_WARP - 1) / PI_WARP;
+  for (int w = blockIdx.x * blockDim.x + threadIdx.x; w < n_words; w += gridDim.x * blockDim.x) {
+    unsigned word = 0u;
+    for (int t = 0; t < T; ++t) {
+      const unsigned char* row = mask + (size_t)t * stride + (size_t)w * PI_WARP;
+      const int in_word = min(PI_WARP, n - w * PI_WARP);
+      for (int b = 0; b < in_word; ++b) word |= (row[b] != 0 ? 1u : 0u) << b;
+    }
+    bits[w] = word;
   }
 }
 
@@ -979,6 +1002,18 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=64)
+def _cupy_stream(index: int, ptr: int):
+    """cupy's wrapper of the CUDA stream `ptr` (PyTorch's), made once per stream: building one
+    per launch costs host time on every block of every token."""
+    cp = _cupy()
+    with cp.cuda.Device(index):
+        try:
+            return cp.cuda.ExternalStream(ptr, index)
+        except TypeError:  # older cupy: ExternalStream(ptr)
+            return cp.cuda.ExternalStream(ptr)
+
+
 @contextlib.contextmanager
 def torch_stream(device):
     """Make PyTorch's current stream on `device` cupy's current stream (and its device current)."""
@@ -986,14 +1021,9 @@ def torch_stream(device):
 
     cp = _cupy()
     index = device.index if device.index is not None else torch.cuda.current_device()
-    ptr = torch.cuda.current_stream(index).cuda_stream
-    with cp.cuda.Device(index):
-        try:
-            stream = cp.cuda.ExternalStream(ptr, index)
-        except TypeError:  # older cupy: ExternalStream(ptr)
-            stream = cp.cuda.ExternalStream(ptr)
-        with stream:
-            yield stream
+    stream = _cupy_stream(index, torch.cuda.current_stream(index).cuda_stream)
+    with cp.cuda.Device(index), stream:
+        yield stream
 
 
 class CudaKernels:
@@ -1043,6 +1073,14 @@ class CudaKernels:
                      (_ptr(z), _ptr(p2), _ptr(pb2), _f32(tau), _ptr(mask), _i32(T), _i32(r),
                       _i32(n_hot), _i32(vec)),
                      shared_mem=smem)
+
+    def mask_bits(self, mask, bits) -> None:
+        """mask [T, n] bool (rows may be strided, columns contiguous) -> bits [ceil(n / 32)]."""
+        T, n = mask.shape
+        n_words = math.ceil(n / 32)
+        blocks = max(1, min(math.ceil(n_words / 256), 8 * self._sms(mask)))
+        self._launch("mask_bits", (blocks,), (256,),
+                     (_ptr(mask), _i32(T), _i32(n), _i32(mask.stride(0)), _ptr(bits)))
 
     def compact(self, mask, n_words: int, idx, count) -> None:
         """mask [n_words] -> idx [32 n_words] (ascending; `count` of them), count [1]."""
@@ -1241,8 +1279,17 @@ class CudaFFN:
         out = self._out(out, x.shape[0])
         if tuple(mask.shape[-1:]) != (self.n_rows,):
             raise ValueError(f"mask: expected [T, {self.n_rows}], got {tuple(mask.shape)}")
+        if mask.dtype != torch.bool or mask.device != self.device or mask.dim() != 2:
+            raise ValueError(f"mask: expected bool [T, {self.n_rows}] on {self.device}")
+        if mask.stride(1) != 1:
+            mask = mask.contiguous()
         with torch_stream(self.device):
-            words = pack_mask_bits(mask)
+            words = torch.empty(max(1, math.ceil(self.n_rows / 32)), dtype=torch.int32,
+                                device=self.device)
+            if self.n_rows:
+                self.kernels.mask_bits(mask, words)
+            else:
+                words.zero_()
             idx = torch.empty(max(1, self.n_rows), dtype=torch.int32, device=self.device)
             count = torch.empty(1, dtype=torch.int32, device=self.device)
             self.kernels.compact(words, words.numel(), idx, count)
@@ -1260,21 +1307,6 @@ class CudaFFN:
         with torch_stream(self.device):
             count = torch.full((1,), m, dtype=torch.int32, device=self.device)
             return self._run(x, idx, count, m, out, accumulate)
-
-
-def pack_mask_bits(mask):
-    """mask [T, n] bool (on the device) -> words [ceil(n / 32)] int32, bit j % 32 of word j // 32
-    set when neuron j is on for any token: the bitmask pi_compact reads. Plain torch ops, so no
-    host sync (torch.nonzero would wait for the device)."""
-    import torch
-
-    n = mask.shape[-1]
-    n_words = max(1, math.ceil(n / 32))
-    on = mask.reshape(-1, n).any(0).to(torch.int64)  # [n]
-    on = torch.nn.functional.pad(on, (0, n_words * 32 - n)).view(n_words, 32)
-    shifts = torch.arange(32, dtype=torch.int64, device=mask.device)
-    words = (on << shifts).sum(1)  # [n_words], in [0, 2^32)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 def hot_ffn(x, w_up, w_down_t, *, w_gate=None, b_gate=None, b_up=None, b_down=None,
