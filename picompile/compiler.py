@@ -303,7 +303,7 @@ def _rewrite(model: nn.Module, plan: Plan):
 
 
 def _attach_predictor(graphs, ffn: SparseFFN, predictor) -> None:
-    ffn.predictor = predictor
+    ffn.predictor = predictor.to(ffn.w_up.device)  # trained predictors come back on the CPU
     predictors_pass.insert_predictor_node(graphs[ffn.block.module], name_in_graph(ffn.block))
 
 
