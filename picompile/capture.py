@@ -138,9 +138,8 @@ def capture(
         except Exception as e:  # noqa: BLE001 - any trace failure means: keep it eager
             opaque.add(mod)
             if any(isinstance(c, nn.Linear) for c in mod.children()):
-                first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:80]
                 eager.append(Uncaptured(name or type(mod).__name__,
-                                        f"torch.fx cannot trace it, kept eager: {first_line}"))
+                                        f"torch.fx cannot trace it, kept eager: {first_sentence(e)}"))
             return
         if holds_block(name, gm):
             captured.append(Captured(name, gm))
@@ -148,6 +147,13 @@ def capture(
 
     visit("", model)
     return captured, eager
+
+
+def first_sentence(e: Exception) -> str:
+    """The first sentence of an exception's message, whole (explain() shows it as the reason)."""
+    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    head, dot, _ = line.partition(". ")
+    return head + "." if dot else line
 
 
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:

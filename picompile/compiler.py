@@ -95,6 +95,25 @@ class CompiledModel(nn.Module):
         except AttributeError:
             return getattr(super().__getattr__("model"), name)
 
+    _OWN = frozenset({"model", "plan", "graphs", "paths", "training"})
+
+    def __setattr__(self, name: str, value) -> None:
+        """Attributes are the wrapped model's (cm.generation_config = ... must reach the model
+        generate() reads it from), except the wrapper's own."""
+        if name in CompiledModel._OWN or name.startswith("_") or "model" not in self._modules:
+            super().__setattr__(name, value)
+        else:
+            setattr(self.model, name, value)
+
+    def save_pretrained(self, *args, **kwargs):
+        raise TypeError(
+            "picompile: save_pretrained would write the rewritten FFN layout (rows permuted, "
+            "down transposed), which from_pretrained cannot load. Save the original model "
+            "(model.save_pretrained before compile) and the plan with cm.save(dir); "
+            "picompile.load(model, dir) rebuilds the compiled model without profiling")
+
+    push_to_hub = save_pretrained
+
     def save(self, directory) -> None:
         """Write the plan (JSON) and predictors / neuron orders (safetensors), atomically."""
         tensors = {}
@@ -203,8 +222,10 @@ def compile(
     the non-FFN weights, predictors and a KV cache for `max_context` tokens.
     """
     budget = _check_args(model, mode, sparsity, gpu_budget, predictors)
+    _check_not_compiled(model, "compile")
     # Every check that can fail comes before the model is rewritten in place.
     ids = _calibration_ids(calibration, tokenizer, calibration_tokens)
+    _check_ids_in_vocab(model, ids)
     needs_profile = mode == "predicted" or budget is not None
     if ids is None and (sparsity or needs_profile):
         what = f"sparsity={sparsity}" if sparsity else (
@@ -218,7 +239,30 @@ def compile(
     plan = Plan(mode=mode, target_sparsity=sparsity, predictors=predictors,
                 fingerprint=saving.fingerprint(model))
     plan.placement.budget_bytes = budget
+    original = model
     model, graphs, ffns = _rewrite(model, plan)
+    try:
+        cm = _plan_and_lower(model, plan, graphs, ffns, ids, mode, sparsity, budget, max_context,
+                             target_recall, predictors, quiet)
+    except BaseException:
+        # Nothing has permuted or moved a weight before placement: put the original modules
+        # back, so that a retry (with other arguments) starts from the model as it was.
+        if not any(f.order is not None or f.hybrid is not None for f in ffns.values()):
+            _restore(original, graphs)
+        raise
+    finally:
+        for gm in graphs.values():  # the originals hold weights the rewrite copied (down)
+            gm.meta.pop("picompile_original", None)
+    if not sparsity and any(not b.exact for b in plan.blocks):
+        note(f"{sum(not b.exact for b in plan.blocks)} of {len(plan.blocks)} blocks are not ReLU "
+             "and stay dense: pass sparsity= (e.g. 0.5) to skip their smallest activations", quiet)
+    return cm
+
+
+def _plan_and_lower(model, plan, graphs, ffns, ids, mode, sparsity, budget, max_context,
+                    target_recall, predictors, quiet) -> CompiledModel:
+    """calibrate -> profile -> predictors -> place -> select kernels -> autotune -> distribute."""
+    needs_profile = mode == "predicted" or budget is not None
 
     # calibrate: thresholds for SiLU/GELU blocks, measured sparsity for all
     needs_threshold = bool(sparsity) and any(not b.exact for b in plan.blocks)
@@ -267,6 +311,36 @@ def compile(
     return cm
 
 
+def _check_not_compiled(model, what: str) -> None:
+    if isinstance(model, CompiledModel) or any(isinstance(m, SparseFFN) for m in model.modules()):
+        raise ValueError(
+            f"picompile.{what}: this model is already compiled by picompile (its FFN blocks are "
+            "rewritten in place). Start from a fresh model: load it again, or keep "
+            "copy.deepcopy(model) before the first compile")
+
+
+def _check_ids_in_vocab(model, ids) -> None:
+    """Calibration ids must index the model's embedding (a bad id fails deep in profiling)."""
+    if ids is None or not hasattr(model, "get_input_embeddings"):
+        return
+    emb = model.get_input_embeddings()
+    vocab = getattr(emb, "num_embeddings", None)
+    if vocab is None:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"calibration token ids must be in [0, {vocab}) for this model's "
+                         f"vocabulary; got ids from {lo} to {hi}. Tokenize with the model's own "
+                         "tokenizer (or pass tokenizer=)")
+
+
+def _restore(model, graphs: dict[str, fx.GraphModule]) -> None:
+    """Undo _rewrite: each captured submodule's original module goes back in its place."""
+    for name, gm in graphs.items():
+        if name:
+            replace_module(model, name, gm.meta["picompile_original"])
+
+
 def _rewrite(model: nn.Module, plan: Plan):
     """capture + detect + rewrite. Returns (model, graphs by module name, SparseFFNs by block)."""
     detections = {}
@@ -291,6 +365,7 @@ def _rewrite(model: nn.Module, plan: Plan):
             plan.blocks.append(block)
         rewrite_pass.finish(cap.gm)
         graphs[cap.name] = cap.gm
+        cap.gm.meta["picompile_original"] = model.get_submodule(cap.name)  # for _restore
         model = replace_module(model, cap.name, cap.gm)
     if not ffns:
         reasons = "; ".join(f"{u.module}: {u.reason}" for u in plan.unmatched[:5]) or (
@@ -326,6 +401,7 @@ def load(model: nn.Module, directory) -> CompiledModel:
     if not isinstance(model, nn.Module):
         raise TypeError(f"picompile.load needs the torch.nn.Module the plan was made for, got "
                         f"{type(model).__name__}")
+    _check_not_compiled(model, "load")
     model.eval()
     plan_json, tensors = saving.read(directory, saving.fingerprint(model))
     try:
@@ -337,6 +413,8 @@ def load(model: nn.Module, directory) -> CompiledModel:
                 fingerprint=saved.fingerprint, placement=saved.placement,
                 calibration_tokens=saved.calibration_tokens, predictors=saved.predictors)
     model, graphs, ffns = _rewrite(model, plan)
+    for gm in graphs.values():
+        gm.meta.pop("picompile_original", None)
     if [b.name for b in plan.blocks] != [b.name for b in saved.blocks]:
         raise saving.PlanError(f"the saved plan's blocks {[b.name for b in saved.blocks]} are not "
                                f"the ones found now {[b.name for b in plan.blocks]}")
@@ -404,7 +482,7 @@ def explain(cm: CompiledModel) -> str:
         return "-" if v is None else f"{v:.1%}"
 
     head = f"picompile: {len(plan.blocks)} FFN blocks, mode={plan.mode}"
-    if plan.target_sparsity:
+    if plan.target_sparsity and any(not b.exact for b in plan.blocks):
         head += f", target sparsity {plan.target_sparsity:.0%}"
     if plan.calibration_tokens:
         head += f", calibrated on {plan.calibration_tokens} tokens"

@@ -67,8 +67,28 @@ class Predictor(nn.Module):
         return self.p1.shape[0]
 
     def select_kernel(self) -> str:
+        self._selected = True  # select again after a dtype / device change (_apply)
         self.kernel = c_codegen.predictor_kernel_for(self)
         return "C" if self.kernel is not None else "reference"
+
+    def _apply(self, fn, recurse=True):
+        """A dtype or device change re-binds the C kernel (it reads raw pointers)."""
+        out = super()._apply(fn, recurse)
+        if self.kernel is not None or self.__dict__.get("_selected"):
+            self.select_kernel()
+        return out
+
+    def __getstate__(self):
+        state = self.__dict__.copy()  # the C kernel is a ctypes closure: selected again on load
+        state["kernel"] = None
+        state["_had_kernel"] = self.kernel is not None
+        return state
+
+    def __setstate__(self, state):
+        had_kernel = state.pop("_had_kernel", False)
+        self.__dict__.update(state)
+        if had_kernel:
+            self.select_kernel()
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:  # [T, d] -> [T, n_ff]
         z = F.relu(F.linear(x.to(self.p1.dtype), self.p1, self.pb1))

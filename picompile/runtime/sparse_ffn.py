@@ -168,12 +168,43 @@ class SparseFFN(nn.Module):
     def select_kernel(self) -> str:
         """Pick the execution path once. Returns its name (for explain)."""
         self.kernel = None
+        self._selected = True  # select again after a dtype / device change (_apply)
         if reference_forced():
             return "reference (PICOMPILE_REFERENCE set)"
         from picompile.codegen import c as c_codegen
 
         self.kernel = c_codegen.kernel_for(self)
         return "C" if self.kernel is not None else "reference (no C compiler)"
+
+    def _apply(self, fn, recurse=True):
+        """.half(), .float(), .to(...), .cuda(): the kernel reads the weights through raw
+        pointers bound when it was selected, so it is selected again for the new tensors."""
+        if self.hybrid is not None:
+            raise RuntimeError(
+                "picompile: this block runs split across the GPU and the CPU (distribute()); its "
+                "dtype or device cannot change afterwards. Compile the model again with the "
+                "dtype / device you want")
+        out = super()._apply(fn, recurse)
+        if self.kernel is not None or self.__dict__.get("_selected"):
+            self.select_kernel()
+        return out
+
+    def __getstate__(self):
+        """Picklable (torch.save(cm)): the bound kernel is a ctypes closure, so it is left out
+        and selected again on unpickling."""
+        if self.hybrid is not None and self.hybrid.cuda:
+            raise TypeError("picompile: a model distributed across GPU and CPU cannot be pickled; "
+                            "save its plan with cm.save(dir) and picompile.load(model, dir)")
+        state = self.__dict__.copy()
+        state["kernel"] = None
+        state["_had_kernel"] = self.kernel is not None
+        return state
+
+    def __setstate__(self, state):
+        had_kernel = state.pop("_had_kernel", False)
+        self.__dict__.update(state)
+        if had_kernel:
+            self.select_kernel()
 
     def weights(self) -> dict:
         """The tensors in the keyword form ffn_reference and the kernels take."""
