@@ -451,7 +451,7 @@ def test_missing_compiler_warns_once(monkeypatch):
     msgs = [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)]
     assert len(msgs) == 1 and "\n" not in msgs[0]
     assert "no C compiler" in msgs[0] and "reference" in msgs[0]
-    assert ffn.select_kernel() == "reference (no C compiler)"
+    assert ffn.select_kernel() == "reference (no C compiler found: set $CC)"
 
 
 def test_failed_build_warns(monkeypatch, tmp_path):

@@ -24,6 +24,7 @@ import platform
 import shlex
 import shutil
 import subprocess
+import sys
 import threading
 import warnings
 from dataclasses import dataclass
@@ -664,7 +665,43 @@ def source(v: Variant, tuning: dict[str, int] | None = None) -> str:
 
 
 class CompilerNotFound(RuntimeError):
-    pass
+    """No usable C compiler. `label`: the cause, short (for "reference (<label>)")."""
+
+    def __init__(self, message: str, label: str = "no C compiler found: set $CC"):
+        super().__init__(message)
+        self.label = label
+
+
+class BuildFailed(RuntimeError):
+    """The C compiler ran and failed. str(): the command and the compiler's whole stderr;
+    `summary`: its first error line."""
+
+    def __init__(self, message: str, summary: str):
+        super().__init__(message)
+        self.summary = summary
+
+
+class LoadFailed(RuntimeError):
+    """The library was built (and matched its checksum) but does not load or lacks a symbol."""
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _first_error(stderr: str, build_dir: pathlib.Path) -> str | None:
+    """The line of a compiler's stderr that says what went wrong (temporary paths removed):
+    the first one naming an error, else the first that is not context ("In function 'f':",
+    "collect2: ..."), else the first."""
+    text = stderr.replace(str(build_dir) + os.sep, "")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    context = [ln for ln in lines if ln.endswith(":") or ln.startswith("collect2:")]
+    rest = [ln for ln in lines if ln not in context]
+    for ln in rest:
+        if "error" in ln.lower():
+            return _one_line(ln)
+    return _one_line((rest or lines)[0]) if lines else None
 
 
 @functools.lru_cache(maxsize=1)
@@ -689,11 +726,17 @@ def build_flags() -> list[str]:
 
 def compiler() -> list[str]:
     """The C compiler command ($CC or cc), as argv. Raises CompilerNotFound."""
-    cc = os.environ.get("CC", "").strip() or "cc"
-    argv = shlex.split(cc)
+    env_cc = os.environ.get("CC", "").strip()
+    cc = env_cc or "cc"
+    try:
+        argv = shlex.split(cc)
+    except ValueError as e:
+        raise CompilerNotFound(f"no C compiler found ($CC={cc!r} does not parse: {e})") from e
     exe = shutil.which(argv[0]) if argv else None
     if exe is None:
-        raise CompilerNotFound(f"no C compiler found (CC={cc})")
+        where = (f"$CC={cc} is not an executable" if env_cc
+                 else "$CC is unset and `cc` is not on PATH")
+        raise CompilerNotFound(f"no C compiler found ({where})")
     return [exe, *argv[1:]]
 
 
@@ -704,15 +747,28 @@ def _compiler_identity(argv: tuple[str, ...]) -> str:
         first = (r.stdout or r.stderr).splitlines()
         return f"{' '.join(argv)} | {first[0] if first else '?'} | {platform.machine()}"
     except (OSError, subprocess.SubprocessError) as e:
-        raise CompilerNotFound(f"C compiler {' '.join(argv)} does not run ({e})") from e
+        raise CompilerNotFound(f"the C compiler {' '.join(argv)} does not run ({e})",
+                               label="C compiler does not run: set $CC") from e
 
 
 def _build_with(cc: list[str]) -> Callable[[pathlib.Path, pathlib.Path], None]:
     def build(src: pathlib.Path, out: pathlib.Path) -> None:
         cmd = [*cc, *build_flags(), "-o", str(out), str(src), "-lm"]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired as e:
+            raise BuildFailed(f"C compiler timed out ({shlex.join(cmd)})",
+                              summary=f"{os.path.basename(cc[0])} timed out after 300 s") from e
+        except OSError as e:
+            raise BuildFailed(f"C compiler does not run ({shlex.join(cmd)}): {e}",
+                              summary=_one_line(f"{os.path.basename(cc[0])}: {e}")) from e
         if r.returncode != 0:
-            raise RuntimeError(f"C compiler failed ({shlex.join(cmd)}):\n{r.stderr.strip()}")
+            summary = (_first_error(r.stderr or "", src.parent)
+                       or _first_error(r.stdout or "", src.parent))
+            raise BuildFailed(
+                f"C compiler failed ({shlex.join(cmd)}):\n{(r.stderr or r.stdout).strip()}",
+                summary=summary or f"{os.path.basename(cc[0])} exited with status {r.returncode}",
+            )
 
     return build
 
@@ -740,18 +796,36 @@ _PREDICT_ARGTYPES = [
 
 _libs: dict[tuple, ctypes.CDLL] = {}
 _libs_lock = threading.Lock()
-_warned = False
+_warned = False  # the one fallback warning of this process was given
+_warn_lock = threading.Lock()
+# Variant -> why its kernel is not available ("no C compiler found: set $CC", ...), from the last
+# failed try_load; removed when a later one succeeds.
+_failures: dict[Variant, str] = {}
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_SILENCE = "set PICOMPILE_REFERENCE=1 to run the reference path without this warning"
+
+
+def _user_stacklevel() -> int:
+    """The stacklevel, for warnings.warn called from the caller of this function, of the first
+    frame outside picompile: the warning then names the user's line (compile(...), ...)."""
+    frame, level = sys._getframe(1), 1  # the caller, which calls warnings.warn: stacklevel 1
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(
+            _PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _warn_once(msg: str) -> None:
+    """One RuntimeWarning per process, on one line (later ones go to the debug log only)."""
     global _warned
-    if _warned:
+    msg = " ".join(msg.split())
+    with _warn_lock:
+        first, _warned = not _warned, True
+    if not first:
         log.debug("%s", msg)
         return
-    _warned = True
-    msg = " ".join(msg.split())  # one line
-    warnings.warn(msg, RuntimeWarning, stacklevel=3)
-    log.warning("%s", msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=_user_stacklevel())
 
 
 def load(v: Variant) -> ctypes.CDLL:
@@ -761,7 +835,13 @@ def load(v: Variant) -> ctypes.CDLL:
     with _libs_lock:
         lib = _libs.get(key)
         if lib is None:
-            lib = ctypes.CDLL(str(build(v)))
+            path = build(v)  # verified against its checksum record: never a truncated file
+            try:
+                lib = ctypes.CDLL(str(path))
+                for symbol in ("ffn", "predict", "pic_set_num_threads", "pic_variant"):
+                    getattr(lib, symbol)
+            except (OSError, AttributeError) as e:
+                raise LoadFailed(f"{path}: {e}") from e
             lib.ffn.argtypes = _FFN_ARGTYPES
             lib.ffn.restype = None
             lib.predict.argtypes = _PREDICT_ARGTYPES
@@ -775,24 +855,68 @@ def load(v: Variant) -> ctypes.CDLL:
 
 
 def try_load(v: Variant) -> ctypes.CDLL | None:
-    """load(v), or None after a one-line warning (once per process) when there is no compiler
-    or the build fails."""
+    """load(v), or None when there is no compiler or the build or the load fails: the cause is
+    kept for why_no_kernel, and one warning per process (the first failure) names it and the fix."""
     try:
-        return load(v)
+        lib = load(v)
     except CompilerNotFound as e:
+        _failures[v] = e.label
         _warn_once(
-            f"picompile: {e}; install gcc or clang (e.g. `apt-get install gcc`) or set CC "
-            "to get the fast sparse FFN kernels; the PyTorch reference path runs instead."
+            f"picompile: {e}: the sparse FFN blocks run the slower PyTorch reference path. "
+            "Fix: install gcc or clang (e.g. `apt-get install gcc`) or set $CC to a C compiler; "
+            f"{_SILENCE}."
         )
-    except Exception as e:  # noqa: BLE001 - a failed build must never break the model
-        first = str(e).strip().splitlines()
+    except BuildFailed as e:
+        _failures[v] = f"C build failed: {e.summary}"
         _warn_once(
-            f"picompile: building the C FFN kernel ({v.name}) failed: "
-            f"{first[0] if first else type(e).__name__} ... (full error in the debug log); "
-            "check the C compiler ($CC) and OpenMP (libgomp); the PyTorch reference path runs instead."
+            f"picompile: building the C FFN kernel ({v.name}) failed: {e.summary} (full error in "
+            "the debug log): the sparse FFN blocks run the slower PyTorch reference path. Fix: "
+            f"check the C compiler ($CC) and OpenMP (libgomp); {_SILENCE}."
+        )
+        log.debug("C kernel build failed: %s", e)
+    except LoadFailed as e:
+        _failures[v] = f"C kernel failed to load: {_one_line(str(e))}"
+        _warn_once(
+            f"picompile: loading the C FFN kernel ({v.name}) failed: {_one_line(str(e))}: the "
+            "sparse FFN blocks run the slower PyTorch reference path. Fix: check OpenMP "
+            f"(libgomp) and the C compiler ($CC); {_SILENCE}."
+        )
+        log.debug("C kernel load failed", exc_info=True)
+    except Exception as e:  # noqa: BLE001 - a failed build must never break the model
+        lines = str(e).strip().splitlines()
+        cause = _one_line(lines[0]) if lines else type(e).__name__
+        _failures[v] = f"C build failed: {cause}"
+        _warn_once(
+            f"picompile: building the C FFN kernel ({v.name}) failed: {cause} (full error in the "
+            "debug log): the sparse FFN blocks run the slower PyTorch reference path. Fix: check "
+            f"the C compiler ($CC) and the build cache ($PICOMPILE_CACHE_DIR); {_SILENCE}."
         )
         log.debug("C kernel build failed", exc_info=True)
+    else:
+        _failures.pop(v, None)
+        return lib
     return None
+
+
+def why_no_kernel(block) -> str:
+    """The execution-path label of a block (a SparseFFN, or a Variant) that kernel_for gave no C
+    kernel: "reference (<cause>)", e.g. "reference (no C compiler found: set $CC)",
+    "reference (C build failed: <the compiler's first error line>)",
+    "reference (PICOMPILE_REFERENCE set)"."""
+    if reference_forced():
+        return "reference (PICOMPILE_REFERENCE set)"
+    if isinstance(block, Variant):
+        v = block
+    else:
+        try:
+            v = Variant.of(block)
+        except ValueError as e:
+            return f"reference (no C kernel: {e})"
+        tensors = [block.w_gate, block.w_up, block.w_down_t, block.b_gate, block.b_up, block.b_down]
+        if any(t is not None and t.device.type != "cpu" for t in tensors):
+            return "reference (weights not on the CPU)"
+    reason = _failures.get(v)
+    return f"reference ({reason})" if reason else "reference (C kernel not selected)"
 
 
 def compile_all_variants(max_workers: int | None = None) -> dict[Variant, pathlib.Path]:
@@ -821,7 +945,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def kernel_for(ffn) -> Kernel | None:
     """A C kernel bound to `ffn`'s weights, or None (reference forced, no compiler, failed build,
-    weights not on the CPU, or a dtype / activation the C kernels do not cover)."""
+    weights not on the CPU, or a dtype / activation the C kernels do not cover: why_no_kernel(ffn)
+    then gives the path's label, naming which)."""
     if reference_forced():
         return None
     try:

@@ -174,7 +174,7 @@ class SparseFFN(nn.Module):
         from picompile.codegen import c as c_codegen
 
         self.kernel = c_codegen.kernel_for(self)
-        return "C" if self.kernel is not None else "reference (no C compiler)"
+        return "C" if self.kernel is not None else c_codegen.why_no_kernel(self)
 
     def _apply(self, fn, recurse=True):
         """.half(), .float(), .to(...), .cuda(): the kernel reads the weights through raw
