@@ -26,9 +26,12 @@ def _compile(args, model, tokenizer):
     """Load the saved plan (--plan DIR) if given, else compile (calibrating on the built-in
     corpus) and save the plan to --save DIR if asked."""
     import picompile
+    from picompile import saving
 
     if args.plan:
         return picompile.load(model, args.plan)
+    if args.save:  # refuse a --save target before a long compile, not after it
+        saving.check_target(args.save)
     cm = picompile.compile(model, mode=args.mode, sparsity=args.sparsity, tokenizer=tokenizer,
                            gpu_budget=args.gpu_budget, calibration_tokens=args.calibration_tokens,
                            predictors=args.predictors, quiet=args.quiet)

@@ -415,9 +415,7 @@ def load(model: nn.Module, directory) -> CompiledModel:
     model, graphs, ffns = _rewrite(model, plan)
     for gm in graphs.values():
         gm.meta.pop("picompile_original", None)
-    if [b.name for b in plan.blocks] != [b.name for b in saved.blocks]:
-        raise saving.PlanError(f"the saved plan's blocks {[b.name for b in saved.blocks]} are not "
-                               f"the ones found now {[b.name for b in plan.blocks]}")
+    saving.check_blocks(plan.blocks, saved.blocks)
     plan.blocks = saved.blocks
     for block in saved.blocks:
         ffn = ffns[block.name]

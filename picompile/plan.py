@@ -2,11 +2,16 @@
 
 The plan is what `CompiledModel.save` writes (JSON for these fields, safetensors for tensors), so
 every field here is JSON-friendly: str, int, float, bool, lists and dicts of those.
+
+`Plan.from_json` checks every field of a loaded plan (type, range, allowed values, consistency
+between fields) and raises PlanError naming the field, its value and what is allowed: a hand-edited
+or damaged plan.json never loads with a value no compile makes.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import asdict, dataclass, field, fields
 
 ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh")
 MODES = ("exact", "predicted")
@@ -14,6 +19,13 @@ MODES = ("exact", "predicted")
 # CPU at compile time; all of them in the hybrid runtime, where they run on the GPU), "all" every
 # one, "none" none (kept trained: the blocks run exact).
 PREDICTOR_POLICIES = ("auto", "all", "none")
+KINDS = ("plain", "gated", "drelu")
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+class PlanError(ValueError):
+    """A saved plan that cannot be used: corrupt, truncated, of another model or version, or
+    holding a value no compile makes. The same class as picompile.saving.PlanError."""
 
 
 @dataclass
@@ -97,13 +109,180 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: dict) -> Plan:
+        """The Plan in `data` (Plan.to_json's output), after checking every field: PlanError
+        names the first field whose value no compile makes, and what is allowed."""
+        _check_fields("plan", data, PLAN_FIELDS, required=PLAN_REQUIRED)
+        blocks = []
+        for i, b in enumerate(data["blocks"]):
+            where = f"blocks[{i}]"
+            _check_fields(where, b, BLOCK_FIELDS, required=_required(BlockPlan))
+            block = BlockPlan(**b)
+            if block.hot_neurons > block.d_ff:
+                _bad(f"{where}.hot_neurons", block.hot_neurons,
+                     f"at most the block's d_ff ({block.d_ff})", block.name)
+            blocks.append(block)
+        names = [b.name for b in blocks]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                _bad(f"blocks[{i}].name", name, "a name no other block has")
+        unmatched = []
+        for i, u in enumerate(data["unmatched"]):
+            _check_fields(f"unmatched[{i}]", u, UNMATCHED_FIELDS, required=_required(Unmatched))
+            unmatched.append(Unmatched(**u))
+        _check_fields("placement", data["placement"], PLACEMENT_FIELDS, required=())
+        placement = Placement(**data["placement"])
+        if placement.budget_bytes is not None and placement.gpu_bytes > placement.budget_bytes:
+            _bad("placement.gpu_bytes", placement.gpu_bytes,
+                 f"at most placement.budget_bytes ({placement.budget_bytes})")
         return cls(
             mode=data["mode"],
             target_sparsity=data["target_sparsity"],
             predictors=data.get("predictors", "auto"),
-            blocks=[BlockPlan(**b) for b in data["blocks"]],
-            unmatched=[Unmatched(**u) for u in data["unmatched"]],
-            placement=Placement(**data["placement"]),
+            blocks=blocks,
+            unmatched=unmatched,
+            placement=placement,
             calibration_tokens=data["calibration_tokens"],
             fingerprint=data["fingerprint"],
         )
+
+
+# -- checking a loaded plan ------------------------------------------------------------------
+# Each field's check: (test, what is allowed). Every dataclass field above has one (a test
+# checks), so a new field must say here which values it takes.
+
+_SHARE_SLACK = 1e-6  # shares computed in floating point may overshoot 1 by rounding
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _int(lo: int = 0, hi: int | None = None):
+    allowed = f"an integer >= {lo}" if hi is None else f"an integer from {lo} to {hi}"
+    return (lambda v: _is_int(v) and v >= lo and (hi is None or v <= hi)), allowed
+
+
+def _num(lo: float | None = None, hi: float | None = None, *, below: bool = False):
+    if lo is None:
+        return _is_num, "a finite number"
+    if hi is None:
+        return (lambda v: _is_num(v) and v >= lo), f"a finite number >= {lo}"
+    if below:
+        return (lambda v: _is_num(v) and lo <= v < hi), f"a number in [{lo}, {hi})"
+    return (lambda v: _is_num(v) and lo <= v <= hi + _SHARE_SLACK), f"a number in [{lo}, {hi}]"
+
+
+def _choice(options: tuple):
+    return (lambda v: isinstance(v, str) and v in options), "one of " + ", ".join(map(repr, options))
+
+
+def _str(nonempty: bool = False):
+    if nonempty:
+        return (lambda v: isinstance(v, str) and v != ""), "a non-empty string"
+    return (lambda v: isinstance(v, str)), "a string"
+
+
+def _optional(check):
+    test, allowed = check
+    return (lambda v: v is None or test(v)), f"null or {allowed}"
+
+
+def _list_of(check):
+    test, allowed = check
+    return (lambda v: isinstance(v, list) and all(test(x) for x in v)), f"a list, each item {allowed}"
+
+
+def _dict_of(check):
+    test, allowed = check
+    return ((lambda v: isinstance(v, dict) and all(isinstance(k, str) and test(x) for k, x in v.items())),
+            f"an object of strings to {allowed}")
+
+
+_BOOL = (lambda v: isinstance(v, bool)), "true or false"
+_OBJECT_LIST = (lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v)), "a list of objects"
+_OBJECT = (lambda v: isinstance(v, dict)), "an object"
+_SHARE = _optional(_num(0.0, 1.0))
+
+PLAN_FIELDS = {
+    "mode": _choice(MODES),
+    "target_sparsity": _optional(_num(0.0, 1.0, below=True)),
+    "predictors": _choice(PREDICTOR_POLICIES),
+    "blocks": _OBJECT_LIST,
+    "unmatched": _OBJECT_LIST,
+    "placement": _OBJECT,
+    "calibration_tokens": _int(0),
+    "fingerprint": _str(),
+}
+PLAN_REQUIRED = ("mode", "target_sparsity", "blocks", "unmatched", "placement",
+                 "calibration_tokens", "fingerprint")
+BLOCK_FIELDS = {
+    "name": _str(nonempty=True),
+    "module": _str(),
+    "kind": _choice(KINDS),
+    "act": _choice(ACTIVATIONS),
+    "d_model": _int(1),
+    "d_ff": _int(1),
+    "bias": _BOOL,
+    "dtype": _choice(DTYPES),
+    "linears": _dict_of(_str()),
+    "fused_gate_half": _optional(_int(0, 1)),
+    "threshold": _num(0.0),
+    "measured_sparsity": _SHARE,
+    "predictor_rank": _optional(_int(1)),
+    "predictor_recall": _SHARE,
+    "predicted_density": _SHARE,
+    "true_density": _SHARE,
+    "predictor_bytes": _int(0),
+    "predictor_tau": _num(),
+    "decode_bytes_exact": _int(0),
+    "decode_bytes_predicted": _int(0),
+    "decode_us_exact": _num(0.0),
+    "decode_us_predicted": _num(0.0),
+    "hot_neurons": _int(0),
+}
+UNMATCHED_FIELDS = {"module": _str(), "reason": _str()}
+PLACEMENT_FIELDS = {
+    "budget_bytes": _optional(_int(0)),
+    "gpu_bytes": _int(0),
+    "fixed_bytes": _dict_of(_int(0)),
+    "fixed_on_gpu": _BOOL,
+    "expected_gpu_share": _num(0.0, 1.0),
+    "notes": _list_of(_str()),
+}
+
+
+def _required(cls) -> tuple[str, ...]:
+    from dataclasses import MISSING
+
+    return tuple(f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING)
+
+
+def _show(value) -> str:
+    r = repr(value)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def _bad(where: str, value, allowed: str, block: str | None = None) -> None:
+    of = f" (block {block!r})" if block else ""
+    raise PlanError(f"invalid plan: {where}{of} is {_show(value)}; allowed: {allowed}. The plan "
+                    "was edited or damaged: compile the model again and save it")
+
+
+def _check_fields(where: str, data, spec: dict, required) -> None:
+    if not isinstance(data, dict):
+        raise PlanError(f"invalid plan: {where} is {_show(data)}; allowed: a JSON object")
+    block = data.get("name") if where.startswith("blocks[") and isinstance(data.get("name"), str) else None
+    for key in data:
+        if key not in spec:
+            raise PlanError(f"invalid plan: {where} has an unknown field {key!r} (value "
+                            f"{_show(data[key])}); allowed fields: {', '.join(spec)}")
+    for key in required:
+        if key not in data:
+            raise PlanError(f"invalid plan: {where} lacks the field {key!r}")
+    for key, (test, allowed) in spec.items():
+        if key in data and not test(data[key]):
+            _bad(f"{where}.{key}" if where != "plan" else key, data[key], allowed, block)
