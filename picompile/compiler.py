@@ -47,9 +47,19 @@ class CompiledModel(nn.Module):
         return self.model(*self._to_input_device(args), **self._to_input_device(kwargs))
 
     def generate(self, *args, **kwargs):
+        """Hugging Face's generate arguments; picompile's own loop (static KV cache, prefill then
+        decode) runs them where it supports every one, else HF's generate, with a note."""
+        from picompile.runtime import generate as fast
+
         if not hasattr(self.model, "generate"):
             raise TypeError(f"{type(self.model).__name__} has no generate(); call the model instead")
-        return self.model.generate(*self._to_input_device(args), **self._to_input_device(kwargs))
+        args, kwargs = self._to_input_device(args), self._to_input_device(kwargs)
+        reason = fast.supported(self.model, kwargs, args)
+        if reason is None:
+            return fast.generate_hf(self.model, *args, **kwargs)
+        note(f"generate: Hugging Face's generate runs this call (picompile's loop does not "
+             f"handle {reason})")
+        return self.model.generate(*args, **kwargs)
 
     def _to_input_device(self, values):
         """Tensors go where the model's first weights are (the GPU after distribute())."""

@@ -1,0 +1,359 @@
+"""picompile's own generate loop for Hugging Face decoder-only models (gpt-fast shape).
+
+    prefill: the whole prompt through the model once, into a transformers StaticCache sized
+             prompt + max_new_tokens, keeping the last position's logits only;
+    decode:  one token per step; per step there is a model call, the pick (argmax or sampling)
+             and a few in-place tensor updates. Nothing is reallocated per step: the output
+             ids, the position ids and the 2D attention mask are preallocated.
+
+`generate(model, input_ids, ...)` is the loop with explicit arguments. `generate_hf(model, *args,
+**kwargs)` takes Hugging Face `generate` arguments (and `model.generation_config` defaults, as HF
+does); `supported(model, kwargs, args)` says whether the loop handles a given call: None, or the
+name of the first argument / property it does not handle, so the caller can fall back to HF.
+
+Host syncs: greedy / sampling need none. With EOS tokens, checking whether every row has
+finished is one sync per step (`bool(unfinished.any())`), as in HF; a streamer's `.cpu()` copy
+is another. On the CPU a sync costs nothing.
+
+Output: like HF's, prompt + new tokens, [B, S + n]; a row that has produced an EOS token is
+padded with pad_token_id after it, and the loop stops when every row has finished, or after
+max_new_tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+# GenerationConfig fields the loop implements.
+_HANDLED = frozenset({"max_length", "max_new_tokens", "min_length", "min_new_tokens", "do_sample",
+                      "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id"})
+# Fields without effect on a decoder-only greedy / sampling run (beam-only, assistant-only
+# settings, bookkeeping, the cache kind: the tokens are the same with any full cache).
+_IGNORED = frozenset({
+    "bos_token_id", "decoder_start_token_id", "use_cache", "cache_implementation", "cache_config",
+    "max_cache_len", "compile_config", "disable_compile", "transformers_version", "early_stopping",
+    "length_penalty", "low_memory", "num_assistant_tokens", "num_assistant_tokens_schedule",
+    "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind",
+    "max_matching_ngram_size", "is_assistant", "output_attentions", "output_hidden_states",
+})
+_CACHES = (None, "static", "dynamic", "dynamic_full", "hybrid", "sliding_window")
+# generate() parameters other than the inputs, generation_config and streamer: each must be
+# left at None (or False) for the loop to take the call.
+_HF_ONLY = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus",
+            "assistant_model", "negative_prompt_ids", "negative_prompt_attention_mask",
+            "custom_generate", "assistant_tokenizer", "use_model_defaults")
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def model_reason(model) -> str | None:
+    """None if `generate` can run `model`, else why not (a short phrase)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover
+        return "transformers is not installed"
+    if not isinstance(model, PreTrainedModel) or not hasattr(model, "generate"):
+        return f"{type(model).__name__} is not a Hugging Face generative model"
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        return f"{type(model).__name__} is an encoder-decoder model"
+    if not getattr(model, "_can_compile_fullgraph", False) or getattr(model, "_is_stateful", False):
+        return f"{type(model).__name__} does not support transformers' StaticCache"
+    params = _forward_params(model)
+    for name in ("attention_mask", "position_ids", "past_key_values"):
+        if name not in params:
+            return f"{type(model).__name__}.forward takes no {name}"
+    try:
+        _new_cache(model, 1)  # lazily allocated: this checks the config and the signature only
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        return f"transformers' StaticCache does not take {type(model).__name__} ({e})"
+    return None
+
+
+def _forward_params(model) -> frozenset[str]:
+    return frozenset(inspect.signature(model.forward).parameters)
+
+
+def _new_cache(model, max_cache_len: int):
+    from transformers import StaticCache
+
+    return StaticCache(config=model.config, max_cache_len=max_cache_len)
+
+
+@torch.inference_mode()
+def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             *, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+             eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
+             streamer=None, callback: Callable[[torch.Tensor], None] | None = None,
+             min_new_tokens: int = 0) -> torch.Tensor:
+    """Prompt + up to max_new_tokens new tokens, [B, S + n] (HF's output for the same options).
+
+    input_ids [B, S]; attention_mask [B, S] with left padding (zeros first) or None.
+    Greedy (argmax) unless do_sample; sampling applies temperature, then top_k, then top_p
+    (nucleus, keeping at least one token), as HF's warpers do, and draws with a
+    torch.Generator seeded by `seed` (the global RNG when None). A row stops at any of
+    eos_token_id (after min_new_tokens new tokens) and is padded with pad_token_id
+    (eos_token_id's first when None). streamer: HF protocol (put(prompt ids, on the CPU), put(each
+    new token [B]), end()). callback(tokens [B]) per new token, on the model's device.
+    """
+    reason = model_reason(model)
+    if reason is not None:
+        raise TypeError(f"picompile generate: {reason}; use the model's own generate()")
+    if (input_ids.ndim != 2 or input_ids.dtype not in (torch.long, torch.int)
+            or 0 in input_ids.shape):
+        raise ValueError(f"input_ids must be a non-empty [batch, length] integer tensor, "
+                         f"got {tuple(input_ids.shape)} {input_ids.dtype}")
+    if max_new_tokens < 0 or min_new_tokens < 0:
+        raise ValueError("max_new_tokens and min_new_tokens must be >= 0")
+    if do_sample and not temperature > 0:
+        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+    if top_p is not None and not 0 <= top_p <= 1:
+        raise ValueError(f"top_p must be in [0, 1], got {top_p}")
+    device = next(model.parameters()).device
+    input_ids = input_ids.to(device=device, dtype=torch.long)
+    b, s = input_ids.shape
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    if max_new_tokens == 0:
+        if streamer is not None:
+            streamer.end()
+        return input_ids.clone()
+
+    eos = None
+    if eos_token_id is not None:
+        eos_list = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        if eos_list:
+            eos = torch.tensor(eos_list, dtype=torch.long, device=device)
+            if pad_token_id is None:
+                pad_token_id = eos_list[0]
+    total = s + max_new_tokens
+    params = _forward_params(model)
+
+    # The 2D mask covers the whole cache: the prompt's, then ones. Future columns are hidden by
+    # causality, so the same tensor serves every step. No mask when nothing is padded (as HF).
+    mask = None
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(device)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask {tuple(attention_mask.shape)} does not match "
+                             f"input_ids {tuple(input_ids.shape)}")
+        flash = "flash" in str(getattr(model.config, "_attn_implementation", ""))
+        if flash or not bool(attention_mask.all()):
+            mask = attention_mask.new_ones(b, total)
+            mask[:, :s] = attention_mask
+    if mask is None:
+        pos = torch.arange(s, device=device).unsqueeze(0)  # [1, S], broadcast over rows
+    else:
+        m = mask[:, :s].long()
+        pos = (m.cumsum(-1) - 1).masked_fill(m == 0, 0)  # as HF: positions of left-padded rows
+    next_pos = pos[:, -1:] + 1
+
+    cache = _new_cache(model, total)
+    common = dict(attention_mask=mask, past_key_values=cache, use_cache=True)
+    cache_pos = "cache_position" in params  # transformers 4.x models want it
+    prefill = dict(common, input_ids=input_ids, position_ids=pos)
+    if "logits_to_keep" in params:
+        prefill["logits_to_keep"] = 1
+    if cache_pos:
+        prefill["cache_position"] = torch.arange(s, device=device)
+        step_cache_pos = torch.tensor([s], device=device)
+    logits = model(**prefill).logits[:, -1]
+
+    gen = None
+    if do_sample and seed is not None:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed)
+    out = input_ids.new_empty(b, total)
+    out[:, :s] = input_ids
+    unfinished = torch.ones(b, dtype=torch.bool, device=device) if eos is not None else None
+    pad = torch.tensor(pad_token_id if pad_token_id is not None else 0, device=device)
+    n = max_new_tokens
+    for i in range(max_new_tokens):
+        scores = logits.float()
+        if eos is not None and i < min_new_tokens:
+            scores[:, eos] = float("-inf")
+        tokens = _pick(scores, do_sample, temperature, top_k, top_p, gen)
+        if unfinished is not None:
+            tokens = torch.where(unfinished, tokens, pad)
+        out[:, s + i] = tokens
+        if streamer is not None:
+            streamer.put(tokens.cpu())
+        if callback is not None:
+            callback(tokens)
+        if unfinished is not None:
+            unfinished &= ~torch.isin(tokens, eos)
+            if not bool(unfinished.any()):  # the one host sync per step (EOS only)
+                n = i + 1
+                break
+        if i + 1 == max_new_tokens:
+            break
+        step = dict(common, input_ids=tokens.unsqueeze(1), position_ids=next_pos)
+        if cache_pos:
+            step["cache_position"] = step_cache_pos
+            step_cache_pos = step_cache_pos + 1
+        logits = model(**step).logits[:, -1]
+        next_pos = next_pos + 1
+    if streamer is not None:
+        streamer.end()
+    return out if n == max_new_tokens else out[:, : s + n].clone()
+
+
+def _pick(scores: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None,
+          top_p: float | None, gen: torch.Generator | None) -> torch.Tensor:
+    """Next token per row from float32 logits [B, V]: HF's temperature, top-k, top-p warpers
+    in that order, then softmax and multinomial; argmax when not sampling."""
+    if not do_sample:
+        return scores.argmax(-1)
+    if temperature != 1.0:
+        scores = scores / temperature
+    if top_k is not None and 0 < top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=False)
+        cum = sorted_scores.softmax(-1).cumsum(-1)
+        drop = cum <= 1 - top_p
+        drop[:, -1] = False  # keep at least the most likely token
+        scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    probs = scores.softmax(-1)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(1)
+
+
+# ---- Hugging Face generate() arguments ------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """GenerationConfig.update warns about odd combinations; HF generate says it again if the
+    call falls back, so say nothing while checking."""
+    log = logging.getLogger("transformers")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _resolve(model, args: tuple, kwargs: dict, quiet: bool) -> dict:
+    """HF generate arguments -> generate()'s keyword arguments; raises _Unsupported(name)."""
+    reason = model_reason(model)
+    if reason is not None:
+        raise _Unsupported(reason)
+    try:
+        bound = inspect.signature(model.generate).bind(*args, **kwargs)
+    except TypeError as e:
+        raise _Unsupported(f"arguments generate() rejects ({e})") from None
+    named = dict(bound.arguments)
+    extra = dict(named.pop("kwargs", {}))
+    inputs = named.pop("inputs", None)
+    if "input_ids" in extra:
+        if inputs is not None:
+            raise _Unsupported("both inputs and input_ids")
+        inputs = extra.pop("input_ids")
+    user_config = named.pop("generation_config", None)
+    streamer = named.pop("streamer", None)
+    extra.pop("tokenizer", None)  # HF takes it for stop_strings only, checked below
+    for name in _HF_ONLY:
+        value = named.pop(name, extra.pop(name, None))
+        if value is not None and value is not False:
+            raise _Unsupported(name)
+    for name, value in named.items():  # a generate() parameter this module does not know
+        if value is not None and value is not False:
+            raise _Unsupported(name)
+    if not isinstance(inputs, torch.Tensor):
+        raise _Unsupported("inputs_embeds" if "inputs_embeds" in extra else "input_ids missing")
+    if inputs.ndim != 2 or inputs.dtype not in (torch.long, torch.int) or 0 in inputs.shape:
+        raise _Unsupported(f"input_ids of shape {tuple(inputs.shape)} {inputs.dtype}")
+
+    prepare = getattr(model, "_prepare_generation_config", None)
+    if prepare is None:
+        raise _Unsupported("this transformers version (no _prepare_generation_config)")
+    try:
+        with _quiet_transformers() if quiet else contextlib.nullcontext():
+            gc, model_kwargs = prepare(user_config, **extra)
+    except (TypeError, ValueError) as e:
+        raise _Unsupported(f"invalid arguments ({type(e).__name__}: {e})") from None
+    attention_mask = model_kwargs.pop("attention_mask", None)
+    for name, value in model_kwargs.items():
+        if value is not None and name != "use_cache":
+            raise _Unsupported(name)
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
+                                       or attention_mask.shape != inputs.shape):
+        raise _Unsupported("attention_mask not of input_ids' shape")
+
+    get_defaults = getattr(gc, "_get_default_generation_params", dict)
+    defaults = get_defaults()
+    for name, value in vars(gc).items():
+        if name.startswith("_") or name in _HANDLED or name in _IGNORED:
+            continue
+        if value != defaults.get(name) and not (value is None and not defaults.get(name)):
+            raise _Unsupported(f"{name}={value!r}")
+    if gc.cache_implementation not in _CACHES:
+        raise _Unsupported(f"cache_implementation={gc.cache_implementation!r}")
+
+    s = inputs.shape[1]
+    if gc.max_new_tokens is not None:
+        max_new = gc.max_new_tokens
+    else:
+        has_default = (kwargs.get("max_length") is None
+                       and (user_config is None or user_config.max_length is None)
+                       and model.generation_config.max_length is None)
+        max_length = gc.max_length
+        if has_default:  # HF: 20 new tokens, within the model's positions
+            max_length += s
+            limit = getattr(model.config, "max_position_embeddings", None)
+            if limit is not None:
+                max_length = min(max_length, limit)
+        max_new = max_length - s
+    if max_new <= 0:
+        raise _Unsupported(f"max_length {s + max_new} <= the prompt's {s} tokens")
+    min_new = (gc.min_new_tokens if gc.min_new_tokens is not None
+               else max(0, (gc.min_length or 0) - s))
+
+    eos = gc.eos_token_id
+    eos_list = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    pad = gc.pad_token_id
+    if pad is None and eos_list:
+        pad = eos_list[0]
+    if attention_mask is None and pad is not None and pad not in eos_list:
+        # HF infers the mask from pad tokens in the prompt when pad differs from EOS.
+        if bool((inputs == pad).any()):
+            attention_mask = inputs.ne(pad).long()
+    sample = bool(gc.do_sample)
+    return dict(input_ids=inputs, attention_mask=attention_mask, max_new_tokens=max_new,
+                min_new_tokens=min_new, do_sample=sample,
+                temperature=gc.temperature if sample and gc.temperature is not None else 1.0,
+                top_k=gc.top_k if sample and gc.top_k else None,
+                top_p=gc.top_p if sample else None,
+                eos_token_id=eos_list or None, pad_token_id=pad, streamer=streamer)
+
+
+def supported(model, kwargs: dict, args: tuple = ()) -> str | None:
+    """None if generate_hf(model, *args, **kwargs) runs picompile's loop with HF's result, else
+    the first argument (or model property) it does not handle, for a one-line note."""
+    try:
+        _resolve(model, tuple(args), dict(kwargs), quiet=True)
+    except _Unsupported as e:
+        return str(e)
+    return None
+
+
+def generate_hf(model, *args, **kwargs) -> torch.Tensor:
+    """picompile's loop called with Hugging Face generate() arguments (check supported() first:
+    raises TypeError naming what it does not handle)."""
+    try:
+        call = _resolve(model, args, kwargs, quiet=False)
+    except _Unsupported as e:
+        raise TypeError(f"picompile generate does not handle {e}; "
+                        "use the model's own generate()") from None
+    return generate(model, **call)

@@ -1,0 +1,209 @@
+"""picompile's own generate loop (picompile.runtime.generate) against Hugging Face generate."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import GenerationConfig, LogitsProcessorList
+
+import picompile
+from picompile.runtime.generate import generate, generate_hf, supported
+from tests import zoo
+
+NEW = 12
+
+
+def _hf(model, ids, mask=None, **kw):
+    kw.setdefault("max_new_tokens", NEW)
+    kw.setdefault("do_sample", False)
+    kw.setdefault("pad_token_id", 0)
+    if "eos_token_id" not in kw:
+        kw["eos_token_id"] = None
+    return model.generate(ids, attention_mask=mask, **kw)
+
+
+def _prompt(length, seed):
+    return torch.randint(3, zoo.VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+def _left_padded(rows, pad=0):
+    s = max(len(r) for r in rows)
+    ids = torch.full((len(rows), s), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), s, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, s - len(r):], mask[i, s - len(r):] = r, 1
+    return ids, mask
+
+
+@pytest.fixture(scope="module", params=zoo.HF_ARCHS)
+def arch_model(request):
+    return request.param, zoo.make(request.param)
+
+
+def test_greedy_equals_hf_batch_1(arch_model):
+    _, model = arch_model
+    ids = _prompt(7, 1)[None]
+    assert torch.equal(generate(model, ids, max_new_tokens=NEW), _hf(model, ids))
+
+
+def test_greedy_equals_hf_left_padded_batch(arch_model):
+    """Rows of 5, 9 and 3 tokens, left padded: each row as HF generates it alone, and the
+    whole batch as HF generates the same padded batch."""
+    _, model = arch_model
+    rows = [_prompt(n, 10 + n) for n in (5, 9, 3)]
+    ids, mask = _left_padded(rows)
+    got = generate(model, ids, mask, max_new_tokens=NEW)
+    assert got.shape == (3, ids.shape[1] + NEW)
+    assert torch.equal(got[:, : ids.shape[1]], ids)
+    for i, r in enumerate(rows):
+        assert torch.equal(got[i, ids.shape[1]:], _hf(model, r[None])[0, len(r):]), f"row {i}"
+    assert torch.equal(got, _hf(model, ids, mask))
+
+
+@pytest.mark.parametrize("arch", ["llama_relu", "opt"])
+def test_compiled_model_equals_dense_hf(arch):
+    dense = zoo.make(arch)
+    cm = picompile.compile(copy.deepcopy(dense), quiet=True)
+    ids = _prompt(6, 3)[None]
+    assert torch.equal(generate(cm.model, ids, max_new_tokens=NEW), _hf(dense, ids))
+    batch, mask = _left_padded([_prompt(4, 4), _prompt(8, 5)])
+    assert torch.equal(generate(cm.model, batch, mask, max_new_tokens=NEW), _hf(dense, batch, mask))
+    # cm.generate with HF arguments: picompile's loop once CompiledModel.generate is wired to it
+    assert torch.equal(_hf(cm, batch, mask), _hf(dense, batch, mask))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return zoo.make("llama_silu")
+
+
+def _eos_batch(model):
+    """A padded batch and an EOS token that its greedy rows reach at different steps."""
+    ids, mask = _left_padded([_prompt(5, 20), _prompt(8, 21), _prompt(3, 22)])
+    free = generate(model, ids, mask, max_new_tokens=NEW)[:, ids.shape[1]:]
+    eos = int(free[0, 2])  # row 0 stops at its third new token (others maybe elsewhere, or never)
+    return ids, mask, eos
+
+
+def test_eos_stops_a_row_and_pads_it(llama):
+    ids, mask, eos = _eos_batch(llama)
+    got = generate(llama, ids, mask, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)
+    want = _hf(llama, ids, mask, eos_token_id=eos)
+    assert torch.equal(got, want)
+    s = ids.shape[1]
+    first = (got[0, s:] == eos).nonzero()[0, 0]
+    assert first <= 2 and (got[0, s + first + 1:] == 0).all()
+
+
+def test_eos_list_and_every_row_finished_stops_early(llama):
+    ids = _prompt(6, 30)[None]
+    free = generate(llama, ids, max_new_tokens=NEW)[0, 6:]
+    eos = [95, int(free[3])]
+    got = generate(llama, ids, max_new_tokens=NEW, eos_token_id=eos)
+    assert got.shape[1] <= 6 + 4 and int(got[0, -1]) == eos[1]
+    assert torch.equal(got, _hf(llama, ids, eos_token_id=eos))
+
+
+def test_min_new_tokens_holds_eos_back(llama):
+    ids = _prompt(6, 31)[None]
+    eos = int(generate(llama, ids, max_new_tokens=1)[0, -1])  # the very first greedy token
+    assert generate(llama, ids, max_new_tokens=NEW, eos_token_id=eos).shape[1] == 7
+    got = generate(llama, ids, max_new_tokens=NEW, eos_token_id=eos, min_new_tokens=4)
+    assert got.shape[1] >= 6 + 4 and not (got[0, 6:10] == eos).any()
+    assert torch.equal(got, _hf(llama, ids, eos_token_id=eos, min_new_tokens=4))
+
+
+class _Recorder:
+    """The HF streamer protocol: put(ids) for the prompt then each token, end() once."""
+
+    def __init__(self):
+        self.puts, self.ended = [], 0
+
+    def put(self, value):
+        self.puts.append(value.clone())
+
+    def end(self):
+        self.ended += 1
+
+
+def test_streamer_sees_prompt_then_each_token_like_hf(llama):
+    ids = _prompt(6, 32)[None]
+    ours, theirs, tokens = _Recorder(), _Recorder(), []
+    got = generate(llama, ids, max_new_tokens=NEW, streamer=ours, callback=tokens.append)
+    _hf(llama, ids, streamer=theirs)
+    assert ours.ended == theirs.ended == 1
+    assert len(ours.puts) == len(theirs.puts) == 1 + NEW
+    for a, b in zip(ours.puts, theirs.puts):
+        assert torch.equal(a, b)
+    assert torch.equal(torch.stack(tokens, 1), got[:, 6:])
+
+
+def test_sampling_is_reproducible_and_degenerates_to_greedy(llama):
+    ids, mask = _left_padded([_prompt(5, 40), _prompt(7, 41)])
+    greedy = generate(llama, ids, mask, max_new_tokens=NEW)
+    kw = dict(max_new_tokens=NEW, do_sample=True, temperature=1.3)
+    a = generate(llama, ids, mask, seed=7, **kw)
+    assert torch.equal(a, generate(llama, ids, mask, seed=7, **kw))
+    assert not torch.equal(a, generate(llama, ids, mask, seed=8, **kw))
+    assert not torch.equal(a, greedy)
+    assert torch.equal(generate(llama, ids, mask, seed=1, top_k=1, **kw), greedy)
+    assert torch.equal(generate(llama, ids, mask, seed=1, top_p=1e-6, **kw), greedy)
+
+
+def test_sampling_warpers_equal_hf_under_the_same_rng(llama):
+    """With seed=None the loop draws from the global RNG as HF does: same warped
+    distributions, same draws, same tokens."""
+    ids = _prompt(6, 42)[None]
+    kw = dict(max_new_tokens=NEW, do_sample=True, temperature=0.7, top_k=20, top_p=0.9)
+    torch.manual_seed(3)
+    want = _hf(llama, ids, **kw)
+    torch.manual_seed(3)
+    assert torch.equal(generate(llama, ids, **kw), want)
+
+
+@pytest.mark.filterwarnings("ignore:Using the model-agnostic default")
+def test_hf_arguments_and_generation_config_defaults(llama):
+    ids, mask = _left_padded([_prompt(5, 50), _prompt(7, 51)])
+    eos = int(generate(llama, ids, mask, max_new_tokens=NEW)[1, -5])
+    model = copy.deepcopy(llama)
+    model.generation_config = GenerationConfig(max_new_tokens=9, eos_token_id=eos, pad_token_id=0)
+    for kw in ({}, {"generation_config": GenerationConfig(max_new_tokens=4, pad_token_id=0)},
+               {"max_length": 10}, {"min_new_tokens": 3}):
+        call = dict(input_ids=ids, attention_mask=mask, **kw)
+        assert supported(model, call) is None, kw
+        assert torch.equal(generate_hf(model, **call), model.generate(**call)), kw
+    # positional input_ids, HF's default of 20 new tokens, a mask inferred from pad tokens
+    plain = copy.deepcopy(llama)
+    plain.generation_config = GenerationConfig(pad_token_id=0)
+    assert supported(plain, {}, (ids,)) is None
+    assert torch.equal(generate_hf(plain, ids), plain.generate(ids))
+
+
+@pytest.mark.parametrize("kw,name", [
+    (dict(num_beams=2), "num_beams"), (dict(repetition_penalty=1.2), "repetition_penalty"),
+    (dict(logits_processor=LogitsProcessorList()), "logits_processor"),
+    (dict(output_scores=True, return_dict_in_generate=True), "output_scores"),
+    (dict(return_dict_in_generate=True), "return_dict_in_generate"),
+    (dict(do_sample=True, num_return_sequences=2), "num_return_sequences"),
+    (dict(no_repeat_ngram_size=2), "no_repeat_ngram_size"),
+    (dict(stop_strings=["x"]), "stop_strings"), (dict(min_p=0.1), "min_p"),
+    (dict(token_type_ids=torch.zeros(1, 4, dtype=torch.long)), "token_type_ids"),
+])
+def test_unsupported_arguments_are_named(llama, kw, name):
+    ids = torch.ones(1, 4, dtype=torch.long)
+    reason = supported(llama, dict(input_ids=ids, max_new_tokens=3, **kw))
+    assert reason is not None and reason.startswith(name), reason
+
+
+def test_unsupported_models_and_inputs_are_named(llama):
+    ids = torch.ones(1, 4, dtype=torch.long)
+    tiny = zoo.make("tiny_gated_relu")
+    assert "not a Hugging Face generative model" in supported(tiny, {"input_ids": ids})
+    assert "inputs_embeds" in supported(llama, {"inputs_embeds": torch.zeros(1, 4, 32)})
+    model = copy.deepcopy(llama)
+    model.generation_config.repetition_penalty = 1.3  # a model default the loop does not apply
+    assert supported(model, {"input_ids": ids}).startswith("repetition_penalty")
+    with pytest.raises(TypeError, match="not a Hugging Face"):
+        generate(zoo.make("tiny_plain_relu"), ids, max_new_tokens=2)
