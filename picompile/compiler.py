@@ -20,12 +20,14 @@ from picompile import saving
 from picompile.budget import parse_budget
 from picompile.capture import capture, replace_module
 from picompile.passes import calibrate as calibrate_pass
+from picompile.passes import lower as lower_pass
 from picompile.passes import predictors as predictors_pass
 from picompile.passes import profile as profile_pass
 from picompile.passes import rewrite as rewrite_pass
 from picompile.passes.detect import detect
 from picompile.plan import MODES, PREDICTOR_POLICIES, BlockPlan, Plan, Unmatched
 from picompile.progress import note
+from picompile.runtime.dense_linear import DenseLinear
 from picompile.runtime.sparse_ffn import SparseFFN
 
 
@@ -42,6 +44,7 @@ class CompiledModel(nn.Module):
         # them out of nn.Module's registry (no double counting in state_dict / parameters).
         object.__setattr__(self, "graphs", graphs)
         self.paths = paths  # block name -> execution path picked ("C", "reference (...)")
+        self.linear_paths: dict[str, str] = {}  # other linears -> path (passes/lower.py)
 
     def forward(self, *args, **kwargs):
         return self.model(*self._to_input_device(args), **self._to_input_device(kwargs))
@@ -79,6 +82,9 @@ class CompiledModel(nn.Module):
 
         ffns = self.ffns()
         distribute(self.model, ffns, device, move_non_ffn=self.plan.placement.fixed_on_gpu)
+        for module in self.model.modules():  # their weights may have moved: pick again
+            if isinstance(module, DenseLinear):
+                module.select_kernel()
         for name, ffn in ffns.items():
             if ffn.predictor is not None:
                 ffn.predictor.kernel = None  # the C kernel's weights were the CPU copies
@@ -105,7 +111,7 @@ class CompiledModel(nn.Module):
         except AttributeError:
             return getattr(super().__getattr__("model"), name)
 
-    _OWN = frozenset({"model", "plan", "graphs", "paths", "training"})
+    _OWN = frozenset({"model", "plan", "graphs", "paths", "linear_paths", "training"})
 
     def __setattr__(self, name: str, value) -> None:
         """Attributes are the wrapped model's (cm.generation_config = ... must reach the model
@@ -399,7 +405,11 @@ def _finish(model, plan, graphs, ffns) -> CompiledModel:
     for ffn in ffns.values():
         if ffn.predictor is not None:
             ffn.predictor.select_kernel()
+    # lower: every other weight-bearing linear (attention projections, LM head) to the dense
+    # kernel; after capture and detect, which find FFN blocks by their nn.Linear members
+    linear_paths = lower_pass.lower_linears(model)
     cm = CompiledModel(model, plan, graphs, paths)
+    cm.linear_paths = linear_paths
     cm.use_predictors(plan.predictors)
     cm.reset_stats()  # what calibration ran through the blocks is not the user's run
     return cm
@@ -519,6 +529,12 @@ def explain(cm: CompiledModel) -> str:
             row += f" {b.hot_neurons:>6}"
         lines.append(row + f"  {cm.paths.get(b.name, '-')}")
     lines.append("  calib.: sparsity measured on calibration data; run: since the last reset_stats()")
+    if cm.linear_paths:
+        by_path: dict[str, int] = {}
+        for path in cm.linear_paths.values():
+            by_path[path] = by_path.get(path, 0) + 1
+        lines.append("other linears (attention, LM head): " +
+                     "; ".join(f"{n} {path}" for path, n in by_path.items()))
     if predicted:
         lines.append(f"  B/token: weight bytes read per decoded token; us: measured microseconds "
                      f"per decoded token; used: the block runs its predictor "

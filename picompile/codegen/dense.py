@@ -1,0 +1,267 @@
+"""The dense linear C kernel (picompile/kernels/dense.c): decode GEMV and small-T GEMM.
+
+One shared library per weight dtype (float32, float16, bfloat16) and vector width, built from the
+package's `kernels/dense.c` with `-DPI_WDTYPE=...` by the same compiler, flags and build cache as
+the C FFN kernels (`picompile.codegen.c`, `picompile.codegen.cache.cached_build`), and loaded with
+ctypes (the GIL is released during a call). The AVX2 build runs one token; where the CPU has
+AVX-512F, a second build with `-mavx512f` runs AVX512_MIN_TOKENS tokens and more (measured on
+AMD EPYC Zen 4 with benchmarks/gemv.py: 256-bit vectors read memory faster for one token,
+512-bit ones halve the instructions where several tokens make the loop compute-bound).
+
+    kernel = dense_kernel_for(weight [O, K], bias [O] | None)   # None: no kernel, use F.linear
+    out = kernel(x [T, K])                                      # -> [T, O] float32
+
+computes `x @ weight.T + bias` with float32 accumulation, each weight row read once for all T
+tokens (T <= 8; more tokens are done in groups of 8). The bias is read in the weight's dtype (as
+F.linear uses it). The kernel reads the weight and bias through raw pointers: it keeps the
+(contiguous) tensors alive, and sees in-place updates of contiguous ones; after a dtype / device
+change or a reassigned `.data`, bind again (runtime.dense_linear.DenseLinear does).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.resources
+import logging
+import math
+import os
+import pathlib
+import shlex
+import subprocess
+import threading
+import warnings
+from typing import Callable
+
+import torch
+
+from picompile.codegen import c
+from picompile.codegen.cache import cached_build
+from picompile.runtime.sparse_ffn import reference_forced
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_WDTYPE_CODE = {"float32": 0, "float16": 1, "bfloat16": 2}  # PI_WDTYPE in dense.c
+MAX_TOKENS = 8  # tokens per pass over the weights (PI_MAXTOK in dense.c)
+AVX512_MIN_TOKENS = 3  # calls with fewer tokens run the AVX2 build (see above)
+
+DenseKernel = Callable[[torch.Tensor], torch.Tensor]
+
+
+def source() -> str:
+    """The text of picompile/kernels/dense.c (package data)."""
+    return importlib.resources.files("picompile").joinpath("kernels/dense.c").read_text()
+
+
+def avx512_available() -> bool:
+    """The CPU has AVX-512F and the AVX2 / FMA / F16C build is used (so F16C is there too)."""
+    return "-mavx2" in c.build_flags() and "avx512f" in c.cpu_flags()
+
+
+def flags(dtype: str, avx512: bool = False, tuning: dict[str, int] | None = None) -> list[str]:
+    """Compiler flags of the library for weight dtype `dtype`: c.build_flags() plus the variant's
+    -D flags (and -mavx512f). `tuning` adds -DPI_<name>=<int> (tests, benchmarks)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported weight dtype {dtype!r} "
+                         f"(the dense kernel takes {tuple(DTYPES)})")
+    out = [*c.build_flags(), f"-DPI_WDTYPE={_WDTYPE_CODE[dtype]}"]
+    if avx512:
+        out.append("-mavx512f")
+    out += [f"-DPI_{k}={int(v)}" for k, v in sorted((tuning or {}).items())]
+    return out
+
+
+def _compile(cc: list[str], fl: list[str]) -> Callable[[pathlib.Path, pathlib.Path], None]:
+    def build(src: pathlib.Path, out: pathlib.Path) -> None:
+        cmd = [*cc, *fl, "-o", str(out), str(src), "-lm"]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise c.BuildFailed(f"C compiler does not run ({shlex.join(cmd)}): {e}",
+                                summary=f"{os.path.basename(cc[0])}: {e}") from e
+        if r.returncode != 0:
+            text = (r.stderr or r.stdout or "").replace(str(src.parent) + os.sep, "")
+            lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+            first = next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else "")
+            raise c.BuildFailed(f"C compiler failed ({shlex.join(cmd)}):\n{text.strip()}",
+                                summary=first or f"exited with status {r.returncode}")
+
+    return build
+
+
+def build(dtype: str, avx512: bool = False, tuning: dict[str, int] | None = None) -> pathlib.Path:
+    """Compile (or fetch from the build cache) the library for one weight dtype; its path."""
+    cc = c.compiler()
+    fl = flags(dtype, avx512, tuning)
+    tag = "picompile-dense " + c._compiler_identity(tuple(cc))
+    return cached_build(source(), suffix=".so", flags=fl, build=_compile(cc, fl), tag=tag)
+
+
+_vp, _i64 = ctypes.c_void_p, ctypes.c_int64
+_DENSE_ARGTYPES = [_vp, _i64, _i64, _vp, _i64, _vp, _vp]  # x, T, K, W, O, b, out
+
+_libs: dict[tuple, ctypes.CDLL] = {}
+_libs_lock = threading.Lock()
+_failures: dict[str, str] = {}  # dtype -> why its library is not available (last failed try)
+_errors: dict[tuple, Exception] = {}  # load key -> its build / load error: not retried per layer
+_warned = False
+
+
+def load(dtype: str, avx512: bool = False, tuning: dict[str, int] | None = None) -> ctypes.CDLL:
+    """The loaded library for a weight dtype (built on first use). Raises on any failure (the
+    same error again, without rebuilding, for the same compiler and flags in this process)."""
+    cc = c.compiler()
+    fl = flags(dtype, avx512, tuning)
+    key = (tuple(cc), tuple(fl))
+    with _libs_lock:
+        lib = _libs.get(key)
+        if lib is None:
+            if key in _errors:
+                raise _errors[key]
+            try:
+                path = build(dtype, avx512, tuning)
+                try:
+                    lib = ctypes.CDLL(str(path))
+                    for symbol in ("pi_dense", "pi_set_num_threads", "pi_dense_variant"):
+                        getattr(lib, symbol)
+                except (OSError, AttributeError) as e:
+                    raise c.LoadFailed(f"{path}: {e}") from e
+            except Exception as e:
+                _errors[key] = e
+                raise
+            lib.pi_dense.argtypes = _DENSE_ARGTYPES
+            lib.pi_dense.restype = None
+            lib.pi_set_num_threads.argtypes = [ctypes.c_int]
+            lib.pi_set_num_threads.restype = None
+            lib.pi_dense_variant.argtypes = []
+            lib.pi_dense_variant.restype = ctypes.c_char_p
+            lib._pi_threads = None  # last value given to pi_set_num_threads
+            _libs[key] = lib
+    return lib
+
+
+def try_load(dtype: str) -> ctypes.CDLL | None:
+    """load(dtype), or None (no compiler, failed build or load): the cause is kept for
+    why_no_kernel, and the first failure of the process is warned about once."""
+    global _warned
+    try:
+        lib = load(dtype)
+    except Exception as e:  # noqa: BLE001 - a failed build must never break the model
+        if isinstance(e, c.CompilerNotFound):
+            why = e.label
+        elif isinstance(e, c.BuildFailed):
+            why = f"C build failed: {e.summary}"
+        else:
+            lines = str(e).strip().splitlines()
+            why = f"C kernel failed: {lines[0] if lines else type(e).__name__}"
+        _failures[dtype] = " ".join(why.split())[:200]
+        log.debug("dense C kernel (%s) unavailable", dtype, exc_info=True)
+        if not _warned:
+            _warned = True
+            warnings.warn(f"picompile: no dense C kernel ({_failures[dtype]}): linear layers run "
+                          "torch's F.linear; set PICOMPILE_REFERENCE=1 to silence this",
+                          RuntimeWarning, stacklevel=3)
+        return None
+    _failures.pop(dtype, None)
+    return lib
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def why_no_kernel(weight: torch.Tensor, bias: torch.Tensor | None = None) -> str:
+    """The path label when dense_kernel_for(weight, bias) gives None: "reference (<cause>)"."""
+    if reference_forced():
+        return "reference (PICOMPILE_REFERENCE set)"
+    if _dtype_name(weight) not in DTYPES:
+        return f"reference (no dense C kernel for {_dtype_name(weight)})"
+    if weight.dim() != 2 or (bias is not None and bias.shape != (weight.shape[0],)):
+        return "reference (not a [O, K] weight with an [O] bias)"
+    if any(t is not None and t.device.type != "cpu" for t in (weight, bias)):
+        return "reference (weights not on the CPU)"
+    reason = _failures.get(_dtype_name(weight))
+    return f"reference ({reason})" if reason else "reference (C kernel not selected)"
+
+
+def _set_threads(lib: ctypes.CDLL) -> None:
+    """The kernel uses as many OpenMP threads as torch does."""
+    nt = torch.get_num_threads()
+    if lib._pi_threads != nt:
+        lib.pi_set_num_threads(nt)
+        lib._pi_threads = nt
+
+
+def _wide_lib(dtype: str) -> ctypes.CDLL | None:
+    """The AVX-512 build for several tokens, where the CPU has AVX-512F and it builds."""
+    if not avx512_available():
+        return None
+    try:
+        return load(dtype, avx512=True)
+    except Exception:  # noqa: BLE001 - the AVX2 build serves all token counts then
+        log.debug("dense C kernel (%s, AVX-512) unavailable", dtype, exc_info=True)
+        return None
+
+
+def dense_kernel_for(weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                     avx512: bool | None = None,
+                     tuning: dict[str, int] | None = None) -> DenseKernel | None:
+    """A C kernel computing `x @ weight.T + bias` -> float32 on the CPU, for x [T, K] (or
+    [..., K] -> [..., O]) of any float dtype, strides and device; or None when there is none
+    (PICOMPILE_REFERENCE set, no compiler / failed build, weight dtype not float32 / float16 /
+    bfloat16, tensors not on the CPU, shapes not [O, K] and [O]).
+
+    avx512 None: the AVX2 build for fewer than AVX512_MIN_TOKENS tokens, the AVX-512 one (where
+    available) for more; True / False: that build for every call (it must build: raises
+    otherwise). `tuning`: -DPI_<name>=<int> knobs of dense.c (tests, benchmarks)."""
+    if reference_forced():
+        return None
+    dtype = _dtype_name(weight)
+    if dtype not in DTYPES or weight.dim() != 2:
+        return None
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        return None
+    if any(t is not None and t.device.type != "cpu" for t in (weight, bias)):
+        return None
+    if avx512 is None and tuning is None:
+        lib = try_load(dtype)
+        if lib is None:
+            return None
+        wide = _wide_lib(dtype)
+    else:
+        lib, wide = load(dtype, bool(avx512), tuning), None
+    # Kept referenced by the closure: the C code reads them through raw pointers. For contiguous
+    # tensors of the weight's dtype these are the tensors themselves (no copy).
+    w = weight.detach().contiguous()
+    b = None if bias is None else bias.detach().to(weight.dtype).contiguous()
+    O, K = w.shape
+    w_ptr, b_ptr = w.data_ptr(), (None if b is None else b.data_ptr())
+    libs = (lib,) * AVX512_MIN_TOKENS + ((wide or lib),)  # by min(T, AVX512_MIN_TOKENS)
+    f32 = torch.float32
+
+    def kernel(x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] -> out [T, O] float32 = x @ W.T + b (also x [..., K] -> [..., O])."""
+        if x.dtype is not f32 or not x.is_contiguous() or not x.is_cpu:
+            x = x.detach().to(device="cpu", dtype=f32).contiguous()
+        shape = x.shape
+        if not shape or shape[-1] != K:
+            raise ValueError(f"dense kernel input must be [T, {K}], got {tuple(shape)}")
+        T = x.numel() // K if K else math.prod(shape[:-1])
+        out = x.new_empty(*shape[:-1], O)  # float32 on the CPU, as x is now
+        if T and O:
+            use = libs[min(T, AVX512_MIN_TOKENS)]
+            nt = torch.get_num_threads()
+            if use._pi_threads != nt:  # as many OpenMP threads as torch uses
+                use.pi_set_num_threads(nt)
+                use._pi_threads = nt
+            use.pi_dense(x.data_ptr(), T, K, w_ptr, O, b_ptr, out.data_ptr())
+        return out
+
+    kernel.weight = w  # type: ignore[attr-defined]
+    kernel.bias = b  # type: ignore[attr-defined]
+    kernel.library = lib  # type: ignore[attr-defined]
+    kernel.library_for = lambda T: libs[min(T, AVX512_MIN_TOKENS)]  # type: ignore[attr-defined]
+    kernel.variant = lib.pi_dense_variant().decode()  # type: ignore[attr-defined]
+    if wide is not None:
+        kernel.variant += f" (avx512 for T >= {AVX512_MIN_TOKENS})"  # type: ignore[attr-defined]
+    return kernel
