@@ -1,7 +1,11 @@
 """The compiler: runs the passes in order and wraps the result.
 
     capture -> detect -> rewrite -> calibrate (thresholds) -> profile -> predictors -> place
-    -> select kernels
+    -> select kernels + lower the other linears -> time predictors (CPU) -> distribute (GPU)
+
+Calibration and profiling run layer by layer on the GPU when the model is on the CPU and a GPU
+is there (passes/calibrate.py). A compile that fails before placement puts the model back as
+it was.
 
 `load` re-runs capture, detect and rewrite on a fresh model and applies a saved plan instead of
 calibrating, profiling and training again.

@@ -27,6 +27,7 @@ from torch import nn
 from picompile.codegen import c as c_codegen
 from picompile.passes.profile import BlockProfile
 from picompile.progress import progress_bar
+from picompile.runtime.kernel_module import KernelModule
 from picompile.runtime.sparse_ffn import KERNEL_MAX_TOKENS
 
 RANKS = (16, 32, 64, 128, 256, 512)
@@ -43,7 +44,7 @@ MIN_GAIN = 0.02  # a rank that lowers the predicted density by less than this en
 MISS_MARGIN = 0.8
 
 
-class Predictor(nn.Module):
+class Predictor(KernelModule):
     """mask [T, n_ff] = relu(x p1^T + pb1) p2^T + pb2 > tau, for x [T, d].
 
     `enabled` False makes it return None (the block then runs exact; CompiledModel.use_predictors
@@ -70,25 +71,6 @@ class Predictor(nn.Module):
         self._selected = True  # select again after a dtype / device change (_apply)
         self.kernel = c_codegen.predictor_kernel_for(self)
         return "C" if self.kernel is not None else "reference"
-
-    def _apply(self, fn, recurse=True):
-        """A dtype or device change re-binds the C kernel (it reads raw pointers)."""
-        out = super()._apply(fn, recurse)
-        if self.kernel is not None or self.__dict__.get("_selected"):
-            self.select_kernel()
-        return out
-
-    def __getstate__(self):
-        state = self.__dict__.copy()  # the C kernel is a ctypes closure: selected again on load
-        state["kernel"] = None
-        state["_had_kernel"] = self.kernel is not None
-        return state
-
-    def __setstate__(self, state):
-        had_kernel = state.pop("_had_kernel", False)
-        self.__dict__.update(state)
-        if had_kernel:
-            self.select_kernel()
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:  # [T, d] -> [T, n_ff]
         z = F.relu(F.linear(x.to(self.p1.dtype), self.p1, self.pb1))

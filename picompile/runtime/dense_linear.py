@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from picompile.runtime.kernel_module import KernelModule
 from picompile.runtime.sparse_ffn import KERNEL_MAX_TOKENS, reference_forced
 
 
@@ -43,7 +44,7 @@ class _KernelLinear(torch.autograd.Function):
         return gx, gw, gb, None
 
 
-class DenseLinear(nn.Module):
+class DenseLinear(KernelModule):
     """A weight-bearing linear layer (q/k/v/o projections, the LM head) with a generated kernel.
 
     The path is picked once (`select_kernel`), again after .to() / .half() / .cuda() (`_apply`:
@@ -91,27 +92,10 @@ class DenseLinear(nn.Module):
                      else dense.why_no_kernel(self.weight, self.bias))
         return self.path
 
-    def _apply(self, fn, recurse=True):
-        """.half(), .float(), .to(...), .cuda(): bind the kernel to the new tensors."""
-        out = super()._apply(fn, recurse)
-        if self.kernel is not None or self.__dict__.get("_selected"):
-            self.select_kernel()
-        return out
-
     def __getstate__(self):
-        """Picklable (torch.save of the model): the kernel, a ctypes closure, is left out and
-        selected again on unpickling."""
-        state = self.__dict__.copy()
-        state["kernel"] = None
+        state = super().__getstate__()
         state["_bound"] = None
-        state["_had_kernel"] = self.kernel is not None or bool(self.__dict__.get("_selected"))
         return state
-
-    def __setstate__(self, state):
-        had_kernel = state.pop("_had_kernel", False)
-        self.__dict__.update(state)
-        if had_kernel:
-            self.select_kernel()
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., O]: the reference path."""

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from picompile.plan import BlockPlan
+from picompile.runtime.kernel_module import KernelModule
 
 # Above this many tokens per call (prefill), dense BLAS with a mask beats per-neuron kernels.
 KERNEL_MAX_TOKENS = 8
@@ -100,7 +101,7 @@ def ffn_reference(
     return out, active
 
 
-class SparseFFN(nn.Module):
+class SparseFFN(KernelModule):
     """One rewritten FFN block: `y = down(act(gate x) * up x)` computing only the active neurons.
 
     The fast path (a generated C kernel, later a CUDA kernel) is picked once, when the module is
@@ -176,35 +177,18 @@ class SparseFFN(nn.Module):
         self.kernel = c_codegen.kernel_for(self)
         return "C" if self.kernel is not None else c_codegen.why_no_kernel(self)
 
-    def _apply(self, fn, recurse=True):
-        """.half(), .float(), .to(...), .cuda(): the kernel reads the weights through raw
-        pointers bound when it was selected, so it is selected again for the new tensors."""
+    def _check_movable(self) -> None:
         if self.hybrid is not None:
             raise RuntimeError(
                 "picompile: this block runs split across the GPU and the CPU (distribute()); its "
                 "dtype or device cannot change afterwards. Compile the model again with the "
                 "dtype / device you want")
-        out = super()._apply(fn, recurse)
-        if self.kernel is not None or self.__dict__.get("_selected"):
-            self.select_kernel()
-        return out
 
     def __getstate__(self):
-        """Picklable (torch.save(cm)): the bound kernel is a ctypes closure, so it is left out
-        and selected again on unpickling."""
         if self.hybrid is not None and self.hybrid.cuda:
             raise TypeError("picompile: a model distributed across GPU and CPU cannot be pickled; "
                             "save its plan with cm.save(dir) and picompile.load(model, dir)")
-        state = self.__dict__.copy()
-        state["kernel"] = None
-        state["_had_kernel"] = self.kernel is not None
-        return state
-
-    def __setstate__(self, state):
-        had_kernel = state.pop("_had_kernel", False)
-        self.__dict__.update(state)
-        if had_kernel:
-            self.select_kernel()
+        return super().__getstate__()
 
     def weights(self) -> dict:
         """The tensors in the keyword form ffn_reference and the kernels take."""

@@ -1,0 +1,45 @@
+"""KernelModule: the part every module with a bound C kernel shares (SparseFFN, Predictor,
+DenseLinear).
+
+A bound kernel reads its tensors through raw pointers taken when `select_kernel()` ran, so:
+- a dtype or device change (.half(), .float(), .to(...), .cuda(): nn.Module._apply) selects the
+  kernel again for the new tensors, or `_check_movable` refuses the change;
+- pickling (torch.save of a model) leaves the kernel, a ctypes closure, out and selects it again
+  on unpickling.
+Subclasses set `self.kernel` and `self._selected = True` in their `select_kernel()`."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+class KernelModule(nn.Module):
+    kernel = None  # the bound kernel, or None (the reference path)
+
+    def select_kernel(self) -> str:  # pragma: no cover - every subclass defines it
+        raise NotImplementedError
+
+    def _check_movable(self) -> None:
+        """Raise where the module's tensors may not change dtype or device."""
+
+    def _was_selected(self) -> bool:
+        return self.kernel is not None or bool(self.__dict__.get("_selected"))
+
+    def _apply(self, fn, recurse=True):
+        self._check_movable()
+        out = super()._apply(fn, recurse)
+        if self._was_selected():
+            self.select_kernel()
+        return out
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["kernel"] = None
+        state["_had_kernel"] = self._was_selected()
+        return state
+
+    def __setstate__(self, state):
+        had_kernel = state.pop("_had_kernel", False)
+        self.__dict__.update(state)
+        if had_kernel:
+            self.select_kernel()
