@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from picompile.codegen.cache import cached_build
-from picompile.runtime.sparse_ffn import reference_forced
+from picompile.config import reference_forced
 
 log = logging.getLogger(__name__)
 

@@ -56,11 +56,13 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from picompile.config import KERNEL_MAX_TOKENS
+
 DTYPES = ("float16", "bfloat16", "float32")
 ACTS = ("relu", "silu", "gelu", "gelu_tanh")
 ARCHS = ("sm_80", "sm_90")
 
-MAX_TOKENS = 8  # = sparse_ffn.KERNEL_MAX_TOKENS; the small-batch kernels are built for this
+MAX_TOKENS = KERNEL_MAX_TOKENS  # the small-batch kernels are built for this many tokens
 MAX_SMEM_BYTES = 48 * 1024  # the predictor keeps z [T, r] fp32 in (default-size) shared memory
 
 # nvcc flags (fast math left out on purpose: see the module docstring).

@@ -36,7 +36,7 @@ import torch
 
 from picompile.codegen import c
 from picompile.codegen.cache import cached_build
-from picompile.runtime.sparse_ffn import reference_forced
+from picompile.config import reference_forced
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from picompile.codegen import c as c_codegen
 from picompile.passes.profile import BlockProfile
 from picompile.progress import progress_bar
 from picompile.runtime.kernel_module import KernelModule
-from picompile.runtime.sparse_ffn import KERNEL_MAX_TOKENS
+from picompile.config import KERNEL_MAX_TOKENS
 
 RANKS = (16, 32, 64, 128, 256, 512)
 # Training steps per predictor are capped so that steps * n_ff stays under this: 2000 steps for

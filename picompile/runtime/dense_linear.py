@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from picompile.runtime.kernel_module import KernelModule
-from picompile.runtime.sparse_ffn import KERNEL_MAX_TOKENS, reference_forced
+from picompile.config import KERNEL_MAX_TOKENS, reference_forced
 
 
 class _KernelLinear(torch.autograd.Function):

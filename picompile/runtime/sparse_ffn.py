@@ -17,24 +17,13 @@ of up and down are only read for neurons whose gate fired, which is what makes e
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from picompile.config import KERNEL_MAX_TOKENS, reference_forced
 from picompile.plan import BlockPlan
 from picompile.runtime.kernel_module import KernelModule
-
-# Above this many tokens per call (prefill), dense BLAS with a mask beats per-neuron kernels.
-KERNEL_MAX_TOKENS = 8
-
-# Set PICOMPILE_REFERENCE=1 to force the plain-PyTorch path everywhere (debugging, bisecting).
-REFERENCE_ENV = "PICOMPILE_REFERENCE"
-
-
-def reference_forced() -> bool:
-    return os.environ.get(REFERENCE_ENV, "") not in ("", "0")
 
 
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:

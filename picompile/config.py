@@ -1,0 +1,17 @@
+"""Switches read by several layers (codegen, runtime), kept here so that neither imports the
+other for them (PyTorch Inductor's config.py is the model)."""
+
+from __future__ import annotations
+
+import os
+
+# Set PICOMPILE_REFERENCE=1 to force the plain-PyTorch path everywhere (debugging, bisecting).
+REFERENCE_ENV = "PICOMPILE_REFERENCE"
+
+# Up to this many tokens per call (decode, small batches) the kernels run; above it (prefill),
+# dense BLAS with a mask beats per-neuron kernels.
+KERNEL_MAX_TOKENS = 8
+
+
+def reference_forced() -> bool:
+    return os.environ.get(REFERENCE_ENV, "") not in ("", "0")
