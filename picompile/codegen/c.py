@@ -751,9 +751,11 @@ def _compiler_identity(argv: tuple[str, ...]) -> str:
                                label="C compiler does not run: set $CC") from e
 
 
-def _build_with(cc: list[str]) -> Callable[[pathlib.Path, pathlib.Path], None]:
+def build_with(cc: list[str], flags: list[str]) -> Callable[[pathlib.Path, pathlib.Path], None]:
+    """The `build(src, out)` that cached_build calls: `cc flags -o out src -lm`, failures raised
+    as BuildFailed with the compiler's first error line as the summary (shared with dense.py)."""
     def build(src: pathlib.Path, out: pathlib.Path) -> None:
-        cmd = [*cc, *build_flags(), "-o", str(out), str(src), "-lm"]
+        cmd = [*cc, *flags, "-o", str(out), str(src), "-lm"]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except subprocess.TimeoutExpired as e:
@@ -777,7 +779,8 @@ def build(v: Variant) -> pathlib.Path:
     """Compile (or fetch from the cache) the shared library of a variant; its path."""
     cc = compiler()
     tag = "picompile-c " + _compiler_identity(tuple(cc))
-    return cached_build(source(v), suffix=".so", flags=build_flags(), build=_build_with(cc), tag=tag)
+    flags = build_flags()
+    return cached_build(source(v), suffix=".so", flags=flags, build=build_with(cc, flags), tag=tag)
 
 
 _c_int64, _vp = ctypes.c_int64, ctypes.c_void_p

@@ -24,12 +24,8 @@ import ctypes
 import importlib.resources
 import logging
 import math
-import os
 import pathlib
-import shlex
-import subprocess
 import threading
-import warnings
 from typing import Callable
 
 import torch
@@ -71,30 +67,12 @@ def flags(dtype: str, avx512: bool = False, tuning: dict[str, int] | None = None
     return out
 
 
-def _compile(cc: list[str], fl: list[str]) -> Callable[[pathlib.Path, pathlib.Path], None]:
-    def build(src: pathlib.Path, out: pathlib.Path) -> None:
-        cmd = [*cc, *fl, "-o", str(out), str(src), "-lm"]
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.SubprocessError) as e:
-            raise c.BuildFailed(f"C compiler does not run ({shlex.join(cmd)}): {e}",
-                                summary=f"{os.path.basename(cc[0])}: {e}") from e
-        if r.returncode != 0:
-            text = (r.stderr or r.stdout or "").replace(str(src.parent) + os.sep, "")
-            lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-            first = next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else "")
-            raise c.BuildFailed(f"C compiler failed ({shlex.join(cmd)}):\n{text.strip()}",
-                                summary=first or f"exited with status {r.returncode}")
-
-    return build
-
-
 def build(dtype: str, avx512: bool = False, tuning: dict[str, int] | None = None) -> pathlib.Path:
     """Compile (or fetch from the build cache) the library for one weight dtype; its path."""
     cc = c.compiler()
     fl = flags(dtype, avx512, tuning)
     tag = "picompile-dense " + c._compiler_identity(tuple(cc))
-    return cached_build(source(), suffix=".so", flags=fl, build=_compile(cc, fl), tag=tag)
+    return cached_build(source(), suffix=".so", flags=fl, build=c.build_with(cc, fl), tag=tag)
 
 
 _vp, _i64 = ctypes.c_void_p, ctypes.c_int64
@@ -104,7 +82,6 @@ _libs: dict[tuple, ctypes.CDLL] = {}
 _libs_lock = threading.Lock()
 _failures: dict[str, str] = {}  # dtype -> why its library is not available (last failed try)
 _errors: dict[tuple, Exception] = {}  # load key -> its build / load error: not retried per layer
-_warned = False
 
 
 def load(dtype: str, avx512: bool = False, tuning: dict[str, int] | None = None) -> ctypes.CDLL:
@@ -143,7 +120,6 @@ def load(dtype: str, avx512: bool = False, tuning: dict[str, int] | None = None)
 def try_load(dtype: str) -> ctypes.CDLL | None:
     """load(dtype), or None (no compiler, failed build or load): the cause is kept for
     why_no_kernel, and the first failure of the process is warned about once."""
-    global _warned
     try:
         lib = load(dtype)
     except Exception as e:  # noqa: BLE001 - a failed build must never break the model
@@ -156,11 +132,9 @@ def try_load(dtype: str) -> ctypes.CDLL | None:
             why = f"C kernel failed: {lines[0] if lines else type(e).__name__}"
         _failures[dtype] = " ".join(why.split())[:200]
         log.debug("dense C kernel (%s) unavailable", dtype, exc_info=True)
-        if not _warned:
-            _warned = True
-            warnings.warn(f"picompile: no dense C kernel ({_failures[dtype]}): linear layers run "
-                          "torch's F.linear; set PICOMPILE_REFERENCE=1 to silence this",
-                          RuntimeWarning, stacklevel=3)
+        # One warning per process for all of picompile's C kernels (FFN and dense alike).
+        c._warn_once(f"picompile: no dense C kernel ({_failures[dtype]}): linear layers run "
+                     "torch's F.linear; set PICOMPILE_REFERENCE=1 to silence this")
         return None
     _failures.pop(dtype, None)
     return lib
