@@ -36,39 +36,14 @@ from picompile.codegen import c as c_codegen  # noqa: E402
 from picompile.plan import BlockPlan  # noqa: E402
 from picompile.runtime.sparse_ffn import SparseFFN  # noqa: E402
 
+from machine import OtherLoad  # noqa: E402  (benchmarks/machine.py, beside this script)
+
 SHAPES = {
     # name: (d, n_ff, kind, bias)
     "LLaMA-7B": (4096, 11008, "gated", False),
     "OPT-6.7B": (4096, 16384, "plain", True),
 }
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
-
-
-class OtherLoad:
-    """CPU share that other processes used while a row was measured (from /proc/stat and our
-    own os.times()): on a 2-core machine another busy process distorts 2-thread timings."""
-
-    def __init__(self):
-        self.start = self._sample()
-
-    @staticmethod
-    def _sample():
-        try:
-            with open("/proc/stat") as f:
-                vals = [int(v) for v in f.readline().split()[1:]]
-        except OSError:
-            return None
-        hz = os.sysconf("SC_CLK_TCK")
-        idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
-        t = os.times()
-        return sum(vals) / hz, (sum(vals) - idle) / hz, t.user + t.system
-
-    def fraction(self) -> float | None:
-        end = self._sample()
-        if end is None or self.start is None:
-            return None
-        total, busy, ours = (e - s for e, s in zip(end, self.start))
-        return max(0.0, busy - ours) / total if total > 0 else None
 
 
 def median_time(fn, repeats: int, warmup: int = 2) -> float:

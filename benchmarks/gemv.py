@@ -24,19 +24,15 @@ gives the machine's read bandwidth for reference.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import os
 import platform
 import statistics
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from picompile.codegen import dense  # noqa: E402
+from machine import OtherLoad  # benchmarks/machine.py, beside this script
+from picompile.codegen import dense
 
 SHAPES = [  # (name, O, K)
     ("q_proj / o_proj", 576, 576),
@@ -47,28 +43,6 @@ SHAPES = [  # (name, O, K)
 ]
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 COLD_BYTES = 256 << 20  # copies of W cycled through: well over the 32 MiB L3 here
-
-
-def cpu_times():
-    """(total, busy) seconds of all CPUs from /proc/stat, or None."""
-    try:
-        with open("/proc/stat") as f:
-            vals = [int(v) for v in f.readline().split()[1:]]
-    except OSError:
-        return None
-    hz = os.sysconf("SC_CLK_TCK")
-    return sum(vals) / hz, (sum(vals) - vals[3] - (vals[4] if len(vals) > 4 else 0)) / hz
-
-
-def other_load(start, own_start) -> float | None:
-    """Share of all CPU time used by other processes since `start`."""
-    end = cpu_times()
-    if start is None or end is None:
-        return None
-    t = os.times()
-    ours = t.user + t.system - own_start
-    total, busy = end[0] - start[0], end[1] - start[1]
-    return max(0.0, busy - ours) / total if total > 0 else None
 
 
 def time_calls(fns: dict, calls: int, rounds: int) -> dict[str, list[float]]:
@@ -154,7 +128,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1", help="token counts, e.g. 1,4,8 (default 1)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    start, own = cpu_times(), sum(os.times()[:2])
+    other = OtherLoad()
 
     k0 = dense.dense_kernel_for(torch.zeros(1, 1))
     print(f"# dense GEMV / small-T GEMM: {platform.processor() or platform.machine()}, "
@@ -176,7 +150,7 @@ def main() -> None:
                       f"{r['C'] / r['torch']:.2f}x | {r['us']:.0f} | {r['torch_us']:.0f} | "
                       f"{r['C best']:.1f} | {r['torch best']:.1f} | {r['C hot']:.1f} | "
                       f"{r['torch hot']:.1f} | {r['overhead_us']:.1f} |", flush=True)
-    frac = other_load(start, own)
+    frac = other.fraction()
     print(f"\nstreaming read again: {stream_probe(5):.1f} GB/s; other processes used "
           f"{'?' if frac is None else f'{100 * frac:.0f}%'} of the CPU time during the run")
 

@@ -85,10 +85,10 @@ def build(shape: str, dtype, device) -> torch.nn.Module:
         else:
             p.fill_(1.0)  # norm weights
     normal = torch.distributions.Normal(0.0, 1.0)
-    hidden, ffn = SHAPES[shape][1], SHAPES[shape][2]
-    for layer in (model.model.decoder.layers if SHAPES[shape][0] == "opt" else model.model.layers):
-        first = layer.fc1 if SHAPES[shape][0] == "opt" else layer.mlp.gate_proj
-        # rows near a rank-PLANTED_RANK subspace, norm about 0.02 * sqrt(hidden) as before
+    kind, hidden, ffn = SHAPES[shape][:3]
+    for layer in decoder_layers(model):
+        first = layer.fc1 if kind == "opt" else layer.mlp.gate_proj
+        # rows near a rank-PLANTED_RANK subspace, norm about 0.02 * sqrt(hidden)
         a = torch.randn(ffn, PLANTED_RANK, generator=dgen, device=device)
         b = torch.randn(PLANTED_RANK, hidden, generator=dgen, device=device)
         w = (a @ b) * (0.02 / PLANTED_RANK**0.5) + first.weight.float() * 0.1
@@ -98,6 +98,12 @@ def build(shape: str, dtype, device) -> torch.nn.Module:
         std = first.weight.float().norm(dim=1).cpu()
         first.bias.copy_((std * normal.icdf(rates)).to(dtype))
     return model.eval()
+
+
+def decoder_layers(model):
+    """OPT's and Llama's decoder layers."""
+    inner = model.model
+    return inner.decoder.layers if hasattr(inner, "decoder") else inner.layers
 
 
 def weight_bytes(model) -> int:
@@ -225,8 +231,7 @@ def main():
 
         dense = build(args.shape, dtype, device).to("cpu")
         torch.cuda.empty_cache()
-        layer_cls = type(dense.model.decoder.layers[0] if SHAPES[args.shape][0] == "opt"
-                         else dense.model.layers[0]).__name__
+        layer_cls = type(decoder_layers(dense)[0]).__name__
         dmap = infer_auto_device_map(dense, max_memory={0: budget, "cpu": 10**12},
                                      no_split_module_classes=[layer_cls])
         offloaded = dispatch_model(dense, device_map=dmap)

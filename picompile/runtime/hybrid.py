@@ -158,7 +158,7 @@ class HybridFFN:
                 stage.copied.synchronize()  # 3. the copies only; the GIL is released meanwhile
             t_cold = time.perf_counter()
             with torch.no_grad():
-                cold_out = self.cold(cold_x.float(), cold_mask)
+                cold_out = self.cold(cold_x, cold_mask)  # float32 already
             cold_s = time.perf_counter() - t_cold
             if self.cuda:  # 4. back through pinned memory, added on the device
                 stage.out[:T].copy_(cold_out)
