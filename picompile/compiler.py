@@ -49,6 +49,9 @@ class CompiledModel(nn.Module):
         object.__setattr__(self, "graphs", graphs)
         self.paths = paths  # block name -> execution path picked ("C", "reference (...)")
         self.linear_paths: dict[str, str] = {}  # other linears -> path (passes/lower.py)
+        # the whole-step decoder (runtime/decoder.py) for the kernels bound now: see decoder()
+        self._decoder_key = self._decoder = None
+        self.decoder_reason = "not built yet"
 
     def forward(self, *args, **kwargs):
         return self.model(*self._to_input_device(args), **self._to_input_device(kwargs))
@@ -63,10 +66,27 @@ class CompiledModel(nn.Module):
         args, kwargs = self._to_input_device(args), self._to_input_device(kwargs)
         reason = fast.supported(self.model, kwargs, args)
         if reason is None:
-            return fast.generate_hf(self.model, *args, **kwargs)
+            return fast.generate_hf(self.model, *args, decoder=self.decoder(), **kwargs)
         note(f"generate: Hugging Face's generate runs this call (picompile's loop does not "
              f"handle {reason})")
         return self.model.generate(*args, **kwargs)
+
+    def decoder(self):
+        """The decode step in one C call (runtime/decoder.py) for the kernels bound now, or None
+        (`decoder_reason` says why). Built and verified again when a kernel, threshold or
+        predictor switch changes (a dtype change, use_predictors, distribute)."""
+        from picompile.runtime import decoder as whole_step
+
+        key = whole_step.Decoder.key(self.model)
+        if key != self._decoder_key:
+            self._decoder, self.decoder_reason = whole_step.build(self.model)
+            self._decoder_key = key
+        return self._decoder
+
+    def __getstate__(self):
+        state = dict(super().__getstate__())
+        state["_decoder"] = state["_decoder_key"] = None  # raw pointers: rebuilt when used
+        return state
 
     def _to_input_device(self, values):
         """Tensors go where the model's first weights are (the GPU after distribute())."""
@@ -115,7 +135,8 @@ class CompiledModel(nn.Module):
         except AttributeError:
             return getattr(super().__getattr__("model"), name)
 
-    _OWN = frozenset({"model", "plan", "graphs", "paths", "linear_paths", "training"})
+    _OWN = frozenset({"model", "plan", "graphs", "paths", "linear_paths", "training",
+                      "decoder_reason"})
 
     def __setattr__(self, name: str, value) -> None:
         """Attributes are the wrapped model's (cm.generation_config = ... must reach the model
@@ -273,6 +294,7 @@ def compile(
     finally:
         for gm in graphs.values():  # the originals hold weights the rewrite copied (down)
             gm.meta.pop("picompile_original", None)
+    cm.decoder()  # built and verified now, not in the first generate()
     if not sparsity and any(not b.exact for b in plan.blocks):
         note(f"{sum(not b.exact for b in plan.blocks)} of {len(plan.blocks)} blocks are not ReLU "
              "and stay dense: pass sparsity= (e.g. 0.5) to skip their smallest activations", quiet)
@@ -454,7 +476,9 @@ def load(model: nn.Module, directory) -> CompiledModel:
         except (KeyError, RuntimeError, IndexError) as e:
             raise saving.PlanError(f"the saved tensors for {block.name} are incomplete or do not "
                                    f"fit the model: {e}") from e
-    return _finish(model, plan, graphs, ffns)
+    cm = _finish(model, plan, graphs, ffns)
+    cm.decoder()
+    return cm
 
 
 def _place(model, ffns, placement, profiles, budget: int, max_context: int) -> None:
@@ -539,6 +563,9 @@ def explain(cm: CompiledModel) -> str:
             by_path[path] = by_path.get(path, 0) + 1
         lines.append("other linears (attention, LM head): " +
                      "; ".join(f"{n} {path}" for path, n in by_path.items()))
+    lines.append("decode step: " + ("picompile decoder (kernels/decoder.c, one C call per token)"
+                                    if cm._decoder is not None else
+                                    f"per module in PyTorch (whole-step decoder: {cm.decoder_reason})"))
     if predicted:
         lines.append(f"  B/token: weight bytes read per decoded token; us: measured microseconds "
                      f"per decoded token; used: the block runs its predictor "

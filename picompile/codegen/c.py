@@ -983,16 +983,20 @@ def _bind(lib: ctypes.CDLL, v: Variant, ffn) -> Kernel:
     ptrs = (_ptr(w_gate), _ptr(w_up), _ptr(w_down_t))
     fn = lib.ffn
 
-    def kernel(x: torch.Tensor, threshold: float = 0.0, idx: torch.Tensor | None = None,
-               mask: torch.Tensor | None = None):
-        """x [T, d] -> (out [T, d] float32, n_active: active (token, neuron) pairs).
-        Candidates: idx [m] (neuron numbers), else mask [T, n_ff] bool (those set for any
-        token), else all neurons."""
+    def float32_biases() -> tuple:
         biases = converted.get("biases")
         if biases is None:  # a racing first call just converts twice; one result is kept
             biases = converted.setdefault("biases", tuple(
                 None if b is None else b.detach().to(torch.float32).contiguous() for b in raw_biases
             ))
+        return biases
+
+    def kernel(x: torch.Tensor, threshold: float = 0.0, idx: torch.Tensor | None = None,
+               mask: torch.Tensor | None = None):
+        """x [T, d] -> (out [T, d] float32, n_active: active (token, neuron) pairs).
+        Candidates: idx [m] (neuron numbers), else mask [T, n_ff] bool (those set for any
+        token), else all neurons."""
+        biases = float32_biases()
         if x.dim() != 2 or x.shape[1] != d:
             raise ValueError(f"kernel input must be [T, {d}], got {tuple(x.shape)}")
         x = x.detach().to(device="cpu", dtype=torch.float32).contiguous()
@@ -1025,6 +1029,9 @@ def _bind(lib: ctypes.CDLL, v: Variant, ffn) -> Kernel:
 
     kernel.variant = v  # type: ignore[attr-defined]
     kernel.library = lib  # type: ignore[attr-defined]
+    # The weight and bias pointers ffn() takes (w_gate, w_up, w_down_t, b_gate, b_up, b_down; None
+    # for NULL), valid while the kernel lives: for callers from C (runtime/decoder.py).
+    kernel.pointers = lambda: (*ptrs, *(_ptr(b) for b in float32_biases()))  # type: ignore[attr-defined]
     return kernel
 
 
@@ -1065,4 +1072,8 @@ def predictor_kernel_for(pred) -> Callable[[torch.Tensor, float], torch.Tensor] 
             raise MemoryError("C predictor kernel: out of memory")
         return mask
 
+    kernel.library = lib  # type: ignore[attr-defined]
+    # predict()'s matrix pointers (p1, pb1, p2t, pb2) and rank, for callers from C
+    kernel.pointers = (p1.data_ptr(), pb1.data_ptr(), p2t.data_ptr(), pb2.data_ptr())  # type: ignore[attr-defined]
+    kernel.rank = r  # type: ignore[attr-defined]
     return kernel

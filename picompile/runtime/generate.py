@@ -94,7 +94,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
              eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
              streamer=None, callback: Callable[[torch.Tensor], None] | None = None,
-             min_new_tokens: int = 0) -> torch.Tensor:
+             min_new_tokens: int = 0, decoder=None) -> torch.Tensor:
     """Prompt + up to max_new_tokens new tokens, [B, S + n] (HF's output for the same options).
 
     input_ids [B, S]; attention_mask [B, S] with left padding (zeros first) or None.
@@ -104,6 +104,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     eos_token_id (after min_new_tokens new tokens) and is padded with pad_token_id
     (eos_token_id's first when None). streamer: HF protocol (put(prompt ids, on the CPU), put(each
     new token [B]), end()). callback(tokens [B]) per new token, on the model's device.
+    decoder: a runtime.decoder.Decoder bound to `model`: it runs the decode steps of a single
+    unpadded row (one C call each) after the model's own prefill.
     """
     reason = model_reason(model)
     if reason is not None:
@@ -158,6 +160,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     next_pos = pos[:, -1:] + 1
 
     cache = _new_cache(model, total)
+    if decoder is not None and not (b == 1 and mask is None and decoder.reserve(total)):
+        decoder = None  # batches, padding, past a sliding window: the model's own steps
     common = dict(attention_mask=mask, past_key_values=cache, use_cache=True)
     cache_pos = "cache_position" in params  # transformers 4.x models want it
     prefill = dict(common, input_ids=input_ids, position_ids=pos)
@@ -167,6 +171,9 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
         prefill["cache_position"] = torch.arange(s, device=device)
         step_cache_pos = torch.tensor([s], device=device)
     logits = model(**prefill).logits[:, -1]
+    if decoder is not None:
+        decoder.load_cache(cache, s)
+        decoder.set_threads()
 
     gen = None
     if do_sample and seed is not None:
@@ -196,12 +203,17 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
                 break
         if i + 1 == max_new_tokens:
             break
+        if decoder is not None:
+            logits = decoder.step(tokens, s + i)
+            continue
         step = dict(common, input_ids=tokens.unsqueeze(1), position_ids=next_pos)
         if cache_pos:
             step["cache_position"] = step_cache_pos
             step_cache_pos = step_cache_pos + 1
         logits = model(**step).logits[:, -1]
         next_pos = next_pos + 1
+    if decoder is not None:
+        decoder.flush_stats(n - 1)  # the steps it ran: every new token but the first
     if streamer is not None:
         streamer.end()
     return out if n == max_new_tokens else out[:, : s + n].clone()
@@ -348,12 +360,12 @@ def supported(model, kwargs: dict, args: tuple = ()) -> str | None:
     return None
 
 
-def generate_hf(model, *args, **kwargs) -> torch.Tensor:
+def generate_hf(model, *args, decoder=None, **kwargs) -> torch.Tensor:
     """picompile's loop called with Hugging Face generate() arguments (check supported() first:
-    raises TypeError naming what it does not handle)."""
+    raises TypeError naming what it does not handle); `decoder` as generate() takes it."""
     try:
         call = _resolve(model, args, kwargs, quiet=False)
     except _Unsupported as e:
         raise TypeError(f"picompile generate does not handle {e}; "
                         "use the model's own generate()") from None
-    return generate(model, **call)
+    return generate(model, **call, decoder=decoder)

@@ -1,0 +1,84 @@
+"""The decoder-step C library (picompile/kernels/decoder.c): one decode token through a whole
+Llama-family decoder stack per call, glue (norms, RoPE, KV cache, attention) around picompile's
+dense and sparse FFN kernels, which it calls through function pointers.
+
+One library for all models and dtypes (the weight-bearing kernels carry the dtype), built from
+the package's `kernels/decoder.c` by the compiler, flags and build cache of the other C kernels
+(`picompile.codegen.c`), and loaded with ctypes. The C structs it reads are mirrored here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.resources
+
+from picompile.codegen import c
+from picompile.codegen.cache import cached_build
+
+_vp, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class Linear(ctypes.Structure):
+    """pi_linear: y [out_features] = W x + b through pi_dense (kernels/dense.c)."""
+    _fields_ = [("fn", _vp), ("w", _vp), ("b", _vp), ("out_features", _i64)]
+
+
+class FFN(ctypes.Structure):
+    """pi_ffn: the arguments of codegen/c.py's ffn() and, with a predictor, predict()."""
+    _fields_ = [("fn", _vp), ("w_gate", _vp), ("w_up", _vp), ("w_down_t", _vp),
+                ("b_gate", _vp), ("b_up", _vp), ("b_down", _vp), ("n_ff", _i64),
+                ("threshold", _f32), ("predict", _vp), ("p1", _vp), ("pb1", _vp), ("p2t", _vp),
+                ("pb2", _vp), ("rank", _i64), ("tau", _f32)]
+
+
+class Layer(ctypes.Structure):
+    """pi_layer: one decoder layer's weights (by pointer) and KV cache."""
+    _fields_ = [("attn_norm", _vp), ("ffn_norm", _vp), ("q", Linear), ("k", Linear),
+                ("v", Linear), ("o", Linear), ("ffn", FFN), ("k_cache", _vp), ("v_cache", _vp)]
+
+
+class Decoder(ctypes.Structure):
+    """pi_decoder: the whole stack."""
+    _fields_ = [("n_layers", _i64), ("d", _i64), ("n_heads", _i64), ("n_kv_heads", _i64),
+                ("head_dim", _i64), ("max_len", _i64), ("vocab", _i64), ("eps", _f32),
+                ("scale", _f32), ("rope_cos", _vp), ("rope_sin", _vp),
+                ("layers", ctypes.POINTER(Layer)), ("final_norm", _vp), ("lm_head", Linear),
+                ("n_active", _vp), ("work", _vp), ("mask", _vp)]
+
+
+def source() -> str:
+    """The text of picompile/kernels/decoder.c (package data)."""
+    return importlib.resources.files("picompile").joinpath("kernels/decoder.c").read_text()
+
+
+@functools.lru_cache(maxsize=4)
+def _load(cc: tuple[str, ...], flags: tuple[str, ...]) -> ctypes.CDLL:
+    tag = "picompile-decoder " + c._compiler_identity(cc)
+    path = cached_build(source(), suffix=".so", flags=list(flags),
+                        build=c.build_with(list(cc), list(flags)), tag=tag)
+    try:
+        lib = ctypes.CDLL(str(path))
+        step = lib.pi_decoder_step
+        work = lib.pi_decoder_work_floats
+        threads = lib.pi_decoder_set_num_threads
+    except (OSError, AttributeError) as e:
+        raise c.LoadFailed(f"{path}: {e}") from e
+    step.argtypes = [ctypes.POINTER(Decoder), _i64, _vp, _vp]
+    step.restype = ctypes.c_int
+    work.argtypes = [ctypes.POINTER(Decoder)]
+    work.restype = _i64
+    threads.argtypes = [ctypes.c_int]
+    threads.restype = None
+    return lib
+
+
+def load() -> ctypes.CDLL:
+    """The loaded decoder library (built on first use). Raises CompilerNotFound, BuildFailed or
+    LoadFailed."""
+    return _load(tuple(c.compiler()), tuple(c.build_flags()))
+
+
+def function_pointer(fn) -> int:
+    """The address of a ctypes foreign function, for the structs' `fn` fields."""
+    return ctypes.cast(fn, ctypes.c_void_p).value

@@ -1,0 +1,222 @@
+/* picompile decoder step: one decode token through a whole Llama-family decoder stack in one call.
+ * Built by picompile/codegen/decoder.py with the flags of the other C kernels (c.build_flags()).
+ *
+ * Per layer (pre-norm, as Hugging Face's LlamaDecoderLayer and its relatives):
+ *     h = rmsnorm(x) * attn_norm
+ *     q, k, v = Wq h (+bq), Wk h (+bk), Wv h (+bv)          (GQA: n_kv_heads <= n_heads)
+ *     rotate q, k by the rope tables at `pos` (rotate_half form: pairs i and i + head_dim/2)
+ *     k, v -> the layer's cache at `pos`
+ *     a[head] = softmax(scale * q[head] . K[kv(head)][0..pos]) V[kv(head)][0..pos]
+ *     x += Wo a (+bo)
+ *     h = rmsnorm(x) * ffn_norm
+ *     x += ffn(h)                  the block's sparse FFN kernel (and its predictor, if any)
+ * then  logits = W_lm (rmsnorm(x) * final_norm).
+ *
+ * The weight-bearing work runs in picompile's other kernels, called through function pointers
+ * the caller takes from their loaded libraries (so each keeps its own dtype, variant and build):
+ *     pi_dense (kernels/dense.c) for every linear layer, ffn / predict (codegen/c.py) for the FFN.
+ * This file does the glue: norms, RoPE, the KV cache and attention, all in float32.
+ *
+ * Exported:
+ *     int64_t pi_decoder_work_floats(const pi_decoder* m);  float32 scratch the step needs
+ *     int pi_decoder_step(const pi_decoder* m, int64_t pos, float* x, float* logits);
+ *         x [d] float32: the token's embedding in, clobbered; logits [vocab] float32 out.
+ *         Returns 0, -1 for pos outside [0, max_len), -2 when an FFN kernel ran out of memory.
+ *     void pi_decoder_set_num_threads(int n);  OpenMP threads for attention (<= 0: default)
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+typedef void (*pi_dense_fn)(const float* x, int64_t T, int64_t K, const void* W, int64_t O,
+                            const void* b, float* out);
+typedef void (*pi_ffn_fn)(const float* x, int64_t T, int64_t d, int64_t n_ff, const void* w_gate,
+                          const void* w_up, const void* w_down_t, const float* b_gate,
+                          const float* b_up, const float* b_down, const int32_t* idx, int64_t m,
+                          const uint8_t* mask, float threshold, float* out, int64_t* n_active);
+typedef int (*pi_predict_fn)(const float* x, int64_t T, int64_t d, int64_t r, int64_t n_ff,
+                             const void* p1, const float* pb1, const void* p2t,
+                             const float* pb2, float tau, uint8_t* mask);
+
+typedef struct {          /* y [out_features] = W x + b, W [out_features, in] in its own dtype */
+    void* fn;             /* pi_dense of the library built for W's dtype */
+    const void* w;
+    const void* b;        /* or NULL */
+    int64_t out_features;
+} pi_linear;
+
+typedef struct {          /* the arguments of codegen/c.py's ffn() and predict() */
+    void* fn;             /* ffn of the block's variant library */
+    const void* w_gate;   /* [n_ff, d] or NULL (plain block) */
+    const void* w_up;     /* [n_ff, d] */
+    const void* w_down_t; /* [n_ff, d] */
+    const float* b_gate;  /* [n_ff] or NULL */
+    const float* b_up;    /* [n_ff] or NULL */
+    const float* b_down;  /* [d] or NULL */
+    int64_t n_ff;
+    float threshold;
+    void* predict;        /* predict of a float16 variant library, or NULL: no predictor */
+    const void* p1;       /* [rank, d] float16 */
+    const float* pb1;     /* [rank] */
+    const void* p2t;      /* [rank, n_ff] float16 */
+    const float* pb2;     /* [n_ff] */
+    int64_t rank;
+    float tau;
+} pi_ffn;
+
+typedef struct {
+    const float* attn_norm;  /* [d] */
+    const float* ffn_norm;   /* [d] */
+    pi_linear q, k, v, o;
+    pi_ffn ffn;
+    float* k_cache;          /* [n_kv_heads, max_len, head_dim] */
+    float* v_cache;          /* [n_kv_heads, max_len, head_dim] */
+} pi_layer;
+
+typedef struct {
+    int64_t n_layers, d, n_heads, n_kv_heads, head_dim, max_len, vocab;
+    float eps;               /* RMSNorm epsilon */
+    float scale;             /* attention scores scale (head_dim ** -0.5 for Llama) */
+    const float* rope_cos;   /* [max_len, head_dim] */
+    const float* rope_sin;   /* [max_len, head_dim] */
+    const pi_layer* layers;  /* [n_layers] */
+    const float* final_norm; /* [d] */
+    pi_linear lm_head;
+    int64_t* n_active;       /* [n_layers]: active neurons computed, accumulated per layer */
+    float* work;             /* [pi_decoder_work_floats(m)] scratch */
+    uint8_t* mask;           /* [max n_ff] predicted-neuron mask scratch */
+} pi_decoder;
+
+static int pi_threads = 0;
+
+void pi_decoder_set_num_threads(int n) { pi_threads = n; }
+
+int64_t pi_decoder_work_floats(const pi_decoder* m) {
+    const int64_t qd = m->n_heads * m->head_dim, kvd = m->n_kv_heads * m->head_dim;
+    return 2 * m->d + 2 * qd + 2 * kvd + m->n_heads * m->max_len;
+}
+
+/* out [d] = x / sqrt(mean(x^2) + eps) * w, as HF's RMSNorm computes it in float32 */
+static void rmsnorm(const float* x, const float* w, int64_t d, float eps, float* out) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < d; ++i) ss += (double)x[i] * x[i];
+    const float r = 1.0f / sqrtf((float)(ss / (double)d) + eps);
+    for (int64_t i = 0; i < d; ++i) out[i] = x[i] * r * w[i];
+}
+
+static void linear(const pi_linear* l, const float* x, int64_t in_features, float* out) {
+    ((pi_dense_fn)l->fn)(x, 1, in_features, l->w, l->out_features, l->b, out);
+}
+
+/* heads [n, hd] rotated in place: rotate_half form, cos / sin rows of the position */
+static void rope(float* heads, int64_t n, int64_t hd, const float* cos, const float* sin) {
+    const int64_t half = hd / 2;
+    for (int64_t h = 0; h < n; ++h) {
+        float* v = heads + h * hd;
+        for (int64_t i = 0; i < half; ++i) {
+            const float a = v[i], b = v[i + half];
+            v[i] = a * cos[i] - b * sin[i];
+            v[i + half] = b * cos[i + half] + a * sin[i + half];
+        }
+    }
+}
+
+static float dot(const float* a, const float* b, int64_t n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};  /* 8 lanes: vectorised without reassociation */
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; i < n; ++i) s += a[i] * b[i];
+    return s;
+}
+
+/* out [n_heads, hd]: attention of q [n_heads, hd] over cache positions 0..pos */
+static void attention(const pi_decoder* m, const pi_layer* L, const float* q, int64_t pos,
+                      float* scores, float* out) {
+    const int64_t H = m->n_heads, hd = m->head_dim, group = m->n_heads / m->n_kv_heads;
+    const int64_t n = pos + 1;
+#ifdef _OPENMP
+    const int nt = pi_threads > 0 ? pi_threads : omp_get_max_threads();
+#pragma omp parallel for num_threads(nt) schedule(static) if (n * H * hd >= 32768)
+#endif
+    for (int64_t h = 0; h < H; ++h) {
+        const int64_t g = h / group;
+        const float* K = L->k_cache + g * m->max_len * hd;
+        const float* V = L->v_cache + g * m->max_len * hd;
+        const float* qh = q + h * hd;
+        float* s = scores + h * m->max_len;
+        float mx = -INFINITY;
+        for (int64_t t = 0; t < n; ++t) {
+            s[t] = dot(qh, K + t * hd, hd) * m->scale;
+            if (s[t] > mx) mx = s[t];
+        }
+        float sum = 0.0f;
+        for (int64_t t = 0; t < n; ++t) { s[t] = expf(s[t] - mx); sum += s[t]; }
+        const float inv = 1.0f / sum;
+        float* o = out + h * hd;
+        memset(o, 0, (size_t)hd * sizeof(float));
+        for (int64_t t = 0; t < n; ++t) {
+            const float p = s[t] * inv;
+            const float* vt = V + t * hd;
+            for (int64_t i = 0; i < hd; ++i) o[i] += p * vt[i];
+        }
+    }
+}
+
+static void add(float* x, const float* y, int64_t d) {
+    for (int64_t i = 0; i < d; ++i) x[i] += y[i];
+}
+
+int pi_decoder_step(const pi_decoder* m, int64_t pos, float* x, float* logits) {
+    if (pos < 0 || pos >= m->max_len) return -1;
+    const int64_t d = m->d, hd = m->head_dim;
+    const int64_t qd = m->n_heads * hd, kvd = m->n_kv_heads * hd;
+    float* h = m->work;            /* [d] normed input of a sublayer */
+    float* y = h + d;              /* [d] a sublayer's output */
+    float* q = y + d;              /* [qd] */
+    float* att = q + qd;           /* [qd] */
+    float* k = att + qd;           /* [kvd] */
+    float* v = k + kvd;            /* [kvd] */
+    float* scores = v + kvd;       /* [n_heads, max_len] */
+    const float* cos = m->rope_cos + pos * hd;
+    const float* sin = m->rope_sin + pos * hd;
+    for (int64_t l = 0; l < m->n_layers; ++l) {
+        const pi_layer* L = m->layers + l;
+        rmsnorm(x, L->attn_norm, d, m->eps, h);
+        linear(&L->q, h, d, q);
+        linear(&L->k, h, d, k);
+        linear(&L->v, h, d, v);
+        rope(q, m->n_heads, hd, cos, sin);
+        rope(k, m->n_kv_heads, hd, cos, sin);
+        for (int64_t g = 0; g < m->n_kv_heads; ++g) {
+            memcpy(L->k_cache + (g * m->max_len + pos) * hd, k + g * hd, (size_t)hd * sizeof(float));
+            memcpy(L->v_cache + (g * m->max_len + pos) * hd, v + g * hd, (size_t)hd * sizeof(float));
+        }
+        attention(m, L, q, pos, scores, att);
+        linear(&L->o, att, qd, y);
+        add(x, y, d);
+
+        rmsnorm(x, L->ffn_norm, d, m->eps, h);
+        const pi_ffn* f = &L->ffn;
+        const uint8_t* mask = NULL;
+        if (f->predict) {
+            if (((pi_predict_fn)f->predict)(h, 1, d, f->rank, f->n_ff, f->p1, f->pb1, f->p2t,
+                                            f->pb2, f->tau, m->mask) != 0)
+                return -2;
+            mask = m->mask;
+        }
+        int64_t n_active = 0;
+        ((pi_ffn_fn)f->fn)(h, 1, d, f->n_ff, f->w_gate, f->w_up, f->w_down_t, f->b_gate,
+                           f->b_up, f->b_down, NULL, f->n_ff, mask, f->threshold, y, &n_active);
+        if (n_active < 0) return -2;
+        m->n_active[l] += n_active;
+        add(x, y, d);
+    }
+    rmsnorm(x, m->final_norm, d, m->eps, m->work);
+    linear(&m->lm_head, m->work, d, logits);
+    return 0;
+}

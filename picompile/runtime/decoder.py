@@ -1,0 +1,356 @@
+"""Decoder: picompile's decode step for Llama-family models, the whole stack in one C call.
+
+    dec = Decoder(model)              # raises Unsupported(why) for a model it does not run
+    dec.reserve(max_len)              # KV cache (float32) and RoPE tables for max_len positions
+    dec.load_cache(static_cache, n)   # positions 0..n-1 from Hugging Face's prefill
+    logits = dec.step(tokens, pos)    # tokens [1] long -> [1, vocab] float32
+    dec.flush_stats()                 # active neurons computed -> each SparseFFN's statistics
+
+Why: in Hugging Face eager, a decode step of a 30-layer model is some 400 PyTorch calls
+between picompile's kernels; here it is one ctypes call (kernels/decoder.c), which runs the
+norms, RoPE, the KV cache and attention itself and calls the very kernels the modules hold
+(DenseLinear's for q/k/v/o and the LM head, SparseFFN's and its Predictor's) through function
+pointers. Prefill stays batched in PyTorch, through the same modules.
+
+Which models: decoder stacks shaped like HF's LlamaForCausalLM (Llama, SmolLM, Mistral, Qwen2,
+...): pre-norm layers of exactly {input_layernorm, self_attn, post_attention_layernorm, mlp},
+RMSNorm, attention of exactly q/k/v/o projections (biases allowed, GQA) with rotate-half RoPE
+over the whole head, and an mlp that is one rewritten SparseFFN (with or without predictor).
+`Decoder(model)` checks the structure; `verify(model)` then checks the numbers, one decode step
+against the model's own forward, since a look-alike (an offset norm, scaled embeddings, capped
+logits) has the same modules. The compiler uses the decoder only when both pass, and says why
+not otherwise.
+
+Binding: the struct holds raw pointers into the kernels' tensors. `key(model)` names what they
+were taken from (each kernel object, predictor switch, threshold); the owner rebuilds the decoder
+when it changes (a dtype change re-selects every kernel, `use_predictors` flips a switch).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from picompile.codegen import c as c_codegen
+from picompile.codegen import decoder as native
+from picompile.runtime.dense_linear import DenseLinear
+from picompile.runtime.sparse_ffn import SparseFFN
+
+_LAYER_PARTS = frozenset({"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"})
+_ATTN_PARTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
+VERIFY_TOKENS = 8  # the probe sequence of verify()
+VERIFY_RTOL = {torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 6e-2}
+
+
+class Unsupported(Exception):
+    """The model is not one the decoder runs; the message says why (for explain())."""
+
+
+def _norm(mod: nn.Module, where: str) -> tuple[torch.Tensor, float]:
+    """(weight as float32 [d], eps) of an RMSNorm module."""
+    eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
+    w = getattr(mod, "weight", None)
+    if not type(mod).__name__.endswith("RMSNorm") or eps is None or not isinstance(w, torch.Tensor):
+        raise Unsupported(f"{where} is a {type(mod).__name__}, not an RMSNorm with a weight")
+    if mod._modules or len(list(mod.parameters())) != 1:
+        raise Unsupported(f"{where} ({type(mod).__name__}) has more than a weight")
+    return w.detach().float().contiguous(), float(eps)
+
+
+def _dense(mod: nn.Module, where: str) -> DenseLinear:
+    if not isinstance(mod, DenseLinear):
+        raise Unsupported(f"{where} is a {type(mod).__name__}, not a lowered linear layer")
+    if mod.kernel is None:
+        raise Unsupported(f"{where} runs {mod.path}")
+    return mod
+
+
+def _ffn(mlp: nn.Module, where: str) -> SparseFFN:
+    ffns = [m for m in mlp.modules() if isinstance(m, SparseFFN)]
+    if len(ffns) != 1:
+        raise Unsupported(f"{where} is not one rewritten sparse FFN block")
+    ffn = ffns[0]
+    own = {id(p) for p in ffn.parameters()}
+    if any(id(p) not in own for p in mlp.parameters()):
+        raise Unsupported(f"{where} holds weights outside its sparse FFN block")
+    if ffn.hybrid is not None:
+        raise Unsupported(f"{where} runs split across the GPU and the CPU")
+    if ffn.kernel is None:
+        raise Unsupported(f"{where} runs its reference path (no C kernel)")
+    return ffn
+
+
+def _window(config) -> int | None:
+    """Sliding-window attention's window, when any layer uses one (positions up to it are
+    plain causal attention)."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None and all(t == "full_attention" for t in types):
+        return None
+    if types is None and getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
+class Decoder:
+    """A bound decode step over `model` (a compiled HF causal LM on the CPU)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        config = getattr(model, "config", None)
+        base = getattr(model, "model", None)
+        layers = getattr(base, "layers", None)
+        if config is None or not isinstance(layers, nn.ModuleList) or not len(layers):
+            raise Unsupported(f"{type(model).__name__} has no model.layers decoder stack")
+        for name in ("embed_tokens", "norm", "rotary_emb"):
+            if getattr(base, name, None) is None:
+                raise Unsupported(f"{type(model).__name__}.model has no {name}")
+        if not isinstance(base.embed_tokens, nn.Embedding):
+            raise Unsupported("model.embed_tokens is not an nn.Embedding")
+        self.lm_head = _dense(getattr(model, "lm_head", None), "lm_head")
+        if any(p.device.type != "cpu" for p in model.parameters()):
+            raise Unsupported("the model's weights are not all on the CPU")
+        self.final_norm, eps = _norm(base.norm, "model.norm")
+        self.embedding = base.embed_tokens.weight  # [vocab, d]
+        self.vocab, self.d = self.embedding.shape
+        self.window = _window(config)
+
+        self.layers = []  # per layer: (norms, linears, ffn)
+        attn0 = layers[0].self_attn
+        self.head_dim = int(getattr(attn0, "head_dim", 0))
+        self.scale = getattr(attn0, "scaling", None)
+        self.n_heads = int(getattr(config, "num_attention_heads", 0))
+        self.n_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.n_heads)
+        if not self.head_dim or self.scale is None or not self.n_heads:
+            raise Unsupported("attention without head_dim / scaling / num_attention_heads")
+        if self.n_heads % self.n_kv_heads or self.head_dim % 2:
+            raise Unsupported(f"{self.n_heads} heads over {self.n_kv_heads} key/value heads of "
+                              f"dim {self.head_dim}")
+        shapes = {"q_proj": (self.n_heads * self.head_dim, self.d),
+                  "k_proj": (self.n_kv_heads * self.head_dim, self.d),
+                  "v_proj": (self.n_kv_heads * self.head_dim, self.d),
+                  "o_proj": (self.d, self.n_heads * self.head_dim)}
+        for i, layer in enumerate(layers):
+            where = f"model.layers.{i}"
+            if set(layer._modules) != _LAYER_PARTS:
+                raise Unsupported(f"{where} ({type(layer).__name__}) has the parts "
+                                  f"{sorted(layer._modules)}, not {sorted(_LAYER_PARTS)}")
+            attn = layer.self_attn
+            if set(attn._modules) != _ATTN_PARTS:
+                raise Unsupported(f"{where}.self_attn has the parts {sorted(attn._modules)}")
+            if getattr(attn, "head_dim", None) != self.head_dim or attn.scaling != self.scale:
+                raise Unsupported(f"{where}.self_attn: head_dim / scaling differ between layers")
+            linears = {}
+            for name, shape in shapes.items():
+                lin = _dense(getattr(attn, name), f"{where}.self_attn.{name}")
+                if tuple(lin.weight.shape) != shape:
+                    raise Unsupported(f"{where}.self_attn.{name} is {tuple(lin.weight.shape)}, "
+                                      f"not {shape}")
+                linears[name] = lin
+            (w_in, eps_in), (w_post, eps_post) = (
+                _norm(layer.input_layernorm, f"{where}.input_layernorm"),
+                _norm(layer.post_attention_layernorm, f"{where}.post_attention_layernorm"))
+            if eps_in != eps or eps_post != eps:
+                raise Unsupported("RMSNorm epsilons differ between layers")
+            ffn = _ffn(layer.mlp, f"{where}.mlp")
+            if ffn.d_model != self.d:
+                raise Unsupported(f"{where}.mlp has d={ffn.d_model}, the model {self.d}")
+            self.layers.append(((w_in, w_post), linears, ffn))
+        self.eps = eps
+        self.lib = native.load()
+        self.max_len = 0
+        self._key = self.key(model)
+        self.n_active = torch.zeros(len(self.layers), dtype=torch.int64)  # [n_layers]
+        self.x = torch.empty(1, self.d)  # [1, d] float32: the embedding in
+        self.logits = torch.empty(1, self.vocab)  # [1, vocab] float32
+        self._struct = None
+
+    # ---- binding ------------------------------------------------------------------------
+    @staticmethod
+    def key(model: nn.Module) -> tuple:
+        """What the bound pointers were taken from: every kernel object, the predictor
+        switches and thresholds, the norms' and embedding's storage."""
+        parts = []
+        for mod in model.modules():
+            if isinstance(mod, (DenseLinear, SparseFFN)):
+                parts.append(id(mod.kernel))
+            if isinstance(mod, SparseFFN):
+                pred = mod.predictor
+                parts += [mod.threshold, mod.hybrid is None, pred is not None and pred.enabled,
+                          None if pred is None else (id(pred.kernel), pred.tau)]
+            elif not isinstance(mod, DenseLinear):
+                parts += [(p.data_ptr(), p.dtype) for p in mod.parameters(recurse=False)]
+        return tuple(parts)
+
+    def current(self, model: nn.Module) -> bool:
+        """The pointers are still those of `model`'s kernels (else build a new Decoder)."""
+        return model is self.model and self.key(model) == self._key
+
+    def _linear(self, lin: DenseLinear) -> native.Linear:
+        lib = lin.kernel.library_for(1)
+        bias = lin.kernel.bias
+        return native.Linear(native.function_pointer(lib.pi_dense), lin.kernel.weight.data_ptr(),
+                             None if bias is None else bias.data_ptr(), lin.out_features)
+
+    def _ffn(self, ffn: SparseFFN) -> native.FFN:
+        s = native.FFN(native.function_pointer(ffn.kernel.library.ffn), *ffn.kernel.pointers(),
+                       ffn.n_ff, ffn.threshold)
+        pred = ffn.predictor
+        if pred is not None and pred.enabled:
+            if pred.kernel is None:
+                raise Unsupported(f"the predictor of {ffn.block.name} runs its reference path")
+            s.predict = native.function_pointer(pred.kernel.library.predict)
+            s.p1, s.pb1, s.p2t, s.pb2 = pred.kernel.pointers
+            s.rank, s.tau = pred.kernel.rank, pred.tau
+        return s
+
+    def reserve(self, max_len: int) -> bool:
+        """Make room for positions 0..max_len-1 (KV cache, RoPE tables); False where the decoder
+        cannot run that many (past a sliding window)."""
+        if self.window is not None and max_len > self.window:
+            return False
+        if max_len <= self.max_len:
+            return True
+        max_len = max(max_len, 2 * self.max_len, 64)  # grow geometrically
+        if self.window is not None:
+            max_len = min(max_len, self.window)
+        L, hd = len(self.layers), self.head_dim
+        self.k_cache = torch.zeros(L, self.n_kv_heads, max_len, hd)  # float32
+        self.v_cache = torch.zeros(L, self.n_kv_heads, max_len, hd)
+        self.cos, self.sin = self._rope(max_len)
+        self.max_len = max_len
+        self._bind()
+        return True
+
+    @torch.no_grad()
+    def _rope(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [n, head_dim] float32 from the model's own rotary embedding (any scaling)."""
+        pos = torch.arange(n).unsqueeze(0)  # [1, n]
+        probe = torch.zeros(1, n, self.head_dim)
+        cos, sin = self.model.model.rotary_emb(probe, pos)
+        if cos.shape[-1] != self.head_dim:
+            raise Unsupported(f"RoPE over {cos.shape[-1]} of {self.head_dim} head dimensions")
+        return (cos.reshape(n, -1).float().contiguous(), sin.reshape(n, -1).float().contiguous())
+
+    def _bind(self) -> None:
+        layers = (native.Layer * len(self.layers))()
+        max_ff = 1
+        for i, ((w_in, w_post), lin, ffn) in enumerate(self.layers):
+            layers[i] = native.Layer(
+                w_in.data_ptr(), w_post.data_ptr(), self._linear(lin["q_proj"]),
+                self._linear(lin["k_proj"]), self._linear(lin["v_proj"]),
+                self._linear(lin["o_proj"]), self._ffn(ffn), self.k_cache[i].data_ptr(),
+                self.v_cache[i].data_ptr())
+            max_ff = max(max_ff, ffn.n_ff)
+        self._mask = torch.empty(max_ff, dtype=torch.uint8)
+        s = native.Decoder(
+            len(self.layers), self.d, self.n_heads, self.n_kv_heads, self.head_dim, self.max_len,
+            self.vocab, self.eps, self.scale, self.cos.data_ptr(), self.sin.data_ptr(), layers,
+            self.final_norm.data_ptr(), self._linear(self.lm_head), self.n_active.data_ptr(),
+            None, self._mask.data_ptr())
+        self._work = torch.empty(int(self.lib.pi_decoder_work_floats(ctypes.byref(s))))
+        s.work = self._work.data_ptr()
+        self._layers, self._struct = layers, s  # kept alive: C reads them by pointer
+        self._libs = self._threaded_libs()
+
+    def _threaded_libs(self) -> list:
+        """(library, its set-threads function, attribute remembering the count) of each C
+        library a step runs, so all use as many OpenMP threads as torch."""
+        libs = {id(self.lib): (self.lib, self.lib.pi_decoder_set_num_threads, "_pi_dec_threads")}
+        for _, lin, ffn in self.layers:
+            for mod in (*lin.values(),):
+                lib = mod.kernel.library_for(1)
+                libs[id(lib)] = (lib, lib.pi_set_num_threads, "_pi_threads")
+            libs[id(ffn.kernel.library)] = (ffn.kernel.library, ffn.kernel.library.pic_set_num_threads, "_pic_threads")
+            if ffn.predictor is not None and ffn.predictor.enabled and ffn.predictor.kernel:
+                lib = ffn.predictor.kernel.library
+                libs[id(lib)] = (lib, lib.pic_set_num_threads, "_pic_threads")
+        lib = self.lm_head.kernel.library_for(1)
+        libs[id(lib)] = (lib, lib.pi_set_num_threads, "_pi_threads")
+        return list(libs.values())
+
+    def set_threads(self) -> None:
+        nt = torch.get_num_threads()
+        for lib, setter, attr in self._libs:
+            if getattr(lib, attr, None) != nt:
+                setter(nt)
+                setattr(lib, attr, nt)
+
+    # ---- running ------------------------------------------------------------------------
+    def load_cache(self, cache, n: int) -> None:
+        """Copy positions 0..n-1 of an HF cache (StaticCache / DynamicCache of batch 1) in."""
+        if n > self.max_len:
+            raise ValueError(f"{n} cached positions, room for {self.max_len} (reserve first)")
+        for i, layer in enumerate(cache.layers[: len(self.layers)]):
+            self.k_cache[i, :, :n] = layer.keys[0, :, :n]
+            self.v_cache[i, :, :n] = layer.values[0, :, :n]
+        if len(cache.layers) != len(self.layers):
+            raise ValueError(f"the cache has {len(cache.layers)} layers, the model "
+                             f"{len(self.layers)}")
+
+    def step(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
+        """tokens [1] (long) at position pos -> logits [1, vocab] float32 (a buffer reused by
+        the next step). The KV cache holds positions 0..pos-1."""
+        self.x.copy_(self.embedding[tokens])
+        rc = self.lib.pi_decoder_step(ctypes.byref(self._struct), pos, self.x.data_ptr(),
+                                      self.logits.data_ptr())
+        if rc:
+            raise (IndexError(f"position {pos} outside the reserved {self.max_len}") if rc == -1
+                   else MemoryError("picompile decoder step: an FFN kernel ran out of memory"))
+        return self.logits
+
+    def flush_stats(self, steps: int) -> None:
+        """Add what `steps` decode steps computed to each block's statistics, as the per-module
+        path counts them per call: active (token, neuron) pairs, and n_ff pairs per token."""
+        for (_, _, ffn), n in zip(self.layers, self.n_active.tolist()):
+            ffn.active_pairs += n
+            ffn.total_pairs += steps * ffn.n_ff
+        self.n_active.zero_()
+
+
+@torch.no_grad()
+def verify(model: nn.Module, decoder: Decoder) -> None:
+    """One decode step through `decoder` against the model's own forward on the same tokens;
+    raises Unsupported when the logits differ by more than the dtype's tolerance (relative to
+    the largest logit). The probe's statistics are not reset here (the compiler resets)."""
+    from transformers import StaticCache
+
+    n = VERIFY_TOKENS
+    ids = (torch.arange(1, n + 1) * 7919 % decoder.vocab).unsqueeze(0)  # [1, n]
+    ffns = [ffn for _, _, ffn in decoder.layers]
+    stats = [(f.active_pairs, f.total_pairs) for f in ffns]
+    try:
+        want = model(ids, use_cache=False).logits[0, -1].float()  # [vocab]
+        cache = StaticCache(config=model.config, max_cache_len=n)
+        model(ids[:, :-1], past_key_values=cache, use_cache=True)
+    finally:  # the probe is not the user's run
+        for f, (active, total) in zip(ffns, stats):
+            f.active_pairs, f.total_pairs = active, total
+    if not decoder.reserve(n):
+        raise Unsupported("sliding window shorter than the probe")
+    decoder.load_cache(cache, n - 1)
+    decoder.set_threads()
+    got = decoder.step(ids[0, -1:], n - 1)[0]
+    decoder.n_active.zero_()
+    err = float((got - want).abs().max()) / max(float(want.abs().max()), 1e-6)
+    rtol = VERIFY_RTOL.get(decoder.embedding.dtype, 6e-2)
+    if not err <= rtol:
+        raise Unsupported(f"one decode step differs from the model's forward by {err:.2g} of "
+                          f"the largest logit (tolerance {rtol:g}): an architecture the decoder "
+                          "does not reproduce")
+
+
+def build(model: nn.Module) -> tuple[Decoder | None, str]:
+    """(a verified Decoder, "") or (None, why not)."""
+    try:
+        dec = Decoder(model)
+        verify(model, dec)
+    except Unsupported as e:
+        return None, str(e)
+    except (c_codegen.CompilerNotFound, c_codegen.BuildFailed, c_codegen.LoadFailed) as e:
+        return None, f"decoder library unavailable ({getattr(e, 'summary', None) or e})"
+    return dec, ""

@@ -1,0 +1,167 @@
+"""The whole-step decoder (runtime/decoder.py, kernels/decoder.c) against the model's own forward.
+
+Per architecture (tiny random configs, tests/zoo.py): each decode step through the decoder gives
+the logits the compiled model's per-module path gives for the same token and cache, and
+generate() through it gives Hugging Face's tokens. Models it does not run are refused with a
+reason, and generate() still works (per module)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import StaticCache
+
+import picompile
+from picompile.runtime.decoder import Decoder
+from picompile.runtime.generate import generate
+from tests import zoo
+
+RUNS = ["llama_relu", "llama_silu", "mistral", "qwen2"]
+REFUSED = ["opt", "falcon", "gpt_neox", "gemma"]
+
+
+def _calibration(n=256, seed=0):
+    return torch.randint(3, zoo.VOCAB, (4, n // 4), generator=torch.Generator().manual_seed(seed))
+
+
+def _model(arch, **sizes):
+    model = zoo.make(arch, **sizes)
+    with torch.no_grad():  # random biases, so that the decoder's bias pointers are exercised
+        for name, p in model.named_parameters():
+            if name.endswith(("_proj.bias", "lm_head.bias")):
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    return model
+
+
+@torch.no_grad()
+def _step_logits(cm, decoder, ids, prompt: int):
+    """Logits of each decode step after a prompt of `prompt` tokens, (per-module, decoder):
+    [n - prompt, vocab] each. Per module: T = 1 calls with HF's static cache, as decode runs."""
+    n = ids.shape[1]
+    cache = StaticCache(config=cm.config, max_cache_len=n)
+    cm.model(ids[:, :prompt], past_key_values=cache, use_cache=True)
+    assert decoder.reserve(n)
+    decoder.load_cache(cache, prompt)
+    decoder.set_threads()
+    want, got = [], []
+    for pos in range(prompt, n):
+        tok = ids[:, pos]
+        want.append(cm.model(tok[:, None], past_key_values=cache, use_cache=True,
+                             position_ids=torch.tensor([[pos]])).logits[0, -1].float())
+        got.append(decoder.step(tok, pos)[0].clone())
+    return torch.stack(want), torch.stack(got)
+
+
+@pytest.mark.parametrize("arch", RUNS)
+@pytest.mark.parametrize("how", ["exact", "threshold", "predicted"])
+def test_steps_equal_the_per_module_path(arch, how):
+    model = _model(arch, layers=3)
+    kw = dict(quiet=True)
+    if how == "threshold":
+        kw.update(sparsity=0.5, calibration=_calibration())
+    elif how == "predicted":
+        kw.update(mode="predicted", sparsity=0.5, calibration=_calibration(), predictors="all")
+    cm = picompile.compile(model, **kw)
+    dec = cm.decoder()
+    assert dec is not None, cm.decoder_reason
+    assert "picompile decoder" in picompile.explain(cm)
+    if how == "predicted":
+        assert all(ffn.predictor.enabled for ffn in cm.ffns().values())
+    ids = torch.randint(3, zoo.VOCAB, (1, 20), generator=torch.Generator().manual_seed(1))
+    want, got = _step_logits(cm, dec, ids, prompt=5)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("arch", ["llama_relu", "qwen2"])
+def test_generate_matches_hugging_face_and_counts_neurons(arch):
+    model = _model(arch)
+    ref = copy.deepcopy(model)
+    cm = picompile.compile(model, quiet=True)
+    assert cm.decoder() is not None, cm.decoder_reason
+    ids = torch.randint(3, zoo.VOCAB, (1, 7), generator=torch.Generator().manual_seed(2))
+    want = ref.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                        pad_token_id=0)
+    cm.reset_stats()
+    got = cm.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    ffns = cm.ffns().values()
+    # the prompt (7 tokens) and 15 decoder steps, every block counted as per module
+    assert all(f.total_pairs == (7 + 15) * f.n_ff for f in ffns)
+    decoded = cm.sparsity()
+    cm.reset_stats()
+    generate(cm.model, ids, max_new_tokens=16, min_new_tokens=16)  # per module
+    assert decoded == pytest.approx(cm.sparsity(), abs=0.02)
+
+
+@pytest.mark.parametrize("arch", REFUSED)
+def test_models_it_does_not_run_are_refused_with_a_reason(arch):
+    model = zoo.make(arch)
+    ref = copy.deepcopy(model)
+    cm = picompile.compile(model, quiet=True)
+    assert cm.decoder() is None
+    assert cm.decoder_reason
+    assert f"whole-step decoder: {cm.decoder_reason}" in picompile.explain(cm)
+    ids = torch.randint(3, zoo.VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    torch.testing.assert_close(cm.generate(ids, **kw), ref.generate(ids, **kw), rtol=0, atol=0)
+
+
+def test_gemma_is_caught_by_the_numeric_check():
+    """Gemma has Llama's modules (its norm adds 1 to the weight, its embedding is scaled): only
+    the verification step tells them apart."""
+    cm = picompile.compile(zoo.make("gemma"), quiet=True)
+    assert cm.decoder() is None
+    assert "differs from the model's forward" in cm.decoder_reason
+
+
+def test_rebuilt_when_kernels_change():
+    model = _model("llama_silu")
+    cm = picompile.compile(model, sparsity=0.5, calibration=_calibration(), quiet=True)
+    first = cm.decoder()
+    assert cm.decoder() is first  # nothing changed: the same binding
+    ffn = next(iter(cm.ffns().values()))
+    ffn.threshold = 0.0
+    second = cm.decoder()
+    assert second is not None and second is not first
+    cm.model.to(torch.bfloat16)  # every kernel is selected again for the new tensors
+    third = cm.decoder()
+    assert third is not None and third is not second, cm.decoder_reason
+    ids = torch.randint(3, zoo.VOCAB, (1, 12), generator=torch.Generator().manual_seed(4))
+    want, got = _step_logits(cm, third, ids, prompt=4)
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * float(want.abs().max()))
+
+
+def test_batches_and_padding_run_per_module():
+    model = _model("llama_relu")
+    ref = copy.deepcopy(model)
+    cm = picompile.compile(model, quiet=True)
+    ids = torch.randint(3, zoo.VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, attention_mask=mask)
+    torch.testing.assert_close(cm.generate(ids, **kw), ref.generate(ids, **kw), rtol=0, atol=0)
+
+
+def test_reference_forced_has_no_decoder(monkeypatch):
+    monkeypatch.setenv("PICOMPILE_REFERENCE", "1")
+    cm = picompile.compile(_model("llama_relu"), quiet=True)
+    assert cm.decoder() is None
+    assert "reference" in cm.decoder_reason
+
+
+def test_step_refuses_positions_outside_the_cache():
+    cm = picompile.compile(_model("llama_relu"), quiet=True)
+    dec = cm.decoder()
+    dec.reserve(8)
+    with pytest.raises(IndexError, match="outside"):
+        dec.step(torch.tensor([3]), dec.max_len)
+
+
+def test_key_names_the_bound_kernels():
+    cm = picompile.compile(_model("llama_relu"), quiet=True)
+    key = Decoder.key(cm.model)
+    lin = cm.model.model.layers[0].self_attn.q_proj
+    lin.select_kernel()  # a new kernel object: pointers may differ
+    assert Decoder.key(cm.model) != key
