@@ -138,6 +138,11 @@ _HEADER = """\
 #define PIC_DRELU {drelu}     /* 1: relu on the up branch too */
 #define PIC_BIAS {bias}       /* 1: bias pointers may be non-NULL */
 #define PIC_ACT {act_macro}   /* {act} */
+/* 1: h is known after the first phase (plain blocks; gated blocks whose activation is nonzero
+ * almost everywhere, SiLU / GELU: their up rows are needed anyway, and reading the block's gate
+ * rows and then its up rows keeps both streams sequential), so the second phase reads only the
+ * down rows of the active neurons. 0 (gated ReLU / dReLU): up rows only where the gate fired. */
+#define PIC_H_FIRST (!PIC_GATED || PIC_ACT != PIC_RELU)
 #define PIC_VARIANT "{name}"
 """
 
@@ -386,6 +391,11 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
     for (int64_t b0 = lo; b0 < hi; b0 += PIC_BLOCK) {
         const int64_t b1 = b0 + PIC_BLOCK < hi ? b0 + PIC_BLOCK : hi;
         int nfired = 0;
+#if PIC_GATED && PIC_H_FIRST
+        float gs[PIC_BLOCK][PIC_MAXTOK]; /* gate x of the block's neurons, read first */
+        for (int64_t i = b0; i < b1; ++i)
+            dot_rows(w_gate + (idx ? (int64_t)idx[i] : i) * d, xs, nt, d, gs[i - b0]);
+#endif
         for (int64_t i = b0; i < b1; ++i) {
             const int64_t j = idx ? (int64_t)idx[i] : i;
             if (idx && i + 1 < hi) /* candidates are scattered: start the next one's first row */
@@ -394,12 +404,24 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
             float g[PIC_MAXTOK];
             fi->j = j;
             fi->nf = 0;
-#if PIC_GATED
+#if PIC_GATED && !PIC_H_FIRST
             const float b = PIC_BIAS && b_gate ? b_gate[j] : 0.0f;
             dot_rows(w_gate + j * d, xs, nt, d, g);
             for (int n = 0; n < nt; ++n) {
                 const float a = act_fn(g[n] + b);
                 if (a != 0.0f) { fi->tok[fi->nf] = n; fi->a[fi->nf] = a; ++fi->nf; }
+            }
+#elif PIC_GATED  /* the gate rows of the block were read above: now its up rows */
+            const float b = PIC_BIAS && b_gate ? b_gate[j] : 0.0f;
+            const float bu = PIC_BIAS && b_up ? b_up[j] : 0.0f;
+            dot_rows(w_up + j * d, xs, nt, d, g);
+            for (int n = 0; n < nt; ++n) {
+                float uv = g[n] + bu;
+#if PIC_DRELU
+                uv = uv > 0.0f ? uv : 0.0f;
+#endif
+                const float h = act_fn(gs[i - b0][n] + b) * uv;
+                if (fabsf(h) > threshold) { fi->tok[fi->nf] = n; fi->a[fi->nf] = h; ++fi->nf; }
             }
 #else
             const float b = PIC_BIAS && b_up ? b_up[j] : 0.0f;
@@ -414,7 +436,7 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
         for (int q = 0; q < nfired; ++q) {
             const int64_t j = f[q].j;
             if (q + 1 < nfired) { /* start the next fired neuron's rows on their way */
-#if PIC_GATED
+#if PIC_GATED && !PIC_H_FIRST
                 prefetch_head(w_up + f[q + 1].j * d, d);
 #endif
                 prefetch_head(w_down_t + f[q + 1].j * d, d);
@@ -422,7 +444,7 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
             float hv[PIC_MAXTOK];  /* h of the active tokens */
             float* pa[PIC_MAXTOK]; /* their partial-output rows */
             int na = 0;
-#if PIC_GATED
+#if PIC_GATED && !PIC_H_FIRST
             const float* xf[PIC_MAXTOK];
             float u[PIC_MAXTOK];
             const float bu = PIC_BIAS && b_up ? b_up[j] : 0.0f;
