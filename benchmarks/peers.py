@@ -8,12 +8,12 @@ package index's JSON API, its sha256 checked), into the git-ignored build/peers/
 (CPU only, -DGGML_NATIVE=ON); never in CI. `llama-quantize --allow-requantize` turns the shipped
 Q4_1 file into F32 and F16 for like-for-like runs; `llama-bench -p 0 -n N -t T` times decode.
 
-Rows, all on the weights dequantised from the same GGUF file, decode only (prefill excluded),
-greedy, `--threads` threads, one prompt:
-  llama.cpp Q4_1 / F16 / F32; HF eager (dense); picompile dense (every FFN neuron), per module
-  and through its whole-step decoder; picompile at --sparsity threshold sparsity, both ways.
-Bytes per token: weights read per decoded token (for picompile's sparse rows the measured share
-of down rows), against the streaming read bandwidth measured here (benchmarks/gemv.py's probe).
+Rows, all on the weights dequantised from the same GGUF file, greedy, `--threads` threads, one
+32-token prompt, float32 and float16 (--dtypes):
+  llama.cpp Q4_1 / F16 / F32 (decode only); HF eager, dense (decode only); picompile dense (every
+  FFN neuron) and at --sparsity threshold sparsity, each through its whole-step decoder (decode
+  only; with the C step's rate alone and the Python time per token of the loop around it) and
+  per module through the same loop (prefill included).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import json
 import os
 import pathlib
 import platform
-import re
 import shutil
 import subprocess
 import sys
@@ -115,45 +114,56 @@ def requantized(bins: pathlib.Path, src: pathlib.Path, kind: str) -> pathlib.Pat
     return out
 
 
-def measure_picompile(args) -> dict[str, tuple[float, float | None]]:
-    """label -> (decode tok/s, FFN sparsity while decoding) for HF and picompile."""
+def measure_picompile(args) -> dict[str, tuple[float, str]]:
+    """label -> (decode tok/s, notes) for HF eager and picompile, float32 and float16."""
     import copy
 
     import picompile
     from picompile import corpus, models
+    from picompile.runtime.generate import generate
     from picompile.timing import timed_generate
 
-    dense, tok = models.load(None)
+    loaded, tok = models.load(None)
     prompt = corpus.token_batches(tok, "heldout", 1, seq_len=32)
     calib = corpus.token_batches(tok, "calibration", 16384)
-    rows: dict[str, tuple[float, float | None]] = {}
+    n = args.new_tokens
+    rows: dict[str, tuple[float, str]] = {}
 
-    def best(model, label, per_module=False):
-        runs = []
-        for _ in range(args.repeats):
-            if per_module:  # the loop without the decoder: every step through the modules
-                from picompile.runtime.generate import generate
+    def record(label, runs, notes=""):
+        rows[label] = (max(runs), notes)
+        log(f"{label}: {max(runs):.1f} tok/s {notes}")
+
+    for dtype in args.dtypes:
+        dense = copy.deepcopy(loaded).to(getattr(torch, dtype))
+        record(f"HF eager, dense, {dtype}",
+               [timed_generate(dense, prompt, n, exact_length=True)[1] for _ in range(args.repeats)])
+        for what, kw in (("dense", {}), (f"threshold @{args.sparsity:.0%}",
+                                         dict(sparsity=args.sparsity, calibration=calib))):
+            cm = picompile.compile(copy.deepcopy(dense), quiet=True, **kw)
+            dec = cm.decoder()
+            cm.reset_stats()
+            runs = [timed_generate(cm, prompt, n, exact_length=True)[1] for _ in range(args.repeats)]
+            notes = "" if cm.sparsity() is None else f"FFN sparsity {cm.sparsity():.1%}"
+            if dec is None:
+                notes += f"; no whole-step decoder ({cm.decoder_reason})"
+            else:  # Python per token: the loop's time per token minus the C step's alone
+                dec.reserve(prompt.shape[1] + n)
+                dec.set_threads()
+                token = prompt[0, -1:]
                 t0 = time.perf_counter()
-                generate(model.model, prompt, max_new_tokens=args.new_tokens,
-                         min_new_tokens=args.new_tokens)
-                runs.append(args.new_tokens / (time.perf_counter() - t0))
-            else:
-                runs.append(timed_generate(model, prompt, args.new_tokens, exact_length=True)[1])
-        sp = model.sparsity() if hasattr(model, "sparsity") else None
-        rows[label] = (max(runs), sp)
-        log(f"{label}: {max(runs):.1f} tok/s" + ("" if sp is None else f", sparsity {sp:.1%}"))
-
-    best(dense, "HF eager, dense")
-    for label, kw in (("picompile dense", {}),
-                      (f"picompile threshold @{args.sparsity:.0%}",
-                       dict(sparsity=args.sparsity, calibration=calib))):
-        cm = picompile.compile(copy.deepcopy(dense), quiet=True, **kw)
-        if cm.decoder() is None:
-            log(f"{label}: no whole-step decoder ({cm.decoder_reason})")
-        cm.reset_stats()
-        best(cm, f"{label}, whole-step decoder")
-        cm.reset_stats()
-        best(cm, f"{label}, per module", per_module=True)
+                for pos in range(prompt.shape[1], prompt.shape[1] + n):
+                    dec.step(token, pos)
+                step_s = (time.perf_counter() - t0) / n
+                dec.n_active.zero_()
+                notes += (f"; C step alone {1 / step_s:.1f} tok/s, Python per token "
+                          f"{(1 / max(runs) - step_s) * 1e3:.2f} ms")
+            record(f"picompile {what}, {dtype}, whole-step decoder", runs, notes)
+            runs = []
+            for _ in range(args.repeats):  # the loop without the decoder: steps through modules
+                t0 = time.perf_counter()
+                generate(cm.model, prompt, max_new_tokens=n, min_new_tokens=n)
+                runs.append(n / (time.perf_counter() - t0))
+            record(f"picompile {what}, {dtype}, per module (prefill included)", runs)
     return rows
 
 
@@ -166,9 +176,11 @@ def main():
     ap.add_argument("--sparsity", type=float, default=0.5)
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--skip-llama-cpp", action="store_true")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "float16"],
+                    choices=["float32", "float16", "bfloat16"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    rows: dict[str, tuple[float, float | None]] = {}
+    rows: dict[str, tuple[float, str]] = {}
     if not args.skip_llama_cpp:
         bins = build_llama_cpp()
         if args.build_only:
@@ -176,17 +188,17 @@ def main():
         q41 = shipped_gguf()
         for kind, path in (("Q4_1", q41), ("F16", requantized(bins, q41, "F16")),
                            ("F32", requantized(bins, q41, "F32"))):
-            rows[f"llama.cpp {kind}"] = (llama_bench(bins, path, args.threads, args.new_tokens), None)
+            rows[f"llama.cpp {kind}"] = (llama_bench(bins, path, args.threads, args.new_tokens), "")
             log(f"llama.cpp {kind}: {rows[f'llama.cpp {kind}'][0]:.1f} tok/s")
     rows.update(measure_picompile(args))
-    ref = rows.get("llama.cpp F32", (None,))[0]
+    f32, f16 = (rows.get(f"llama.cpp {k}", (None,))[0] for k in ("F32", "F16"))
     print(f"\nSmolLM2-135M-Instruct decode, {args.threads} threads, {args.new_tokens} new tokens, "
           f"best of {args.repeats}; {platform.processor() or platform.machine()}, "
           f"{time.strftime('%Y-%m-%d')}")
-    print(f"| system | tok/s | vs llama.cpp F32 | FFN sparsity |\n|---|---|---|---|")
-    for label, (tps, sp) in rows.items():
-        ratio = f"{tps / ref:.2f}x" if ref else "-"
-        print(f"| {label} | {tps:.1f} | {ratio} | {'-' if sp is None else f'{sp:.1%}'} |")
+    print("| system | tok/s | vs llama.cpp F32 | vs llama.cpp F16 | notes |\n|---|---|---|---|---|")
+    for label, (tps, notes) in rows.items():
+        r32, r16 = (f"{tps / ref:.2f}x" if ref else "-" for ref in (f32, f16))
+        print(f"| {label} | {tps:.1f} | {r32} | {r16} | {notes} |")
 
 
 if __name__ == "__main__":

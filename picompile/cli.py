@@ -29,12 +29,14 @@ def _compile(args, model, tokenizer):
     from picompile import saving
 
     if args.plan:
+        if args.dtype:
+            model.to(getattr(torch, args.dtype))  # as compile(dtype=) did before saving
         return picompile.load(model, args.plan)
     if args.save:  # refuse a --save target before a long compile, not after it
         saving.check_target(args.save)
     cm = picompile.compile(model, mode=args.mode, sparsity=args.sparsity, tokenizer=tokenizer,
                            gpu_budget=args.gpu_budget, calibration_tokens=args.calibration_tokens,
-                           predictors=args.predictors, quiet=args.quiet)
+                           predictors=args.predictors, quiet=args.quiet, dtype=args.dtype)
     if args.save:
         cm.save(args.save)
         print(f"picompile: plan saved to {args.save} (reuse it with --plan)", file=sys.stderr)
@@ -128,6 +130,8 @@ def cmd_run(args) -> int:
     model, tokenizer = models.load(args.model)
     ids = _prompt_ids(tokenizer, args.prompt)  # before minutes of compiling
     dense = copy.deepcopy(model)
+    if args.dtype:  # the dense model in the same dtype, for a like-for-like comparison
+        dense.to(getattr(torch, args.dtype))
     t0 = time.perf_counter()
     cm = _compile(args, model, tokenizer)
     print(f"picompile: compiled {len(cm.plan.blocks)} FFN blocks in {time.perf_counter() - t0:.1f}s",
@@ -148,6 +152,9 @@ def cmd_run(args) -> int:
           f"({compiled_tps / dense_tps:.2f}x)")
     print("greedy output: " + ("identical to dense" if same else
                                f"first {agree} of {len(tokens)} tokens identical to dense"))
+    print("decode step: " + ("picompile's whole-step decoder (one C call per token)"
+                             if cm.decoder() is not None else
+                             f"per module in PyTorch ({cm.decoder_reason})"))
     return 0
 
 
@@ -187,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="save the compiled plan to DIR")
         p.add_argument("--plan", metavar="DIR", type=_plan_dir,
                        help="load a saved plan instead of compiling")
+        p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                       help="convert the weights first (default: the model's own dtype)")
         p.add_argument("--quiet", action="store_true", help="no progress bars")
     run = sub.choices["run"]
     run.add_argument("--prompt", type=_prompt, default=DEFAULT_PROMPT)

@@ -194,6 +194,18 @@ def _check_args(model, mode, sparsity, gpu_budget, predictors) -> int | None:
     return parse_budget(gpu_budget)
 
 
+WEIGHT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _check_dtype(dtype) -> torch.dtype | None:
+    if dtype is None:
+        return None
+    name = dtype.removeprefix("torch.") if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if name not in WEIGHT_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")
+    return WEIGHT_DTYPES[name]
+
+
 PREDICTOR_TIMING_SAMPLES = 32  # block inputs from the profile on which compile times each block
 
 
@@ -245,6 +257,7 @@ def compile(
     max_context: int = 2048,
     calibration_tokens: int = 32768,
     predictors: str = "auto",
+    dtype: torch.dtype | str | None = None,
 ) -> CompiledModel:
     """Compile `model` (rewritten in place) into activation-sparse FFN blocks.
 
@@ -261,8 +274,13 @@ def compile(
 
     gpu_budget ("24GB", "24GiB", bytes): place the hottest neurons on the GPU within it, after
     the non-FFN weights, predictors and a KV cache for `max_context` tokens.
+
+    dtype (torch.float32 / float16 / bfloat16 or its name): convert the model's weights first
+    (in place); the kernels read that dtype and accumulate in float32. Default: the model's own.
+    A plan saved from it loads onto a model converted the same way (model.to(dtype)).
     """
     budget = _check_args(model, mode, sparsity, gpu_budget, predictors)
+    dtype = _check_dtype(dtype)
     _check_not_compiled(model, "compile")
     # Every check that can fail comes before the model is rewritten in place.
     ids = _calibration_ids(calibration, tokenizer, calibration_tokens)
@@ -277,6 +295,8 @@ def compile(
             "built-in English corpus"
         )
     model.eval()
+    if dtype is not None:
+        model.to(dtype)
     plan = Plan(mode=mode, target_sparsity=sparsity, predictors=predictors,
                 fingerprint=saving.fingerprint(model))
     plan.placement.budget_bytes = budget

@@ -165,3 +165,19 @@ def test_key_names_the_bound_kernels():
     lin = cm.model.model.layers[0].self_attn.q_proj
     lin.select_kernel()  # a new kernel object: pointers may differ
     assert Decoder.key(cm.model) != key
+
+
+@pytest.mark.parametrize("dtype", ["float16", torch.bfloat16])
+def test_compile_converts_the_weights_and_the_decoder_runs_them(dtype):
+    cm = picompile.compile(_model("llama_silu"), dtype=dtype, quiet=True)
+    want = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    assert {p.dtype for p in cm.model.parameters()} == {want}
+    assert cm.decoder() is not None, cm.decoder_reason
+    ids = torch.randint(3, zoo.VOCAB, (1, 10), generator=torch.Generator().manual_seed(6))
+    want_logits, got = _step_logits(cm, cm.decoder(), ids, prompt=4)
+    torch.testing.assert_close(got, want_logits, rtol=0.05, atol=0.05 * float(want_logits.abs().max()))
+
+
+def test_compile_refuses_other_dtypes():
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        picompile.compile(_model("llama_relu"), dtype="int8", quiet=True)
