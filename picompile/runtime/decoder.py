@@ -41,7 +41,11 @@ from picompile.runtime.sparse_ffn import SparseFFN
 _LAYER_PARTS = frozenset({"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"})
 _ATTN_PARTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
 VERIFY_TOKENS = 8  # the probe sequence of verify()
-VERIFY_RTOL = {torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 6e-2}
+# Largest logit difference allowed, relative to the largest logit. The model's forward rounds
+# activations to the weight dtype (the decoder keeps them in float32), and a neuron near a
+# threshold may fall either way; an architecture the decoder does not reproduce differs by
+# about 1 (an offset norm, scaled embeddings).
+VERIFY_RTOL = {torch.float32: 1e-3, torch.float16: 0.1, torch.bfloat16: 0.15}
 
 
 class Unsupported(Exception):
@@ -337,7 +341,7 @@ def verify(model: nn.Module, decoder: Decoder) -> None:
     got = decoder.step(ids[0, -1:], n - 1)[0]
     decoder.n_active.zero_()
     err = float((got - want).abs().max()) / max(float(want.abs().max()), 1e-6)
-    rtol = VERIFY_RTOL.get(decoder.embedding.dtype, 6e-2)
+    rtol = VERIFY_RTOL.get(decoder.embedding.dtype, 0.15)
     if not err <= rtol:
         raise Unsupported(f"one decode step differs from the model's forward by {err:.2g} of "
                           f"the largest logit (tolerance {rtol:g}): an architecture the decoder "
