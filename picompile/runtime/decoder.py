@@ -263,18 +263,18 @@ class Decoder:
 
     def _threaded_libs(self) -> list:
         """(library, its set-threads function, attribute remembering the count) of each C
-        library a step runs, so all use as many OpenMP threads as torch."""
+        library a step runs, so that all use as many OpenMP threads as torch."""
         libs = {id(self.lib): (self.lib, self.lib.pi_decoder_set_num_threads, "_pi_dec_threads")}
-        for _, lin, ffn in self.layers:
-            for mod in (*lin.values(),):
-                lib = mod.kernel.library_for(1)
-                libs[id(lib)] = (lib, lib.pi_set_num_threads, "_pi_threads")
-            libs[id(ffn.kernel.library)] = (ffn.kernel.library, ffn.kernel.library.pic_set_num_threads, "_pic_threads")
-            if ffn.predictor is not None and ffn.predictor.enabled and ffn.predictor.kernel:
-                lib = ffn.predictor.kernel.library
-                libs[id(lib)] = (lib, lib.pic_set_num_threads, "_pic_threads")
-        lib = self.lm_head.kernel.library_for(1)
-        libs[id(lib)] = (lib, lib.pi_set_num_threads, "_pi_threads")
+        dense = [self.lm_head] + [lin for _, linears, _ in self.layers for lin in linears.values()]
+        for lin in dense:
+            lib = lin.kernel.library_for(1)
+            libs[id(lib)] = (lib, lib.pi_set_num_threads, "_pi_threads")
+        for _, _, ffn in self.layers:
+            kernels = [ffn.kernel]
+            if ffn.predictor is not None and ffn.predictor.enabled:
+                kernels.append(ffn.predictor.kernel)
+            for k in kernels:
+                libs[id(k.library)] = (k.library, k.library.pic_set_num_threads, "_pic_threads")
         return list(libs.values())
 
     def set_threads(self) -> None:
