@@ -22,8 +22,8 @@ logits) has the same modules. The compiler uses the decoder only when both pass,
 not otherwise.
 
 Binding: the struct holds raw pointers into the kernels' tensors. `key(model)` names what they
-were taken from (each kernel object, predictor switch, threshold); the owner rebuilds the decoder
-when it changes (a dtype change re-selects every kernel, `use_predictors` flips a switch).
+were taken from (each kernel object, predictor switch, threshold); the owner (CompiledModel)
+keeps the key it built with and rebuilds the decoder when it changes (a dtype change re-selects every kernel, `use_predictors` flips a switch).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def _dense(mod: nn.Module, where: str) -> DenseLinear:
     return mod
 
 
-def _ffn(mlp: nn.Module, where: str) -> SparseFFN:
+def _sparse_ffn_of(mlp: nn.Module, where: str) -> SparseFFN:
     ffns = [m for m in mlp.modules() if isinstance(m, SparseFFN)]
     if len(ffns) != 1:
         raise Unsupported(f"{where} is not one rewritten sparse FFN block")
@@ -160,14 +160,13 @@ class Decoder:
                 _norm(layer.post_attention_layernorm, f"{where}.post_attention_layernorm"))
             if eps_in != eps or eps_post != eps:
                 raise Unsupported("RMSNorm epsilons differ between layers")
-            ffn = _ffn(layer.mlp, f"{where}.mlp")
+            ffn = _sparse_ffn_of(layer.mlp, f"{where}.mlp")
             if ffn.d_model != self.d:
                 raise Unsupported(f"{where}.mlp has d={ffn.d_model}, the model {self.d}")
             self.layers.append(((w_in, w_post), linears, ffn))
         self.eps = eps
         self.lib = native.load()
         self.max_len = 0
-        self._key = self.key(model)
         self.n_active = torch.zeros(len(self.layers), dtype=torch.int64)  # [n_layers]
         self.x = torch.empty(1, self.d)  # [1, d] float32: the embedding in
         self.logits = torch.empty(1, self.vocab)  # [1, vocab] float32
@@ -189,10 +188,6 @@ class Decoder:
             elif not isinstance(mod, DenseLinear):
                 parts += [(p.data_ptr(), p.dtype) for p in mod.parameters(recurse=False)]
         return tuple(parts)
-
-    def current(self, model: nn.Module) -> bool:
-        """The pointers are still those of `model`'s kernels (else build a new Decoder)."""
-        return model is self.model and self.key(model) == self._key
 
     def _linear(self, lin: DenseLinear) -> native.Linear:
         lib = lin.kernel.library_for(1)
@@ -289,12 +284,12 @@ class Decoder:
         """Copy positions 0..n-1 of an HF cache (StaticCache / DynamicCache of batch 1) in."""
         if n > self.max_len:
             raise ValueError(f"{n} cached positions, room for {self.max_len} (reserve first)")
-        for i, layer in enumerate(cache.layers[: len(self.layers)]):
-            self.k_cache[i, :, :n] = layer.keys[0, :, :n]
-            self.v_cache[i, :, :n] = layer.values[0, :, :n]
         if len(cache.layers) != len(self.layers):
             raise ValueError(f"the cache has {len(cache.layers)} layers, the model "
                              f"{len(self.layers)}")
+        for i, layer in enumerate(cache.layers):
+            self.k_cache[i, :, :n] = layer.keys[0, :, :n]
+            self.v_cache[i, :, :n] = layer.values[0, :, :n]
 
     def step(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
         """tokens [1] (long) at position pos -> logits [1, vocab] float32 (a buffer reused by
