@@ -23,7 +23,9 @@ the cold part, wall time against max(hot, cold).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import pstats
 import statistics
 import sys
 import tempfile
@@ -55,10 +57,11 @@ def power_law_rates(n: int, mean: float, alpha: float = 1.2, gen=None) -> torch.
     return rates
 
 
-def config(shape: str):
+def config(shape: str, layers: int | None = None):
     from transformers import LlamaConfig, OPTConfig
 
-    kind, hidden, ffn, layers, heads, vocab = SHAPES[shape]
+    kind, hidden, ffn, shape_layers, heads, vocab = SHAPES[shape]
+    layers = layers or shape_layers
     if kind == "opt":
         return OPTConfig(vocab_size=vocab, hidden_size=hidden, ffn_dim=ffn, num_hidden_layers=layers,
                          num_attention_heads=heads, word_embed_proj_dim=hidden,
@@ -69,13 +72,14 @@ def config(shape: str):
 
 
 @torch.no_grad()
-def build(shape: str, dtype, device) -> torch.nn.Module:
-    """The model in `dtype` on `device`, deterministic in `shape` (seeded on the CPU)."""
+def build(shape: str, dtype, device, layers: int | None = None) -> torch.nn.Module:
+    """The model in `dtype` on `device`, deterministic in `shape` (seeded on the CPU); `layers`
+    cuts the stack short (per-block figures do not depend on the depth)."""
     from transformers import AutoModelForCausalLM
 
     gen = torch.Generator().manual_seed(0)
     with torch.device(device):  # built in `dtype` where it runs: never materialised in float32
-        model = AutoModelForCausalLM.from_config(config(shape), dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config(shape, layers), dtype=dtype)
     dgen = torch.Generator(device=device).manual_seed(0)
     for name, p in model.named_parameters():
         if p.dim() >= 2:
@@ -164,6 +168,9 @@ def main():
     ap.add_argument("--calibration-tokens", type=int, default=32768)
     ap.add_argument("--cpu-standin", action="store_true", help="the CPU stands in for the GPU")
     ap.add_argument("--skip", nargs="*", default=[], choices=["accelerate", "cpu", "gpu"])
+    ap.add_argument("--layers", type=int, help="fewer decoder layers than the shape has")
+    ap.add_argument("--profile", action="store_true",
+                    help="print where the host's time goes in hybrid decode (cProfile)")
     args = ap.parse_args()
     gpu = torch.cuda.is_available() and not args.cpu_standin
     if not gpu and not args.cpu_standin:
@@ -182,7 +189,7 @@ def main():
     plan_dir = tempfile.mkdtemp(prefix="picompile-plan-")
 
     # 1. picompile hybrid (and the dense model all on the GPU first, where it fits)
-    model = build(args.shape, dtype, device)
+    model = build(args.shape, dtype, device, args.layers)
     total = weight_bytes(model)
     budget = int(total * args.budget_share)
     if not gpu:  # what a GPU holds besides tensors is counted as stated constants here
@@ -218,6 +225,13 @@ def main():
             f.hybrid.timeline = []
     timed_generate(cm, ids, 8)
     overlap = overlap_report(cm)
+    if args.profile:
+        for f in cm.ffns().values():
+            if f.hybrid is not None:
+                f.hybrid.timeline = None
+        profiler = cProfile.Profile()
+        profiler.runcall(timed_generate, cm, ids, 8)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     sparsity = cm.sparsity()
     hot_share = cm.plan.placement.expected_gpu_share
     del cm, model
@@ -229,7 +243,7 @@ def main():
     if gpu and "accelerate" not in args.skip:
         from accelerate import dispatch_model, infer_auto_device_map
 
-        dense = build(args.shape, dtype, device).to("cpu")
+        dense = build(args.shape, dtype, device, args.layers).to("cpu")
         torch.cuda.empty_cache()
         layer_cls = type(decoder_layers(dense)[0]).__name__
         dmap = infer_auto_device_map(dense, max_memory={0: budget, "cpu": 10**12},
@@ -243,7 +257,7 @@ def main():
 
     # 3. picompile all on the CPU, same plan (loaded, not profiled again)
     if "cpu" not in args.skip:
-        dense = build(args.shape, dtype, device).to("cpu")
+        dense = build(args.shape, dtype, device, args.layers).to("cpu")
         if gpu:
             torch.cuda.empty_cache()
         cpu_cm = picompile.load(dense, plan_dir)

@@ -114,3 +114,65 @@ def test_distribute_copies_hot_rows_and_frees_none_on_the_device():
         hot = ffn.hybrid.hot
         assert hot.w_up.untyped_storage().nbytes() == hot.w_up.numel() * hot.w_up.element_size()
         assert hot.w_up.untyped_storage().data_ptr() != ffn.w_up.untyped_storage().data_ptr()
+
+
+def _cold_job(ffn, x, mask, out, ready):
+    """A cold-worker job over all of `ffn`'s rows (its C kernel's pointers)."""
+    from picompile.codegen import cold_worker
+    from picompile.codegen.decoder import function_pointer
+
+    k = ffn.kernel
+    return cold_worker.Job(function_pointer(k.library.ffn), *k.pointers(), ffn.n_ff, ffn.d_model,
+                           x.shape[0], ffn.threshold, x.data_ptr(),
+                           None if mask is None else mask.data_ptr(), out.data_ptr(),
+                           ready.data_ptr(), 1)
+
+
+@pytest.mark.parametrize("arch", ["llama_relu", "opt"])
+def test_cold_worker_waits_for_ready_then_equals_the_kernel(arch):
+    """The worker spins on `ready` (on a GPU the device's copy sets it) and then computes what
+    the block's kernel computes on the calling thread."""
+    import ctypes
+    import threading
+    import time
+
+    from picompile.codegen import cold_worker
+
+    cm = picompile.compile(zoo.make(arch), quiet=True)
+    ffn = next(iter(cm.ffns().values()))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, ffn.d_model, generator=gen)
+    mask = torch.rand(3, ffn.n_ff, generator=gen) < 0.5
+    want, want_active = ffn.kernel(x, threshold=ffn.threshold, mask=mask)
+    out, ready = torch.full_like(x, float("nan")), torch.zeros(1, dtype=torch.int32)
+    job = _cold_job(ffn, x, mask, out, ready)
+    lib = cold_worker.load()
+    assert lib.pi_cold_start(ctypes.byref(job)) == 0
+    assert lib.pi_cold_start(ctypes.byref(job)) == -1  # one job at a time
+    time.sleep(0.05)
+    assert torch.isnan(out).all()  # nothing computed before `ready`
+    threading.Timer(0.05, ready.fill_, args=(1,)).start()
+    assert lib.pi_cold_wait() == want_active
+    torch.testing.assert_close(out, want)
+    waited, ran = ctypes.c_double(), ctypes.c_double()
+    lib.pi_cold_last_seconds(ctypes.byref(waited), ctypes.byref(ran))
+    assert waited.value >= 0.05 and ran.value > 0
+    assert lib.pi_cold_wait() == -4  # nothing outstanding
+
+
+def test_decode_runs_the_cold_part_on_the_worker():
+    """One-token steps hand the cold rows to the worker (its job is built and it reports its
+    wait); the result still equals the CPU-only block."""
+    cm = _hybrid(zoo.make("llama_relu"), 2, 0.3, mode="predicted")
+    ffn = next(iter(cm.ffns().values()))
+    ffn.hybrid.timeline = []
+    x = torch.randn(1, ffn.d_model)
+    predicted = torch.rand(1, ffn.n_ff) < 0.6
+    with torch.no_grad():
+        got = ffn.hybrid(x, predicted)
+    assert ffn.hybrid._staging is not None and ffn.hybrid._staging.job is not None
+    assert "cold_wait_s" in ffn.hybrid.timeline[0]
+    hybrid, ffn.hybrid = ffn.hybrid, None
+    want = ffn(x, predicted)
+    ffn.hybrid = hybrid
+    torch.testing.assert_close(got, want, **TOL[torch.float32])

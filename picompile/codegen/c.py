@@ -797,6 +797,35 @@ def build_with(cc: list[str], flags: list[str]) -> Callable[[pathlib.Path, pathl
     return build
 
 
+def package_source(name: str) -> str:
+    """The text of picompile/kernels/<name> (package data)."""
+    import importlib.resources
+
+    return importlib.resources.files("picompile").joinpath("kernels", name).read_text()
+
+
+def load_package_library(name: str, symbols: dict[str, tuple[list, object]]) -> ctypes.CDLL:
+    """picompile/kernels/<name> built with the kernels' compiler and flags (cached), loaded, and
+    each of `symbols` ({function: (argtypes, restype)}) declared. Raises CompilerNotFound,
+    BuildFailed or LoadFailed."""
+    return _load_package_library(name, tuple(compiler()), tuple(build_flags()),
+                                 tuple((k, tuple(a), r) for k, (a, r) in symbols.items()))
+
+
+@functools.lru_cache(maxsize=16)
+def _load_package_library(name, cc, flags, symbols) -> ctypes.CDLL:
+    tag = f"picompile-{name} " + _compiler_identity(cc)
+    path = cached_build(package_source(name), suffix=".so", flags=list(flags),
+                        build=build_with(list(cc), list(flags)), tag=tag)
+    try:
+        lib = ctypes.CDLL(str(path))
+        for fn, argtypes, restype in symbols:
+            getattr(lib, fn).argtypes, getattr(lib, fn).restype = list(argtypes), restype
+    except (OSError, AttributeError) as e:
+        raise LoadFailed(f"{path}: {e}") from e
+    return lib
+
+
 def build(v: Variant) -> pathlib.Path:
     """Compile (or fetch from the cache) the shared library of a variant; its path."""
     cc = compiler()

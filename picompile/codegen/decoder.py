@@ -10,11 +10,8 @@ the package's `kernels/decoder.c` by the compiler, flags and build cache of the 
 from __future__ import annotations
 
 import ctypes
-import functools
-import importlib.resources
 
 from picompile.codegen import c
-from picompile.codegen.cache import cached_build
 
 _vp, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -49,34 +46,17 @@ class Decoder(ctypes.Structure):
 
 def source() -> str:
     """The text of picompile/kernels/decoder.c (package data)."""
-    return importlib.resources.files("picompile").joinpath("kernels/decoder.c").read_text()
-
-
-@functools.lru_cache(maxsize=4)
-def _load(cc: tuple[str, ...], flags: tuple[str, ...]) -> ctypes.CDLL:
-    tag = "picompile-decoder " + c._compiler_identity(cc)
-    path = cached_build(source(), suffix=".so", flags=list(flags),
-                        build=c.build_with(list(cc), list(flags)), tag=tag)
-    try:
-        lib = ctypes.CDLL(str(path))
-        step = lib.pi_decoder_step
-        work = lib.pi_decoder_work_floats
-        threads = lib.pi_decoder_set_num_threads
-    except (OSError, AttributeError) as e:
-        raise c.LoadFailed(f"{path}: {e}") from e
-    step.argtypes = [ctypes.POINTER(Decoder), _i64, _vp, _vp]
-    step.restype = ctypes.c_int
-    work.argtypes = [ctypes.POINTER(Decoder)]
-    work.restype = _i64
-    threads.argtypes = [ctypes.c_int]
-    threads.restype = None
-    return lib
+    return c.package_source("decoder.c")
 
 
 def load() -> ctypes.CDLL:
     """The loaded decoder library (built on first use). Raises CompilerNotFound, BuildFailed or
     LoadFailed."""
-    return _load(tuple(c.compiler()), tuple(c.build_flags()))
+    return c.load_package_library("decoder.c", {
+        "pi_decoder_step": ([ctypes.POINTER(Decoder), _i64, _vp, _vp], ctypes.c_int),
+        "pi_decoder_work_floats": ([ctypes.POINTER(Decoder)], _i64),
+        "pi_decoder_set_num_threads": ([ctypes.c_int], None),
+    })
 
 
 def function_pointer(fn) -> int:

@@ -3,16 +3,16 @@
 Per block and step (SparseFFN.forward hands over when the block has a `hybrid`):
 
     predicted mask [T, n_ff] on the device (the graph's predictor node), or None (exact)
-      1. x and the cold columns of the mask are copied into preallocated pinned host buffers,
-         asynchronously, and an event is recorded behind the copies;
-      2. the hot part is launched on the device (CUDA kernels; the hot rows are compacted from
-         the mask on the device, so nothing waits for the GPU here);
-      3. the calling thread waits for the event only (the copies, not the hot kernels), then
-         runs the cold part itself: a C kernel over OpenMP threads, the GIL released. No worker
-         thread: the launches are already queued, so the CPU has nothing else to do meanwhile;
-      4. the cold partial output goes back through a pinned buffer and is added on the device.
+      1. x and the cold columns of the mask are queued for copying into preallocated pinned
+         host buffers, then a `ready` flag behind them, and the cold worker is started: a C
+         thread (kernels/cold_worker.c) that spins until the flag lands, then runs the cold
+         rows' C kernel over OpenMP threads. It needs no GIL and no host wait;
+      2. meanwhile the calling thread launches the hot part on the device (CUDA kernels; the
+         hot rows are compacted from the mask on the device, so nothing waits for the GPU);
+      3. it waits for the worker (the GIL released);
+      4. the cold partial output goes back through the pinned buffer and is added on the device.
 
-One host wait per block (step 3): the CPU cannot start before x exists. Each side is an
+So the CPU starts the moment x reaches it, and the launches of the GPU part overlap it. Each side is an
 ordinary SparseFFN over its rows (a "view"), so decode (the kernels over the predicted rows)
 and prefill (dense BLAS over each side's rows, masked) are the same code as the CPU-only
 runtime. With `device="cpu"` the CPU stands in for the GPU: every split and merge runs, which is
@@ -21,12 +21,24 @@ how CI tests this file.
 
 from __future__ import annotations
 
+import ctypes
 import time
 
 import torch
 from torch import nn
 
+from picompile.codegen import cold_worker
+from picompile.codegen.decoder import function_pointer
+from picompile.config import KERNEL_MAX_TOKENS
 from picompile.runtime.sparse_ffn import SparseFFN
+
+
+def cold_threads(cuda: bool) -> int:
+    """OpenMP threads for the cold part: torch's thread count, less one core for the thread
+    that launches the GPU part meanwhile (on the CPU stand-in the hot part's own C kernel
+    shares the cores, so half of them)."""
+    n = torch.get_num_threads()
+    return max(1, n - 1 if cuda else n // 2)
 
 
 def _rows(t: torch.Tensor | None, rows: slice, device) -> torch.Tensor | None:
@@ -73,14 +85,17 @@ class CudaHotKernel:
 
 
 class _Staging:
-    """Pinned host buffers for one block's hand-offs, grown to the largest T seen; the event
-    marks when the device-to-host copies into them have landed."""
+    """Host buffers for one block's hand-offs (pinned on a GPU), grown to the largest T seen, and
+    the cold worker's job over them. `ready` turns 1 once x and the mask have landed: on a GPU
+    a device-to-host copy queued behind theirs writes it, so the worker starts the moment they
+    arrive, without the calling thread waiting."""
 
-    def __init__(self, tokens: int, d: int, n_cold: int):
-        self.x = torch.empty(tokens, d, dtype=torch.float32, pin_memory=True)  # block input
-        self.mask = torch.empty(tokens, n_cold, dtype=torch.bool, pin_memory=True)  # cold mask
-        self.out = torch.empty(tokens, d, dtype=torch.float32, pin_memory=True)  # cold output
-        self.copied = torch.cuda.Event()
+    def __init__(self, tokens: int, d: int, n_cold: int, pinned: bool):
+        self.x = torch.empty(tokens, d, dtype=torch.float32, pin_memory=pinned)  # block input
+        self.mask = torch.empty(tokens, n_cold, dtype=torch.bool, pin_memory=pinned)  # cold mask
+        self.out = torch.empty(tokens, d, dtype=torch.float32, pin_memory=pinned)  # cold output
+        self.ready = torch.zeros(1, dtype=torch.int32, pin_memory=pinned)
+        self.job = None  # a cold_worker.Job over these buffers, made by HybridFFN
 
 
 class HybridFFN:
@@ -94,18 +109,21 @@ class HybridFFN:
         self.hot = _view(ffn, slice(0, n_hot), self.device, with_down_bias=True) if n_hot else None
         cold_bias = n_hot == 0  # b_down is added once, by whichever side exists
         self.cold = _view(ffn, slice(n_hot, None), "cpu", cold_bias) if n_hot < ffn.n_ff else None
+        self.cuda = self.device.type == "cuda"
         if self.cold is not None:
             self.cold.select_kernel()
-        self.cuda = self.device.type == "cuda"
+        # Decode runs the cold part on the cold worker where its rows have a C kernel.
+        self.cold_on_worker = self.cold is not None and self.cold.kernel is not None
         if self.hot is not None and self.cuda:
             self.hot.kernel = CudaHotKernel(self.hot)
+            self._one = torch.ones(1, dtype=torch.int32, device=self.device)  # `ready`'s source
         elif self.hot is not None:
             self.hot.select_kernel()
         self._staging: _Staging | None = None
         # Set to [] to record per-step timings: dicts of tokens, hot_s (GPU time of the hot
-        # kernels, from CUDA events), cold_s (the cold C kernel), wall_s (the block, from entry
-        # to the merged output; CUDA events on a GPU). Reading the events waits for the device,
-        # so `timings()` resolves them afterwards.
+        # kernels, from CUDA events), cold_s (the cold C kernel), cold_wait_s (the cold worker's
+        # wait for its input), wall_s (the block, from entry to the merged output; CUDA events on
+        # a GPU). Reading the events waits for the device, so `timings()` resolves them afterwards.
         self.timeline: list[dict] | None = None
 
     def reset_stats(self) -> None:
@@ -116,10 +134,55 @@ class HybridFFN:
     def active_pairs(self) -> int:
         return sum(int(side.active_pairs) for side in (self.hot, self.cold) if side is not None)
 
+    def __getstate__(self):
+        """Copies (deepcopy; pickle on the CPU stand-in) leave out the staging: its job holds raw
+        pointers into this block's buffers. A copy makes its own on first use."""
+        return {**self.__dict__, "_staging": None}
+
     def _stage(self, tokens: int) -> _Staging:
         if self._staging is None or self._staging.x.shape[0] < tokens:
-            self._staging = _Staging(max(tokens, 8), self.d, self.n_ff - self.n_hot)
+            self._staging = _Staging(max(tokens, 8), self.d, self.n_ff - self.n_hot, self.cuda)
         return self._staging
+
+    def _start_cold(self, x: torch.Tensor, predicted: torch.Tensor | None) -> _Staging:
+        """Queue x [T, d] and the cold columns of `predicted` to the host and start the cold
+        worker on them; it runs as soon as they land. -> the staging, for _finish_cold."""
+        T = x.shape[0]
+        stage = self._stage(T)
+        if stage.job is None:
+            kernel = self.cold.kernel
+            stage.job = cold_worker.Job(
+                function_pointer(kernel.library.ffn), *kernel.pointers(), self.cold.n_ff, self.d,
+                0, self.cold.threshold, stage.x.data_ptr(), None, stage.out.data_ptr(),
+                stage.ready.data_ptr(), cold_threads(self.cuda))
+        stage.ready.zero_()
+        stage.x[:T].copy_(x, non_blocking=self.cuda)
+        if predicted is not None:
+            stage.mask[:T].copy_(predicted[:, self.n_hot :], non_blocking=self.cuda)
+        if self.cuda:  # lands after the copies above: the worker's signal
+            stage.ready.copy_(self._one, non_blocking=True)
+        else:
+            stage.ready.fill_(1)
+        stage.job.T = T
+        stage.job.mask = None if predicted is None else stage.mask.data_ptr()
+        # The job's threshold follows the block's (calibration may set it after distribute).
+        stage.job.threshold = self.cold.threshold
+        rc = cold_worker.load().pi_cold_start(ctypes.byref(stage.job))
+        if rc != 0:
+            raise RuntimeError(f"picompile: the cold worker did not start (pi_cold_start {rc})")
+        return stage
+
+    def _finish_cold(self, stage: _Staging, T: int) -> tuple[torch.Tensor, float, float]:
+        """Wait for the cold worker. -> (its output [T, d] float32 on the host, its wait for
+        the input in s, its kernel time in s)."""
+        worker = cold_worker.load()
+        n_active = worker.pi_cold_wait()  # ctypes releases the GIL while it blocks
+        if n_active < 0:
+            raise RuntimeError(f"picompile: cold FFN part failed: {cold_worker.ERRORS.get(n_active, n_active)}")
+        self.cold.active_pairs += n_active
+        ready_s, run_s = ctypes.c_double(), ctypes.c_double()
+        worker.pi_cold_last_seconds(ctypes.byref(ready_s), ctypes.byref(run_s))
+        return stage.out[:T], ready_s.value, run_s.value
 
     def __call__(self, x: torch.Tensor, predicted: torch.Tensor | None) -> torch.Tensor:
         """x [T, d] on the device, predicted [T, n_ff] bool or None -> out [T, d] float32."""
@@ -131,42 +194,40 @@ class HybridFFN:
             t0 = time.perf_counter()
         x = x.float()  # both sides add float32 partial outputs
         hot_mask = None if predicted is None else predicted[:, : self.n_hot]
-        cold_mask = None if predicted is None else predicted[:, self.n_hot :]
-        cold_x = x
-        if self.cold is not None and self.cuda:  # 1. device -> pinned host, behind an event
-            stage = self._stage(T)
-            cold_x = stage.x[:T]
-            cold_x.copy_(x, non_blocking=True)
-            if cold_mask is not None:
-                cold_mask = stage.mask[:T]
-                cold_mask.copy_(predicted[:, self.n_hot :], non_blocking=True)
-            stage.copied.record()
-        out = None
-        if self.hot is not None:  # 2. launch the hot part (asynchronous on a GPU)
-            if timing:
-                self._record(marks["hot_start"])
-                t_hot, active_before = time.perf_counter(), self.hot.active_pairs
-            out = self.hot(x, hot_mask).float()
-            if timing:
-                self._record(marks["hot_end"])
-                hot_s = time.perf_counter() - t_hot
-                candidates = self.n_hot if hot_mask is None else hot_mask.any(0).sum()
-                hot_bytes = self._bytes_read(candidates, self.hot.active_pairs - active_before)
-        cold_s = 0.0
+        # 1. the cold part starts on the worker thread as soon as its input reaches the host
+        # (prefill: the cold side's dense BLAS path, on this thread)
+        on_worker = self.cold_on_worker and T <= KERNEL_MAX_TOKENS
+        stage = self._start_cold(x, predicted) if on_worker else None
+        out, cold_s, cold_wait_s = None, 0.0, 0.0
+        try:
+            if self.hot is not None:  # 2. meanwhile: the hot part (asynchronous on a GPU)
+                if timing:
+                    self._record(marks["hot_start"])
+                    t_hot, active_before = time.perf_counter(), self.hot.active_pairs
+                out = self.hot(x, hot_mask).float()
+                if timing:
+                    self._record(marks["hot_end"])
+                    hot_s = time.perf_counter() - t_hot  # the launches; GPU time from the events
+                    candidates = self.n_hot if hot_mask is None else hot_mask.any(0).sum()
+                    hot_bytes = self._bytes_read(candidates, self.hot.active_pairs - active_before)
+        finally:
+            if stage is not None:  # 3. the cold part's result (waited for even on an error)
+                cold_out, cold_wait_s, cold_s = self._finish_cold(stage, T)
         if self.cold is not None:
-            if self.cuda:
-                stage.copied.synchronize()  # 3. the copies only; the GIL is released meanwhile
-            t_cold = time.perf_counter()
-            with torch.no_grad():
-                cold_out = self.cold(cold_x, cold_mask)  # float32 already
-            cold_s = time.perf_counter() - t_cold
-            if self.cuda:  # 4. back through pinned memory, added on the device
-                stage.out[:T].copy_(cold_out)
-                cold_out = stage.out[:T].to(self.device, non_blocking=True)
+            if stage is None:  # prefill, or no C kernel for the cold rows: on this thread
+                t_cold = time.perf_counter()
+                cold_mask = None if predicted is None else predicted[:, self.n_hot :].cpu()
+                with torch.no_grad():
+                    cold_out = self.cold(x.cpu(), cold_mask)
+                cold_s = time.perf_counter() - t_cold
+            cold_out = cold_out.to(self.device, non_blocking=True)  # 4. merged on the device
             out = cold_out if out is None else out + cold_out
+        elif out is None:
+            raise AssertionError("a hybrid block with neither a hot nor a cold part")
         if timing:
             self._record(marks["end"])
-            step = dict(tokens=T, cold_s=cold_s, wall_s=time.perf_counter() - t0,
+            step = dict(tokens=T, cold_s=cold_s, cold_wait_s=cold_wait_s,
+                        wall_s=time.perf_counter() - t0,
                         hot_s=hot_s if self.hot is not None else 0.0,
                         hot_bytes=hot_bytes if self.hot is not None else 0)
             if self.cuda:
