@@ -149,7 +149,8 @@ def overlap_report(cm) -> list[str]:
     med = lambda key: statistics.median(s[key] for s in steps)  # noqa: E731
     ratio = statistics.median(s["wall_s"] / max(s["hot_s"], s["cold_s"], 1e-9) for s in steps)
     lines = [f"per block and decode step (median of {len(steps)}): hot {med('hot_s') * 1e6:.0f} us "
-             f"(GPU, CUDA events), cold {med('cold_s') * 1e6:.0f} us (CPU), wall "
+             f"(GPU, CUDA events), cold {med('cold_s') * 1e6:.0f} us (CPU; its wait for the input "
+             f"{med('cold_wait_s') * 1e6:.0f} us), wall "
              f"{med('wall_s') * 1e6:.0f} us; wall / max(hot, cold) = {ratio:.2f}"]
     with_bytes = [s for s in steps if s.get("hot_bytes") and s["hot_s"] > 0]
     if with_bytes:

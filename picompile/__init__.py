@@ -3,9 +3,13 @@
     cm = picompile.compile(model)            # exact mode: lossless for ReLU models
     cm.generate(input_ids, max_new_tokens=32)
     print(picompile.explain(cm))
+    picompile.serve(cm, tokenizer)           # an OpenAI-compatible server on 127.0.0.1:8000
 """
 
 from picompile.compiler import CompiledModel, compile, explain, load
+# The function: picompile.serve(cm, tokenizer, ...) (the module's other names: `from
+# picompile.serve import make_app`). Importing it needs no FastAPI; calling it does.
+from picompile.serve import serve
 
-__all__ = ["compile", "explain", "load", "CompiledModel"]
+__all__ = ["compile", "explain", "load", "CompiledModel", "serve"]
 __version__ = "0.1.0"

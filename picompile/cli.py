@@ -2,6 +2,8 @@
 
     picompile run      compile a model (default: SmolLM2-135M-Instruct), chat, compare with dense
     picompile explain  compile a model and print what picompile found and decided
+    picompile report   compile a model and write an HTML report with plots (--output FILE)
+    picompile bench    decode tokens/s: picompile vs the dense model vs llama.cpp (where built)
 
 Both take --mode, --sparsity, --gpu-budget, and --save DIR / --plan DIR to profile once.
 """

@@ -49,6 +49,10 @@ class CompiledModel(nn.Module):
         object.__setattr__(self, "graphs", graphs)
         self.paths = paths  # block name -> execution path picked ("C", "reference (...)")
         self.linear_paths: dict[str, str] = {}  # other linears -> path (passes/lower.py)
+        # block -> [n_ff] share of calibration tokens each neuron fired on (original neuron
+        # order), from compile's profile (mode="predicted" or a gpu_budget); kept for report();
+        # not saved with a plan
+        self.firing: dict[str, torch.Tensor] = {}
         # the whole-step decoder (runtime/decoder.py) for the kernels bound now: see decoder()
         self._decoder_key = self._decoder = None
         self.decoder_reason = "not built yet"
@@ -136,7 +140,7 @@ class CompiledModel(nn.Module):
             return getattr(super().__getattr__("model"), name)
 
     _OWN = frozenset({"model", "plan", "graphs", "paths", "linear_paths", "training",
-                      "decoder_reason"})
+                      "decoder_reason", "firing"})
 
     def __setattr__(self, name: str, value) -> None:
         """Attributes are the wrapped model's (cm.generation_config = ... must reach the model
@@ -180,6 +184,13 @@ class CompiledModel(nn.Module):
         for ffn in self.ffns().values():
             active, total = active + ffn.active_count(), total + ffn.total_pairs
         return None if total == 0 else 1.0 - active / total
+
+    def report(self, path, *, prompt_ids: torch.Tensor | None = None, decode_tokens: int = 32):
+        """Write one self-contained HTML file of plots and tables to `path`: see
+        picompile/report.py (needs matplotlib: pip install 'picompile[report]')."""
+        from picompile.report import report
+
+        return report(self, path, prompt_ids=prompt_ids, decode_tokens=decode_tokens)
 
 
 def _check_args(model, mode, sparsity, gpu_budget, predictors) -> int | None:
@@ -354,6 +365,7 @@ def _plan_and_lower(model, plan, graphs, ffns, ids, mode, sparsity, budget, max_
     if budget is not None:
         _place(model, ffns, plan.placement, profiles, budget, max_context)
     cm = _finish(model, plan, graphs, ffns)
+    cm.firing = {name: prof.freq for name, prof in profiles.items()}
     hybrid = budget is not None and torch.cuda.is_available() and plan.placement.fixed_on_gpu
     if mode == "predicted" and not hybrid:  # time each block with and without its predictor
         # (on the CPU: in the hybrid runtime every predictor runs, on the GPU)

@@ -1,24 +1,61 @@
 """Progress for long steps (calibration, profiling, predictor training, builds).
 
-tqdm, because it already handles terminals, notebooks, pipes and rate estimates well; `quiet`
-(or PICOMPILE_QUIET=1) turns it off for scripts."""
+On a terminal (or in a notebook) a tqdm bar, because tqdm handles those and rate estimates well.
+Anywhere else (a pipe, a log file, CI) a bar is carriage returns and escape codes, so plain lines
+instead: about one per tenth of the work, and one when it is done. `quiet` (or PICOMPILE_QUIET=1)
+prints nothing, for scripts."""
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
 
 from tqdm.auto import tqdm
+
+LINES_PER_STAGE = 10  # plain-line mode: at most about this many lines before the final one
 
 
 def quiet_by_default() -> bool:
     return os.environ.get("PICOMPILE_QUIET", "") not in ("", "0")
 
 
-def progress_bar(items: Iterable, desc: str, quiet: bool = False, total: int | None = None):
-    return tqdm(items, desc=f"picompile: {desc}", total=total, leave=False,
-                disable=quiet or quiet_by_default())
+def progress_bar(items: Iterable, desc: str, quiet: bool = False, total: int | None = None,
+                 file=None):
+    """`items`, iterated with progress shown on `file` (default: sys.stderr at call time)."""
+    if quiet or quiet_by_default():
+        return items
+    file = sys.stderr if file is None else file
+    if total is None and hasattr(items, "__len__"):
+        total = len(items)
+    if _interactive(file):
+        return tqdm(items, desc=f"picompile: {desc}", total=total, leave=False, file=file)
+    return _lines(items, desc, total, file)
+
+
+def _interactive(file) -> bool:
+    """A terminal, or a notebook (tqdm.auto picked its widget): where a live bar renders."""
+    notebook = any(c.__module__ == "tqdm.notebook" for c in tqdm.__mro__)
+    return notebook or bool(getattr(file, "isatty", lambda: False)())
+
+
+def _lines(items: Iterable, desc: str, total: int | None, file) -> Iterator:
+    """Yield `items`, writing `picompile: desc: i/total (p%)` lines, each ending in a newline:
+    every step when there are few, else about every LINES_PER_STAGE-th of the work; a final
+    line with the time taken. Without a total: a start line and the final line only."""
+    t0 = time.perf_counter()
+    every = max(1, -(-total // LINES_PER_STAGE)) if total else None
+    if total is None:
+        print(f"picompile: {desc}: started", file=file, flush=True)
+    done = 0
+    for item in items:
+        yield item
+        done += 1
+        if every is not None and done % every == 0 and done < total:
+            print(f"picompile: {desc}: {done}/{total} ({done / total:.0%})", file=file, flush=True)
+    of = f"{done}/{total}" if total else f"{done} steps"
+    print(f"picompile: {desc}: {of} done in {time.perf_counter() - t0:.1f}s", file=file, flush=True)
 
 
 def note(message: str, quiet: bool = False) -> None:

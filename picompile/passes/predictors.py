@@ -208,15 +208,26 @@ def decode_bytes(ffn, stats: PredictorStats) -> tuple[int, int]:
     rows only when it fires. Exact mode takes every neuron as a candidate, predicted mode the
     predicted ones; a block gains from its predictor when the first rows it skips outweigh the
     bytes of the predictor's kernel."""
-    row_bytes = ffn.d_model * ffn.w_up.element_size()
+    first_rows, later_rows, row_bytes = _row_reads(ffn)
+    fired = stats.true_density * later_rows
+    predicted = (kernel_bytes(stats.rank, ffn.d_model, ffn.n_ff)
+                 + ffn.n_ff * (stats.predicted_density * first_rows + stats.recall * fired) * row_bytes)
+    return exact_decode_bytes(ffn, stats.true_density), round(predicted)
+
+
+def _row_reads(ffn) -> tuple[int, int, int]:
+    """(rows read per candidate neuron, further rows per firing neuron, bytes per row)."""
     gated = ffn.w_gate is not None
     first_rows = 2 if gated and ffn.act != "relu" else 1  # per candidate
     later_rows = 2 if gated and ffn.act == "relu" else 1  # per firing neuron
-    fired = stats.true_density * later_rows
-    exact = ffn.n_ff * (first_rows + fired) * row_bytes
-    predicted = (kernel_bytes(stats.rank, ffn.d_model, ffn.n_ff)
-                 + ffn.n_ff * (stats.predicted_density * first_rows + stats.recall * fired) * row_bytes)
-    return round(exact), round(predicted)
+    return first_rows, later_rows, ffn.d_model * ffn.w_up.element_size()
+
+
+def exact_decode_bytes(ffn, density: float) -> int:
+    """Weight bytes the C decode kernel reads per token for this block without a predictor,
+    when `density` of its neurons fire (every neuron is a candidate): decode_bytes's exact."""
+    first_rows, later_rows, row_bytes = _row_reads(ffn)
+    return round(ffn.n_ff * (first_rows + density * later_rows) * row_bytes)
 
 
 @torch.no_grad()
