@@ -5,7 +5,7 @@
     picompile report   compile a model and write an HTML report with plots (--output FILE)
     picompile bench    decode tokens/s: picompile vs the dense model vs llama.cpp (where built)
 
-Both take --mode, --sparsity, --gpu-budget, and --save DIR / --plan DIR to profile once.
+All take --mode, --sparsity, --gpu-budget, and --save DIR / --plan DIR to profile once.
 """
 
 from __future__ import annotations
@@ -170,12 +170,60 @@ def cmd_explain(args) -> int:
     return 0
 
 
+def _report_output(text: str) -> str:
+    from picompile.report import check_output
+
+    try:
+        check_output(text)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def cmd_report(args) -> int:
+    from picompile import models
+    from picompile.report import report, require_matplotlib
+
+    require_matplotlib()  # before minutes of loading and compiling
+    model, tokenizer = models.load(args.model)
+    cm = _compile(args, model, tokenizer)
+    path = report(cm, args.output, prompt_ids=_prompt_ids(tokenizer, DEFAULT_PROMPT),
+                  decode_tokens=args.decode_tokens)
+    print(f"picompile: report written to {path}", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    import subprocess
+
+    from picompile import bench, models
+
+    build = pathlib.Path(args.llama_cpp_dir) if args.llama_cpp_dir else bench.BUILD
+    if args.build_llama_cpp:  # only when asked: it downloads and compiles for minutes
+        try:
+            bench.build_llama_cpp(build)
+        except subprocess.CalledProcessError as e:
+            raise OSError(f"building llama.cpp failed ({e}); see the output above") from None
+    path = models.check(args.model)
+    model, tokenizer = models.load(args.model)
+    threads = args.threads or torch.get_num_threads()
+    rows = bench.compare(model, tokenizer, lambda m: _compile(args, m, tokenizer),
+                         gguf=path if path.is_file() else None, new_tokens=args.new_tokens,
+                         repeats=args.repeats, threads=threads, build=build)
+    print(f"\n{path.name} decode, {threads} threads, {args.new_tokens} new tokens after a "
+          f"32-token prompt, best of {args.repeats}")
+    print(bench.table(rows))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="picompile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn, help_ in [("run", cmd_run, "compile, chat, and compare with the dense model"),
-                            ("explain", cmd_explain, "compile and print the plan")]:
+                            ("explain", cmd_explain, "compile and print the plan"),
+                            ("report", cmd_report, "compile and write an HTML report with plots"),
+                            ("bench", cmd_bench, "decode tokens/s against dense and llama.cpp")]:
         p = sub.add_parser(name, help=help_)
         p.set_defaults(fn=fn)
         p.add_argument("--model", help="a local Hugging Face model directory or .gguf file "
@@ -203,6 +251,24 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--prompt", type=_prompt, default=DEFAULT_PROMPT)
     run.add_argument("--max-new-tokens", type=_positive_int, default=64)
     run.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    report = sub.choices["report"]
+    report.add_argument("--output", type=_report_output, default="report.html",
+                        help="the HTML file to write (default report.html)")
+    report.add_argument("--decode-tokens", type=_positive_int, default=32,
+                        help="tokens of the timed greedy decode (default 32)")
+    bench = sub.choices["bench"]
+    bench.add_argument("--new-tokens", type=_positive_int, default=64,
+                       help="decoded tokens per run (default 64)")
+    bench.add_argument("--repeats", type=_positive_int, default=3,
+                       help="runs per system, the best counts (default 3)")
+    bench.add_argument("--threads", type=_positive_int, default=None,
+                       help="CPU threads for every system (default: torch's)")
+    bench.add_argument("--llama-cpp-dir", metavar="DIR", default=None,
+                       help="where llama.cpp is (or gets) built (default: build/peers of the "
+                            "source checkout)")
+    bench.add_argument("--build-llama-cpp", action="store_true",
+                       help="build llama.cpp first if it is not built (downloads its source "
+                            "from PyPI; needs cmake and a C++ compiler; several minutes)")
     # Every argument is checked here, before minutes of loading and compiling; argparse prints
     # the usage and one error line. The exit code is returned, as for every other error.
     try:
