@@ -4,6 +4,7 @@
     picompile explain  compile a model and print what picompile found and decided
     picompile report   compile a model and write an HTML report with plots (--output FILE)
     picompile bench    decode tokens/s: picompile vs the dense model vs llama.cpp (where built)
+    picompile serve    compile a model and serve it over an OpenAI-compatible HTTP API
 
 All take --mode, --sparsity, --gpu-budget, and --save DIR / --plan DIR to profile once.
 """
@@ -216,6 +217,46 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in [1, 65535], got {text!r}")
+    return value
+
+
+def cmd_serve(args) -> int:
+    import os
+
+    import picompile
+    from picompile import models
+    from picompile.serve import require
+
+    try:
+        require()  # FastAPI and uvicorn: checked before minutes of loading and compiling
+    except ImportError as e:
+        print(f"picompile: error: {e}", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    api_key = args.api_key or os.environ.get("PICOMPILE_API_KEY") or None
+    model, tokenizer = models.load(args.model)
+    cm = _compile(args, model, tokenizer)
+    name = (pathlib.Path(args.model).name.removesuffix(".gguf") if args.model
+            else "SmolLM2-135M-Instruct")
+    if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"picompile: warning: serving on {args.host} without an API key: anyone who can "
+              "reach the port can use the model (set --api-key or PICOMPILE_API_KEY)",
+              file=sys.stderr)
+    print(f"picompile: serving {name} at http://{args.host}:{args.port}/v1 (one request at a "
+          f"time, up to {args.max_queue} waiting; Ctrl-C stops)", file=sys.stderr)
+    picompile.serve(cm, tokenizer, host=args.host, port=args.port, api_key=api_key,
+                    max_queue=args.max_queue, max_tokens=args.max_tokens, model_name=name)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="picompile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -223,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, fn, help_ in [("run", cmd_run, "compile, chat, and compare with the dense model"),
                             ("explain", cmd_explain, "compile and print the plan"),
                             ("report", cmd_report, "compile and write an HTML report with plots"),
-                            ("bench", cmd_bench, "decode tokens/s against dense and llama.cpp")]:
+                            ("bench", cmd_bench, "decode tokens/s against dense and llama.cpp"),
+                            ("serve", cmd_serve, "compile and serve an OpenAI-compatible API")]:
         p = sub.add_parser(name, help=help_)
         p.set_defaults(fn=fn)
         p.add_argument("--model", help="a local Hugging Face model directory or .gguf file "
@@ -269,6 +311,19 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--build-llama-cpp", action="store_true",
                        help="build llama.cpp first if it is not built (downloads its source "
                             "from PyPI; needs cmake and a C++ compiler; several minutes)")
+    serve = sub.choices["serve"]
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
+    serve.add_argument("--api-key", metavar="KEY", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 (default: the "
+                            "PICOMPILE_API_KEY environment variable, else no key)")
+    serve.add_argument("--max-queue", type=_positive_int, default=16,
+                       help="requests that may wait behind the running one; more get a 503 "
+                            "(default 16)")
+    serve.add_argument("--max-tokens", type=_positive_int, default=512,
+                       help="new tokens for a request that sets no max_tokens (default 512)")
+    serve.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     # Every argument is checked here, before minutes of loading and compiling; argparse prints
     # the usage and one error line. The exit code is returned, as for every other error.
     try:

@@ -1,0 +1,721 @@
+"""An OpenAI-compatible HTTP server for a compiled model: `picompile serve`, picompile.serve().
+
+    POST /v1/chat/completions   messages -> the assistant's reply
+    POST /v1/completions        a prompt (text, or token ids) -> its continuation
+    GET  /v1/models             the one model served
+    GET  /health                {"status": "ok", "running": 0 or 1, "waiting": n, "max_queue": m}
+
+Both completions endpoints stream with "stream": true: server-sent events in OpenAI's chunk
+format, ending with `data: [DONE]`; "stream_options": {"include_usage": true} adds a usage chunk.
+
+Requests. Sampling maps onto the model's generate(): temperature 0 is greedy, anything else
+samples with temperature, top_p and top_k (an extra, not OpenAI's: 0 or absent is off); seed
+seeds torch's global RNG, which is safe because one request runs at a time. max_tokens (or
+max_completion_tokens) defaults to DEFAULT_MAX_TOKENS, within the model's context; a prompt plus
+max_tokens past the context is a 400. stop takes up to 4 strings. finish_reason is "stop" (an EOS
+token or a stop string) or "length". Replies count prompt and completion tokens in "usage".
+The "model" field is accepted whatever it names: the server serves one model, and replies carry
+its name. Parameters picompile cannot honour (n > 1, logprobs, tools, penalties, logit_bias, ...)
+get a 400 naming them rather than being silently ignored; fields OpenAI's client sends for
+bookkeeping (user, metadata, ...) are ignored.
+
+Chat prompts use the tokenizer's chat template. A tokenizer without one gets a plain format: one
+"role: content" line per message, then "assistant:" for the model to continue, with "\\nuser:"
+as an extra stop string so that the model does not write the user's next turn.
+
+One request runs at a time: a worker thread runs generation, the others wait their turn in a
+FIFO queue of at most max_queue requests, and a request that finds the queue full gets a 503.
+A client that goes away (mid-stream, or while waiting) is cancelled: its generation stops at the
+next token (the streamer checks a flag) and the next request starts.
+
+Errors are JSON in OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad
+request, 401 for a missing or wrong API key (when one is set; /health needs none), 404 / 405 for
+a wrong path or method, 503 when the queue is full, 500 if generation itself fails; never a stack
+trace. Request bodies are checked here field by field, so that each 400 names its field.
+
+Why FastAPI on uvicorn: a well-kept ASGI stack that routes, streams responses and notices
+clients that disconnect, so there is no hand-written HTTP here. They are the `serve` extra
+(pip install 'picompile[serve]') and imported only when a server is made: `import picompile`
+does not need them. (No `from __future__ import annotations` in this module: FastAPI reads the
+route functions' annotations, which name classes imported inside make_app.)
+"""
+
+import asyncio
+import collections
+import contextlib
+import hmac
+import importlib
+import json
+import logging
+import math
+import pathlib
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_MAX_TOKENS = 512
+DEFAULT_MAX_QUEUE = 16
+MAX_STOPS = 4
+DEFAULT_FORMAT_STOP = "\nuser:"
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# Parameters picompile cannot honour -> the value that means "off" besides null / false / 0 /
+# empty (n=1 is the default, not "off": n=0 is refused like n=2).
+_UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": None, "top_logprobs": None, "echo": None,
+                "suffix": None, "logit_bias": None, "presence_penalty": None,
+                "frequency_penalty": None, "repetition_penalty": None, "tools": None,
+                "tool_choice": None, "functions": None, "function_call": None,
+                "response_format": {"type": "text"}}
+_DISCONNECT_POLL_S = 0.5  # how often a waiting non-streaming request checks for its client
+
+log = logging.getLogger("picompile.serve")
+
+
+def require() -> None:
+    """Raise ImportError with the install command if the `serve` extra is missing."""
+    for name in ("fastapi", "uvicorn"):
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise ImportError(f"picompile's server needs FastAPI and uvicorn ({e}); install "
+                              "them with: pip install 'picompile[serve]'") from None
+
+
+def serve(cm, tokenizer, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          *, max_queue: int = DEFAULT_MAX_QUEUE, max_tokens: int = DEFAULT_MAX_TOKENS,
+          model_name: str | None = None, log_level: str = "info") -> None:
+    """Serve `cm` over an OpenAI-compatible HTTP API until interrupted (see the module doc).
+    Binds 127.0.0.1 unless told otherwise: anyone who can reach the port can use the model, so
+    set `api_key` (clients send it as a Bearer token) before binding a public address."""
+    require()
+    import uvicorn
+
+    app = make_app(cm, tokenizer, api_key=api_key, max_queue=max_queue, max_tokens=max_tokens,
+                   model_name=model_name)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+class APIError(Exception):
+    """An error reply in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type, param, code)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def _bad(param: str | None, message: str, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# ---- reading requests --------------------------------------------------------------------
+
+
+def _show(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _field(body: dict, name: str, kind: type, default=None, low=None, high=None):
+    """body[name] (default when absent or null), refused with a 400 naming it unless it is of
+    `kind` (int, float: a finite number, bool, str; true is not 1 here) and in [low, high]."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if kind is float:
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+              and math.isfinite(value))
+    else:
+        ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    ok = ok and (low is None or value >= low) and (high is None or value <= high)
+    if not ok:
+        what = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+        bounds = (f" in [{low}, {high}]" if low is not None and high is not None else
+                  f" >= {low}" if low is not None else f" <= {high}" if high is not None else "")
+        raise _bad(name, f"{name} must be {what[kind]}{bounds}, got {_show(value)}")
+    return value
+
+
+def _check_unsupported(body: dict) -> None:
+    for name, off in _UNSUPPORTED.items():
+        value = body.get(name)
+        if value is None or value == off or (off is None and value in (False, 0, "", [], {})):
+            continue
+        raise _bad(name, f"{name}={_show(value)} is not supported by picompile's server",
+                   code="unsupported_parameter")
+
+
+def _stops(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if (not isinstance(stops, list) or len(stops) > MAX_STOPS
+            or not all(isinstance(s, str) and s for s in stops)):
+        raise _bad("stop", f"stop must be a non-empty string or a list of at most {MAX_STOPS} "
+                           f"non-empty strings, got {_show(stop)}")
+    return stops
+
+
+def _text_content(content, where: str) -> str:
+    """A message's content: a string, or a list of {"type": "text", "text": ...} parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content):
+        return "\n".join(p["text"] for p in content)
+    raise _bad(where, f"{where} must be a string or a list of text parts "
+                      f"({{\"type\": \"text\", \"text\": ...}}; picompile serves text only), "
+                      f"got {_show(content)}")
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "messages must be a non-empty list of {\"role\", \"content\"} "
+                               f"objects, got {_show(messages)}")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(where, f"{where} must be an object, got {_show(m)}")
+        role = m.get("role")
+        if role not in ROLES:
+            raise _bad(f"{where}.role", f"{where}.role must be one of {', '.join(ROLES)}, "
+                                        f"got {_show(role)}")
+        content = m.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        # "developer" is OpenAI's newer name for "system"; chat templates know "system"
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": _text_content(content, f"{where}.content")})
+    return out
+
+
+def default_chat_format(messages: list[dict]) -> str:
+    """The prompt for a tokenizer without a chat template: "role: content" lines, then
+    "assistant:" for the model to continue (its reply ends at DEFAULT_FORMAT_STOP)."""
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+@dataclass
+class Params:
+    """One checked request: what the worker needs to run it."""
+    ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stops: tuple[str, ...] = ()
+
+
+# ---- generation on the worker thread ---------------------------------------------------
+
+
+class _Cancelled(Exception):
+    """Raised from the streamer: the client went away."""
+
+
+class _Stopped(Exception):
+    """Raised from the streamer: a stop string came out."""
+
+
+class _Text:
+    """Token ids -> text deltas. Decodes incrementally with a few tokens of context (as vLLM
+    does), so a step costs the same however long the reply; holds back an incomplete UTF-8
+    character and any tail that may be the start of a stop string, and cuts at a stop string."""
+
+    def __init__(self, tokenizer, stops, lock: threading.Lock):
+        self.tokenizer, self.stops, self.lock = tokenizer, tuple(stops), lock
+        self.ids: list[int] = []
+        self.prefix = self.read = 0  # ids[prefix:read] decoded already, kept as context
+        self.text = ""  # everything decoded so far
+        self.sent = 0  # characters of it handed out
+
+    def _decode(self, ids) -> str:
+        with self.lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token: int) -> tuple[str, bool]:
+        """-> (new text to send, whether a stop string ended the reply)."""
+        self.ids.append(token)
+        before = self._decode(self.ids[self.prefix:self.read])
+        after = self._decode(self.ids[self.prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self.prefix, self.read = self.read, len(self.ids)
+        return self._release(final=False)
+
+    def flush(self) -> tuple[str, bool]:
+        """The rest at the end of the reply, incomplete characters included."""
+        before = self._decode(self.ids[self.prefix:self.read])
+        self.text += self._decode(self.ids[self.prefix:])[len(before):]
+        self.prefix = self.read = len(self.ids)
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> tuple[str, bool]:
+        # No stop string starts before `sent`: a tail that could begin one is never sent.
+        hits = [i for i in (self.text.find(s, self.sent) for s in self.stops) if i >= 0]
+        end = min(hits) if hits else len(self.text) if final else len(self.text) - self._held()
+        delta, self.sent = self.text[self.sent:end], end
+        return delta, bool(hits)
+
+    def _held(self) -> int:
+        """Length of the longest unsent tail of text that is a proper prefix of a stop string."""
+        longest = max((len(s) for s in self.stops), default=1) - 1
+        for k in range(min(longest, len(self.text) - self.sent), 0, -1):
+            if any(s.startswith(self.text[-k:]) for s in self.stops):
+                return k
+        return 0
+
+
+class Job:
+    """A request on its way through the queue. The worker sends events to the request's event
+    loop through `events`: ("text", delta), then ("done", finish_reason, prompt_tokens,
+    completion_tokens) or ("error", message). `cancelled` is set when the client goes away."""
+
+    def __init__(self, params: Params, chat: bool, stream: bool, include_usage: bool,
+                 loop: asyncio.AbstractEventLoop):
+        self.params, self.chat, self.stream, self.include_usage = (
+            params, chat, stream, include_usage)
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.loop = loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancelled = threading.Event()
+
+    def emit(self, *event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop has closed: the server is shutting down
+            pass
+
+
+class _Streamer:
+    """generate()'s streamer (Hugging Face's protocol: put(prompt), put(each token), end()):
+    stops generation at the next token once the job is cancelled, and turns tokens into text
+    events for the job."""
+
+    def __init__(self, job: Job, text: _Text, eos: set[int]):
+        self.job, self.text, self.eos = job, text, eos
+        self.prompt_seen = False
+        self.count = 0  # tokens generated
+        self.finish = "length"
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.job.cancelled.is_set():
+            raise _Cancelled
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.count += 1
+        token = int(value.reshape(-1)[0])
+        if token in self.eos:  # generate() ends here itself (one row)
+            self.finish = "stop"
+            return
+        delta, stopped = self.text.add(token)
+        if delta:
+            self.job.emit("text", delta)
+        if stopped:
+            self.finish = "stop"
+            raise _Stopped
+
+    def end(self) -> None:
+        pass
+
+
+class Engine:
+    """Runs one generation at a time on a worker thread, in the order requests came (FIFO); at
+    most `max_queue` requests wait behind the running one, beyond that submit() raises a 503."""
+
+    def __init__(self, model, tokenizer, max_queue: int = DEFAULT_MAX_QUEUE):
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        self.model, self.tokenizer, self.max_queue = model, tokenizer, max_queue
+        self.tokenizer_lock = threading.Lock()  # a fast tokenizer is not safe across threads
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        self.eos = set([eos] if isinstance(eos, int) else eos or [])
+        if tokenizer.eos_token_id is not None:
+            self.eos.add(tokenizer.eos_token_id)
+        pad = tokenizer.pad_token_id
+        self.pad = pad if pad is not None else min(self.eos, default=None)
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._running: Job | None = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name="picompile-serve-worker",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._closed = True
+            for job in [*self._waiting, self._running]:
+                if job is not None:
+                    job.cancelled.set()
+                    job.emit("error", "the server is shutting down")
+            self._waiting.clear()
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def stats(self) -> dict:
+        with self._cond:
+            return {"running": int(self._running is not None), "waiting": len(self._waiting),
+                    "max_queue": self.max_queue}
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if self._closed:
+                raise APIError(503, "the server is shutting down", "server_error")
+            if len(self._waiting) + (self._running is not None) > self.max_queue:
+                raise APIError(503, f"the server is busy: one request is running and "
+                                    f"{self.max_queue} are waiting, the most its queue holds; "
+                                    "retry later", "server_error", code="queue_full")
+            self._waiting.append(job)
+            self._cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """Stop `job`: out of the queue if it waits, at its next token if it runs; a finished
+        job is left as it is."""
+        job.cancelled.set()
+        with self._cond:
+            if job in self._waiting:
+                self._waiting.remove(job)
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                job = self._running = self._waiting.popleft()
+            try:
+                self._run(job)
+            finally:
+                with self._cond:
+                    self._running = None
+
+    def _run(self, job: Job) -> None:
+        p = job.params
+        streamer = _Streamer(job, _Text(self.tokenizer, p.stops, self.tokenizer_lock), self.eos)
+        ids = torch.tensor([p.ids])
+        kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=p.max_tokens,
+                      eos_token_id=sorted(self.eos) or None, pad_token_id=self.pad,
+                      streamer=streamer, do_sample=p.temperature > 0)
+        if p.temperature > 0:
+            kwargs.update(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
+        try:
+            if p.seed is not None:
+                torch.manual_seed(p.seed)
+            self.model.generate(ids, **kwargs)
+            delta, stopped = streamer.text.flush()
+            if delta:
+                job.emit("text", delta)
+            if stopped:
+                streamer.finish = "stop"
+        except _Cancelled:
+            return
+        except _Stopped:
+            pass
+        except Exception as e:  # the request fails, the server goes on
+            log.exception("picompile serve: generation failed")
+            job.emit("error", f"generation failed: {type(e).__name__}: {e}")
+            return
+        job.emit("done", streamer.finish, len(p.ids), streamer.count)
+
+
+# ---- the HTTP side (no FastAPI types: make_app wires these to routes) --------------------
+
+
+class Server:
+    """What the routes do: read a request into a Job and queue it, then give its result as one
+    JSON body or as server-sent events."""
+
+    def __init__(self, model, tokenizer, engine: Engine, model_name: str, max_tokens: int):
+        self.tokenizer, self.engine, self.name, self.max_tokens = (
+            tokenizer, engine, model_name, max_tokens)
+        config = getattr(model, "config", None)
+        self.context = getattr(config, "max_position_embeddings", None)
+        self.vocab = getattr(config, "vocab_size", None) or len(tokenizer)
+        self.created = int(time.time())
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.name, "object": "model",
+                                            "created": self.created, "owned_by": "picompile"}]}
+
+    def health(self) -> dict:
+        return {"status": "ok", **self.engine.stats()}
+
+    def submit(self, body, chat: bool) -> Job:
+        """Check the request, tokenize its prompt and queue it (400 / 503 as APIError)."""
+        if not isinstance(body, dict):
+            raise _bad(None, f"the request body must be a JSON object, got {_show(body)}")
+        _field(body, "model", str)
+        _check_unsupported(body)
+        stream = _field(body, "stream", bool, False)
+        options = body.get("stream_options")
+        if options is not None and not isinstance(options, dict):
+            raise _bad("stream_options", "stream_options must be an object, "
+                                         f"got {_show(options)}")
+        include_usage = stream and _field(options or {}, "include_usage", bool, False)
+        stops = _stops(body)
+        if chat:
+            ids, extra_stops = self._chat_ids(_messages(body))
+        else:
+            ids, extra_stops = self._prompt_ids(body.get("prompt")), []
+        params = Params(ids=ids, max_tokens=self._max_tokens(body, len(ids)),
+                        temperature=_field(body, "temperature", float, 1.0, 0, 2),
+                        top_p=_field(body, "top_p", float, 1.0, 0, 1),
+                        top_k=_field(body, "top_k", int, 0, 0),
+                        seed=_field(body, "seed", int, None, -2**63, 2**64 - 1),
+                        stops=tuple(stops + extra_stops))
+        job = Job(params, chat, stream, include_usage, asyncio.get_running_loop())
+        self.engine.submit(job)
+        return job
+
+    def _chat_ids(self, messages: list[dict]) -> tuple[list[int], list[str]]:
+        tok = self.tokenizer
+        with self.engine.tokenizer_lock:
+            if not getattr(tok, "chat_template", None):
+                ids = tok(default_chat_format(messages))["input_ids"]
+                return list(ids), [DEFAULT_FORMAT_STOP]
+            try:
+                text = tok.apply_chat_template(messages, add_generation_prompt=True,
+                                               tokenize=False)
+            except Exception as e:  # a template may refuse a conversation (roles, order)
+                raise _bad("messages", f"the model's chat template refused these messages: "
+                                       f"{type(e).__name__}: {e}") from None
+            return list(tok(text, add_special_tokens=False)["input_ids"]), []
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        """A prompt: a string, a list of token ids, or a list holding one of those."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            with self.engine.tokenizer_lock:
+                ids = list(self.tokenizer(prompt)["input_ids"])
+            if not ids:
+                raise _bad("prompt", "the prompt gives no tokens (it is empty and the tokenizer "
+                                     "adds no start token); give a non-empty prompt")
+            return ids
+        if (isinstance(prompt, list) and prompt
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+            if not all(0 <= t < self.vocab for t in prompt):
+                raise _bad("prompt", f"prompt token ids must be in [0, {self.vocab})")
+            return prompt
+        raise _bad("prompt", "prompt must be a string, a non-empty list of token ids, or a list "
+                             f"of one of those (one prompt per request), got {_show(prompt)}")
+
+    def _max_tokens(self, body: dict, n_prompt: int) -> int:
+        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+            else "max_tokens"
+        asked = _field(body, name, int, None, 1)
+        if self.context is None:
+            return asked or self.max_tokens
+        room = self.context - n_prompt
+        if room < 1 or (asked is not None and asked > room):
+            raise _bad(name, f"the model's context is {self.context} tokens: the prompt has "
+                             f"{n_prompt} and {name} asks for {asked or 'at least 1'}; shorten "
+                             f"the prompt or ask for fewer tokens", code="context_length_exceeded")
+        return asked or min(self.max_tokens, room)
+
+    # replies
+
+    def _usage(self, prompt: int, completion: int) -> dict:
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    def _chunk(self, job: Job, text: str | None, finish: str | None = None,
+               role: bool = False) -> dict:
+        if job.chat:
+            delta = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return {"id": job.id, "object": "chat.completion.chunk" if job.chat else "text_completion",
+                "created": job.created, "model": self.name, "choices": [choice]}
+
+    async def events(self, job: Job) -> AsyncIterator[str]:
+        """The job's reply as server-sent events (the caller cancels the job when done)."""
+        def sse(obj) -> str:
+            return f"data: {json.dumps(obj)}\n\n"
+
+        if job.chat:
+            yield sse(self._chunk(job, "", role=True))
+        while True:
+            event = await job.events.get()
+            if event[0] == "text":
+                yield sse(self._chunk(job, event[1]))
+            elif event[0] == "done":
+                _, finish, prompt, completion = event
+                yield sse(self._chunk(job, None if job.chat else "", finish))
+                if job.include_usage:
+                    yield sse({"id": job.id, "object": self._chunk(job, None)["object"],
+                               "created": job.created, "model": self.name, "choices": [],
+                               "usage": self._usage(prompt, completion)})
+                break
+            else:
+                yield sse(APIError(500, event[1], "server_error").body())
+                break
+        yield "data: [DONE]\n\n"
+
+    async def result(self, job: Job, disconnected: Callable[[], Awaitable[bool]]) -> dict | None:
+        """The job's whole reply as one JSON body; None if the client went away meanwhile (the
+        job is cancelled then)."""
+        parts = []
+        try:
+            while True:
+                event = await self._next(job, disconnected)
+                if event is None:
+                    return None
+                if event[0] == "text":
+                    parts.append(event[1])
+                    continue
+                if event[0] == "error":
+                    raise APIError(500, event[1], "server_error")
+                _, finish, prompt, completion = event
+                break
+        finally:
+            self.engine.cancel(job)
+        text = "".join(parts)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text},
+                   "logprobs": None, "finish_reason": finish} if job.chat else
+                  {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+        return {"id": job.id, "object": "chat.completion" if job.chat else "text_completion",
+                "created": job.created, "model": self.name, "choices": [choice],
+                "usage": self._usage(prompt, completion)}
+
+    @staticmethod
+    async def _next(job: Job, disconnected) -> tuple | None:
+        """The job's next event, or None once the client has gone (checked every so often)."""
+        get = asyncio.ensure_future(job.events.get())
+        try:
+            while not (await asyncio.wait({get}, timeout=_DISCONNECT_POLL_S))[0]:
+                if await disconnected():
+                    return None
+            return get.result()
+        finally:
+            get.cancel()  # no-op once done
+
+
+def model_name_of(model) -> str:
+    """The name replies carry: the model's directory name, else "picompile"."""
+    path = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    return pathlib.Path(path).name.removesuffix(".gguf") or "picompile"
+
+
+def make_app(cm, tokenizer, *, api_key: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
+             max_tokens: int = DEFAULT_MAX_TOKENS, model_name: str | None = None):
+    """The FastAPI app serving `cm` (a CompiledModel, or any model with Hugging Face's generate
+    and config) with `tokenizer`. Run it with uvicorn (serve() does); its worker thread runs
+    from the app's startup to its shutdown. max_queue: how many requests may wait behind the
+    running one before a 503; max_tokens: the default for requests that set none."""
+    require()
+    from fastapi import APIRouter, Depends, FastAPI, Request
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException
+
+    engine = Engine(cm, tokenizer, max_queue)
+    server = Server(cm, tokenizer, engine, model_name or model_name_of(cm), max_tokens)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="picompile", lifespan=lifespan)
+
+    def error(e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return error(e)
+
+    @app.exception_handler(HTTPException)  # no such path (404), wrong method (405)
+    async def http_error(request: Request, e: HTTPException):
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return error(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                              kind))
+
+    @app.exception_handler(Exception)  # a bug: uvicorn logs the traceback, the client gets JSON
+    async def internal_error(request: Request, e: Exception):
+        return error(APIError(500, f"internal error: {type(e).__name__}", "server_error"))
+
+    async def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise APIError(401, "missing or incorrect API key: send it as the header "
+                                "'Authorization: Bearer KEY'", code="invalid_api_key")
+
+    class JobStream(StreamingResponse):
+        """Server-sent events that cancel their job however the response ends: finished, the
+        client gone, or an error (even one before the stream started)."""
+
+        def __init__(self, job: Job):
+            super().__init__(server.events(job), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+            self.job = job
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                engine.cancel(self.job)
+
+    async def complete(request: Request, chat: bool):
+        raw = await request.body()
+        try:
+            body = json.loads(raw.decode("utf-8"))
+        except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested too deep
+            raise _bad(None, f"the request body is not valid JSON in UTF-8 "
+                             f"({type(e).__name__}: {str(e)[:100]})") from None
+        job = server.submit(body, chat)
+        if job.stream:
+            return JobStream(job)
+        reply = await server.result(job, request.is_disconnected)
+        return Response(status_code=499) if reply is None else JSONResponse(reply)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request):
+        return await complete(request, chat=True)
+
+    @v1.post("/completions")
+    async def completions(request: Request):
+        return await complete(request, chat=False)
+
+    @v1.get("/models")
+    async def models():
+        return server.models()
+
+    @app.get("/health")
+    async def health():
+        return server.health()
+
+    app.include_router(v1)
+    return app

@@ -1,0 +1,432 @@
+"""picompile's OpenAI-compatible server (picompile/serve.py), run for real: uvicorn on a free
+localhost port in a background thread, the fixture model (tests/fixtures/relu_llama, no chat
+template) compiled, and the official `openai` client (httpx for requests it would not send)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pathlib
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import picompile
+from picompile.serve import DEFAULT_FORMAT_STOP, default_chat_format, make_app
+
+uvicorn = pytest.importorskip("uvicorn")
+
+FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "relu_llama"
+PROMPT = "The built-in function len"
+KEY = "sekret-key"
+
+
+@pytest.fixture(scope="module")
+def model():
+    dense = AutoModelForCausalLM.from_pretrained(FIXTURE, local_files_only=True).eval()
+    tok = AutoTokenizer.from_pretrained(FIXTURE, local_files_only=True)
+    return picompile.compile(dense, quiet=True), tok
+
+
+@contextlib.contextmanager
+def running(app):
+    """The app served by uvicorn on a free 127.0.0.1 port -> its base URL; stopped after."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
+        sock.close()
+
+
+class Paced:
+    """The compiled model generating at most one token per `delay` seconds: slow enough for a
+    test to see a request running, queue others behind it, or leave in the middle of it."""
+
+    def __init__(self, cm, delay: float):
+        self.cm, self.delay = cm, delay
+
+    def __getattr__(self, name):  # config, generation_config: the model's
+        return getattr(self.cm, name)
+
+    def generate(self, *args, streamer, **kwargs):
+        return self.cm.generate(*args, streamer=_SlowStreamer(streamer, self.delay), **kwargs)
+
+
+class _SlowStreamer:
+    def __init__(self, inner, delay):
+        self.inner, self.delay = inner, delay
+
+    def put(self, value):
+        time.sleep(self.delay)
+        self.inner.put(value)
+
+    def end(self):
+        self.inner.end()
+
+
+@pytest.fixture(scope="module")
+def url(model):
+    with running(make_app(*model)) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def reference(model, prompt_ids, n):
+    """cm.generate's own greedy continuation, as text, and its token count."""
+    cm, tok = model
+    out = cm.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False)
+    new = out[0, len(prompt_ids):].tolist()
+    return tok.decode(new, skip_special_tokens=True), len(new)
+
+
+def wait_for(url, predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        health = httpx.get(f"{url}/health").json()
+        if predicate(health):
+            return health
+        assert time.monotonic() < deadline, f"timed out waiting; /health says {health}"
+        time.sleep(0.02)
+
+
+def assert_openai_error(response, status=None):
+    assert 400 <= response.status_code < 600, response.status_code
+    if status is not None:
+        assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json"), response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"]
+    assert "Traceback" not in response.text
+    return error
+
+
+# ---- what the client sees ------------------------------------------------------------------
+
+
+def test_models_and_health(client, url):
+    assert [m.id for m in client.models.list().data] == ["relu_llama"]
+    assert httpx.get(f"{url}/health").json() == {"status": "ok", "running": 0, "waiting": 0,
+                                                 "max_queue": 16}
+
+
+def test_completion_greedy_equals_generate(client, model):
+    """Through the server (temperature 0) the same text and token count as cm.generate."""
+    ids = model[1](PROMPT)["input_ids"]
+    want, n = reference(model, ids, 20)
+    r = client.completions.create(model="relu_llama", prompt=PROMPT, max_tokens=20, temperature=0)
+    assert r.object == "text_completion" and r.model == "relu_llama"
+    assert r.choices[0].text == want and want.strip()
+    assert r.choices[0].finish_reason == ("length" if n == 20 else "stop")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), n)
+    assert r.usage.total_tokens == len(ids) + n
+    # token ids as the prompt: the same continuation
+    r2 = client.completions.create(model="x", prompt=ids, max_tokens=20, temperature=0)
+    assert r2.choices[0].text == want
+
+
+def test_chat_greedy_uses_default_format_and_equals_generate(client, model):
+    """No chat template in the fixture: "role: content" lines, then "assistant:"."""
+    messages = [{"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": "What does len return?"}]
+    prompt = "system: Answer briefly.\nuser: What does len return?\nassistant:"
+    assert default_chat_format(messages) == prompt
+    ids = model[1](prompt)["input_ids"]
+    want, _ = reference(model, ids, 24)
+    r = client.chat.completions.create(model="relu_llama", messages=messages, max_tokens=24,
+                                       temperature=0)
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want.split(DEFAULT_FORMAT_STOP)[0]
+    assert r.usage.prompt_tokens == len(ids) and 1 <= r.usage.completion_tokens <= 24
+
+
+def test_chat_streaming_matches_non_streaming(client):
+    kw = dict(model="relu_llama", messages=[{"role": "user", "content": "Tell me about lists"}],
+              max_tokens=16, temperature=0)
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason and not any(finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_completion_streaming_sse_format(url, client):
+    """The raw events: data lines of text_completion chunks, then `data: [DONE]`."""
+    body = {"model": "relu_llama", "prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    whole = client.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=0)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole.choices[0].text
+    assert chunks[-1]["choices"][0]["finish_reason"] == whole.choices[0].finish_reason
+
+
+def test_stop_strings_cut_the_reply(client):
+    full = client.completions.create(model="m", prompt=PROMPT, max_tokens=20,
+                                     temperature=0).choices[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert len(stop) == 3
+    want = full[: full.index(stop)]
+    r = client.completions.create(model="m", prompt=PROMPT, max_tokens=20, temperature=0,
+                                  stop=[stop, "never appears"])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
+    streamed = client.completions.create(model="m", prompt=PROMPT, max_tokens=20, temperature=0,
+                                         stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == want
+
+
+def test_sampling_with_a_seed_repeats(client):
+    kw = dict(model="m", prompt=PROMPT, max_tokens=16, temperature=1.0, top_p=0.9, seed=7,
+              extra_body={"top_k": 40})
+    first = client.completions.create(**kw).choices[0].text
+    assert client.completions.create(**kw).choices[0].text == first
+    greedy = client.completions.create(model="m", prompt=PROMPT, max_tokens=16,
+                                       temperature=0).choices[0].text
+    others = {client.completions.create(**dict(kw, seed=s)).choices[0].text for s in range(4)}
+    assert others - {greedy}, "sampling gave the greedy text for every seed"
+
+
+def test_eight_concurrent_clients_all_succeed(url):
+    """Queued one at a time, in any order: all greedy replies equal."""
+    results, errors = [None] * 8, []
+
+    def ask(i):
+        try:
+            c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+            if i % 2:
+                r = c.chat.completions.create(model="m", max_tokens=12, temperature=0,
+                                              messages=[{"role": "user", "content": "Hi"}])
+                results[i] = r.choices[0].message.content
+            else:
+                stream = c.chat.completions.create(
+                    model="m", max_tokens=12, temperature=0, stream=True,
+                    messages=[{"role": "user", "content": "Hi"}])
+                results[i] = "".join(ch.choices[0].delta.content or "" for ch in stream)
+        except Exception as e:  # reported below with its index
+            errors.append((i, repr(e)))
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors
+    assert len(set(results)) == 1 and results[0]
+
+
+# ---- bad requests --------------------------------------------------------------------------
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+USER = [{"role": "user", "content": "hi"}]
+MALFORMED = [
+    ("POST", CHAT, b"{not json", "not valid JSON"),
+    ("POST", CHAT, b"", "not valid JSON"),
+    ("POST", CHAT, b"\xff\xfe\x00", "not valid JSON"),
+    ("POST", CHAT, b"[" * 100000 + b"]" * 100000, "not valid JSON"),
+    ("POST", CHAT, [], "JSON object"),
+    ("POST", CHAT, {"model": "m"}, "messages"),
+    ("POST", CHAT, {"messages": "hello"}, "messages"),
+    ("POST", CHAT, {"messages": []}, "messages"),
+    ("POST", CHAT, {"messages": [{"content": "hi"}]}, "role"),
+    ("POST", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    ("POST", CHAT, {"messages": [{"role": "user", "content": 5}]}, "content"),
+    ("POST", CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "text"),
+    ("POST", CHAT, {"messages": USER, "max_tokens": -1}, "max_tokens"),
+    ("POST", CHAT, {"messages": USER, "max_tokens": "ten"}, "max_tokens"),
+    ("POST", CHAT, {"messages": USER, "max_tokens": 10**6}, "context"),
+    ("POST", CHAT, {"messages": USER, "temperature": 5}, "temperature"),
+    ("POST", CHAT, {"messages": USER, "temperature": "hot"}, "temperature"),
+    ("POST", CHAT, {"messages": USER, "top_p": 1.5}, "top_p"),
+    ("POST", CHAT, {"messages": USER, "stream": "yes"}, "stream"),
+    ("POST", CHAT, {"messages": USER, "stop": 7}, "stop"),
+    ("POST", CHAT, {"messages": USER, "n": 3}, "n="),
+    ("POST", CHAT, {"messages": USER, "logprobs": True}, "logprobs"),
+    ("POST", CHAT, {"messages": USER, "model": 12}, "model"),
+    ("POST", COMPLETIONS, {"model": "m"}, "prompt"),
+    ("POST", COMPLETIONS, {"prompt": 42}, "prompt"),
+    ("POST", COMPLETIONS, {"prompt": [5, 10**9]}, "token ids"),
+    ("POST", COMPLETIONS, {"prompt": ["a", "b"]}, "one prompt"),
+    ("POST", COMPLETIONS, {"prompt": "", "max_tokens": 4}, "no tokens"),
+    ("GET", CHAT, None, "Method Not Allowed"),
+    ("POST", "/v1/nothing-here", {}, "Not Found"),
+]
+
+
+def test_malformed_requests_get_openai_errors_and_the_server_goes_on(url, client):
+    assert len(MALFORMED) >= 20
+    with httpx.Client(base_url=url, timeout=30) as http:
+        for method, path, body, words in MALFORMED:
+            content = body if isinstance(body, bytes) or body is None else json.dumps(body)
+            r = http.request(method, path, content=content,
+                             headers={"content-type": "application/json"})
+            error = assert_openai_error(r)
+            assert r.status_code < 500, (path, body, r.text)
+            assert words in error["message"], (words, error)
+            assert http.get("/health").json()["status"] == "ok"
+    r = client.chat.completions.create(model="m", messages=USER, max_tokens=4, temperature=0)
+    assert r.choices[0].message.content is not None and r.usage.completion_tokens >= 1
+
+
+def test_bad_field_names_its_param(url):
+    r = httpx.post(f"{url}{CHAT}", json={"messages": [USER[0], {"role": "user"}]})
+    assert assert_openai_error(r, 400)["param"] == "messages[1].content"
+
+
+def test_openai_client_raises_bad_request(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=USER, temperature=-1)
+    assert e.value.status_code == 400 and "temperature" in e.value.message
+
+
+# ---- API key -------------------------------------------------------------------------------
+
+
+def test_api_key(model):
+    with running(make_app(*model, api_key=KEY)) as base:
+        good = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0)
+        assert [m.id for m in good.models.list().data] == ["relu_llama"]
+        assert good.completions.create(model="m", prompt=PROMPT, max_tokens=2).choices
+        bad = openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.chat.completions.create(model="m", messages=USER, max_tokens=2)
+        for headers in ({}, {"Authorization": f"Bearer {KEY}x"}, {"Authorization": KEY}):
+            r = httpx.post(f"{base}{COMPLETIONS}", json={"prompt": "x"}, headers=headers)
+            assert assert_openai_error(r, 401)["code"] == "invalid_api_key"
+        # the key is checked before the body: a malformed body without a key is a 401 too
+        assert httpx.post(f"{base}{CHAT}", content=b"{").status_code == 401
+        assert httpx.get(f"{base}/health").status_code == 200  # no key needed
+
+
+# ---- one at a time: the queue, disconnects -------------------------------------------------
+
+
+def test_full_queue_gets_503_and_leaving_frees_the_slot(model):
+    """max_queue=1: one request running, one waiting, a third gets a 503; when the running
+    client leaves mid-stream, the waiting one runs and succeeds."""
+    cm, tok = model
+    with running(make_app(Paced(cm, 0.05), tok, max_queue=1)) as base:
+        c = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = c.completions.create(model="m", prompt=PROMPT, max_tokens=400, temperature=0,
+                                      stream=True)
+        next(iter(stream))  # running now: 400 tokens would take 20 s
+        waiting = {}
+        t = threading.Thread(target=lambda: waiting.setdefault("r", c.completions.create(
+            model="m", prompt=PROMPT, max_tokens=3, temperature=0)))
+        t.start()
+        wait_for(base, lambda h: h["running"] == 1 and h["waiting"] == 1)
+
+        r = httpx.post(f"{base}{COMPLETIONS}", json={"prompt": PROMPT, "max_tokens": 3})
+        assert assert_openai_error(r, 503)["code"] == "queue_full"
+        with pytest.raises(openai.InternalServerError) as e:
+            c.chat.completions.create(model="m", messages=USER, max_tokens=3)
+        assert e.value.status_code == 503
+
+        t0 = time.monotonic()
+        stream.close()  # the running client leaves: generation stops at its next token
+        t.join(timeout=10)
+        assert time.monotonic() - t0 < 5 and "r" in waiting
+        assert waiting["r"].usage.completion_tokens == 3
+        assert waiting["r"].choices[0].finish_reason == "length"
+        wait_for(base, lambda h: h["running"] == 0 and h["waiting"] == 0)
+
+
+def test_client_leaving_mid_stream_frees_the_slot(model):
+    cm, tok = model
+    with running(make_app(Paced(cm, 0.05), tok)) as base:
+        c = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = c.chat.completions.create(model="m", messages=USER, max_tokens=400,
+                                           temperature=0, stream=True)
+        got = [chunk for _, chunk in zip(range(3), stream)]
+        assert len(got) == 3
+        stream.close()  # 400 tokens would take 20 s; leaving must stop them
+        t0 = time.monotonic()
+        r = c.completions.create(model="m", prompt=PROMPT, max_tokens=4, temperature=0)
+        assert r.usage.completion_tokens == 4
+        assert time.monotonic() - t0 < 5
+        assert wait_for(base, lambda h: h["running"] == 0)["waiting"] == 0
+
+
+def test_non_streaming_client_leaving_while_queued_frees_its_place(model):
+    """A client that gives up (timeout) while its request waits: the request leaves the queue."""
+    cm, tok = model
+    with running(make_app(Paced(cm, 0.05), tok, max_queue=1)) as base:
+        c = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = c.completions.create(model="m", prompt=PROMPT, max_tokens=400, stream=True)
+        next(iter(stream))
+        impatient = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0,
+                                  timeout=0.5)
+        with pytest.raises(openai.APITimeoutError):
+            impatient.completions.create(model="m", prompt=PROMPT, max_tokens=3)
+        wait_for(base, lambda h: h["waiting"] == 0)  # it left the queue: room for another
+        stream.close()
+        assert c.completions.create(model="m", prompt=PROMPT, max_tokens=2).choices
+
+
+# ---- the command line ----------------------------------------------------------------------
+
+
+def test_cli_serve_answers_with_the_key():
+    """`picompile serve --model DIR --port P --api-key KEY` loads, compiles and serves."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "picompile.cli", "serve", "--model", str(FIXTURE), "--quiet",
+         "--port", str(port), "--api-key", KEY],
+        cwd=pathlib.Path(__file__).parent.parent, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.communicate()[0]
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "picompile serve did not start"
+            time.sleep(0.2)
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+        r = c.chat.completions.create(model="relu_llama", messages=USER, max_tokens=5)
+        assert r.model == "relu_llama" and r.usage.completion_tokens >= 1
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="no",
+                          max_retries=0).models.list()
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=30)[0]
+    assert f"serving relu_llama at http://127.0.0.1:{port}/v1" in out
+    assert "Traceback" not in out
