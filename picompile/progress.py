@@ -7,6 +7,7 @@ prints nothing, for scripts."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -56,6 +57,23 @@ def _lines(items: Iterable, desc: str, total: int | None, file) -> Iterator:
             print(f"picompile: {desc}: {done}/{total} ({done / total:.0%})", file=file, flush=True)
     of = f"{done}/{total}" if total else f"{done} steps"
     print(f"picompile: {desc}: {of} done in {time.perf_counter() - t0:.1f}s", file=file, flush=True)
+
+
+@contextlib.contextmanager
+def library_bars():
+    """Within it, Hugging Face's own bars (transformers' "Loading weights") show only where ours
+    would be a bar: not in a pipe or a log, nor under PICOMPILE_QUIET."""
+    from transformers.utils import logging as hf_logging
+
+    hide = quiet_by_default() or not _interactive(sys.stderr)
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if hide:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if hide and was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def note(message: str, quiet: bool = False) -> None:
