@@ -15,3 +15,13 @@ KERNEL_MAX_TOKENS = 8
 
 def reference_forced() -> bool:
     return os.environ.get(REFERENCE_ENV, "") not in ("", "0")
+
+
+# OpenMP threads for the hybrid runtime's cold part (runtime/hybrid.py); unset: torch's thread
+# count less one for the thread that launches the GPU part.
+COLD_THREADS_ENV = "PICOMPILE_COLD_THREADS"
+
+
+def cold_threads_override() -> int | None:
+    value = os.environ.get(COLD_THREADS_ENV, "")
+    return int(value) if value.strip() else None

@@ -29,16 +29,20 @@ from torch import nn
 
 from picompile.codegen import cold_worker
 from picompile.codegen.decoder import function_pointer
-from picompile.config import KERNEL_MAX_TOKENS
+from picompile.config import KERNEL_MAX_TOKENS, cold_threads_override
 from picompile.runtime.sparse_ffn import SparseFFN
 
 
-def cold_threads(cuda: bool) -> int:
-    """OpenMP threads for the cold part: torch's thread count, less one core for the thread
-    that launches the GPU part meanwhile (on the CPU stand-in the hot part's own C kernel
-    shares the cores, so half of them)."""
-    n = torch.get_num_threads()
-    return max(1, n - 1 if cuda else n // 2)
+def cold_threads() -> int:
+    """OpenMP threads for the cold part: half of torch's. The other cores are for the thread
+    that launches the GPU part meanwhile (on the CPU stand-in, the hot part's own C kernel), and
+    for the team's threads spinning after each block: with all cores in the team, the launching
+    thread lost its core and decode ran several times slower on a 16-core H100 host
+    (BENCHMARKS.md, session 6). $PICOMPILE_COLD_THREADS overrides."""
+    override = cold_threads_override()
+    if override is not None:
+        return max(1, override)
+    return max(1, torch.get_num_threads() // 2)
 
 
 def _rows(t: torch.Tensor | None, rows: slice, device) -> torch.Tensor | None:
@@ -154,7 +158,7 @@ class HybridFFN:
             stage.job = cold_worker.Job(
                 function_pointer(kernel.library.ffn), *kernel.pointers(), self.cold.n_ff, self.d,
                 0, self.cold.threshold, stage.x.data_ptr(), None, stage.out.data_ptr(),
-                stage.ready.data_ptr(), cold_threads(self.cuda))
+                stage.ready.data_ptr(), cold_threads())
         stage.ready.zero_()
         stage.x[:T].copy_(x, non_blocking=self.cuda)
         if predicted is not None:
