@@ -1,0 +1,102 @@
+"""Block-quantized weights: GGUF's Q8_0, Q4_0 and Q4_1, kept in GGUF's own block layout.
+
+A quantized matrix W [rows, cols] is stored as uint8 [rows, cols / 32 * block_bytes]: each row
+is its blocks of 32 consecutive weights along `cols` (the input dimension), one after another, so
+one neuron's row stays contiguous (what the sparse kernels need) and a GGUF tensor's bytes load
+unchanged. Per block (little-endian, exactly ggml's `block_q8_0` / `block_q4_0` / `block_q4_1`):
+
+    q8_0  34 bytes  d: float16, q: int8[32]              w[i] = d * q[i]
+    q4_0  18 bytes  d: float16, qs: uint8[16]            w[i] = d * (nibble[i] - 8)
+    q4_1  20 bytes  d: float16, m: float16, qs: uint8[16]  w[i] = d * nibble[i] + m
+    nibble[i] = qs[i] & 15 for i < 16, qs[i - 16] >> 4 for i >= 16
+
+Quantizing uses the `gguf` package's own reference (`gguf.quants`, the numpy port of ggml's
+quantize_row_*_ref, maintained with llama.cpp), so picompile's blocks are bit for bit the ones
+llama.cpp makes. Dequantizing here is plain PyTorch: the reference every quantized kernel is
+tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+BLOCK = 32  # weights per block, along the input dimension
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    block_bytes: int  # bytes of one block of BLOCK weights
+    gguf_type: str  # gguf.GGMLQuantizationType member name
+
+
+FORMATS = {
+    "q8_0": Format("q8_0", 34, "Q8_0"),
+    "q4_0": Format("q4_0", 18, "Q4_0"),
+    "q4_1": Format("q4_1", 20, "Q4_1"),
+}
+
+
+def format_of(name: str) -> Format:
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown quantization {name!r}: choose one of {', '.join(FORMATS)}") from None
+
+
+def why_not_quantizable(shape) -> str | None:
+    """Why a weight of `shape` [rows, cols] cannot be block-quantized, or None."""
+    if len(shape) != 2:
+        return f"not a matrix (shape {tuple(shape)})"
+    if shape[1] % BLOCK:
+        return f"its input dimension {shape[1]} is not a multiple of {BLOCK}"
+    return None
+
+
+def row_bytes(cols: int, fmt: str) -> int:
+    """Bytes of one quantized row of `cols` weights."""
+    return cols // BLOCK * format_of(fmt).block_bytes
+
+
+def quantize(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """w [rows, cols] (any float dtype) -> uint8 [rows, row_bytes(cols, fmt)] in GGUF's layout."""
+    import gguf
+
+    why = why_not_quantizable(w.shape)
+    if why is not None:
+        raise ValueError(f"cannot quantize to {fmt}: {why}")
+    f = format_of(fmt)
+    data = w.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+    packed = gguf.quants.quantize(data, gguf.GGMLQuantizationType[f.gguf_type])
+    return torch.from_numpy(np.ascontiguousarray(packed)).view(torch.uint8).reshape(w.shape[0], -1)
+
+
+def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The float16 at byte `at` of every block [..., block_bytes] -> float32 [..., 1]."""
+    return blocks[..., at:at + 2].contiguous().view(torch.float16).to(torch.float32)
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """qs uint8 [..., 16] -> the 32 4-bit values [..., 32] as float32 (low nibbles first)."""
+    return torch.cat([qs & 15, qs >> 4], dim=-1).to(torch.float32)
+
+
+def dequantize(q: torch.Tensor, fmt: str, cols: int) -> torch.Tensor:
+    """uint8 [rows, row_bytes(cols, fmt)] -> float32 [rows, cols]. The reference."""
+    f = format_of(fmt)
+    rows = q.shape[0]
+    if q.dtype != torch.uint8 or q.shape[-1] != row_bytes(cols, fmt):
+        raise ValueError(f"a {fmt} matrix of {cols} columns is uint8 [rows, {row_bytes(cols, fmt)}], "
+                         f"got {q.dtype} {tuple(q.shape)}")
+    blocks = q.reshape(rows, cols // BLOCK, f.block_bytes)
+    d = _f16(blocks, 0)
+    if fmt == "q8_0":
+        w = d * blocks[..., 2:].contiguous().view(torch.int8).to(torch.float32)
+    elif fmt == "q4_0":
+        w = d * (_nibbles(blocks[..., 2:]) - 8.0)
+    else:  # q4_1
+        w = d * _nibbles(blocks[..., 4:]) + _f16(blocks, 2)
+    return w.reshape(rows, cols)
