@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from picompile.plan import PREDICTOR_POLICIES
+from picompile.plan import PREDICTOR_POLICIES, QUANT_FORMATS
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in two sentences."
 
@@ -35,12 +35,17 @@ def _compile(args, model, tokenizer):
     if args.plan:
         if args.dtype:
             model.to(getattr(torch, args.dtype))  # as compile(dtype=) did before saving
-        return picompile.load(model, args.plan)
+        cm = picompile.load(model, args.plan)  # quantized as the plan says
+        if args.quantize and args.quantize != cm.plan.quantize:
+            raise SystemExit(f"picompile: the plan in {args.plan} was compiled with quantize="
+                             f"{cm.plan.quantize}; drop --quantize, or compile again with it")
+        return cm
     if args.save:  # refuse a --save target before a long compile, not after it
         saving.check_target(args.save)
     cm = picompile.compile(model, mode=args.mode, sparsity=args.sparsity, tokenizer=tokenizer,
                            gpu_budget=args.gpu_budget, calibration_tokens=args.calibration_tokens,
-                           predictors=args.predictors, quiet=args.quiet, dtype=args.dtype)
+                           predictors=args.predictors, quiet=args.quiet, dtype=args.dtype,
+                           quantize=args.quantize)
     if args.save:
         cm.save(args.save)
         print(f"picompile: plan saved to {args.save} (reuse it with --plan)", file=sys.stderr)
@@ -313,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="load a saved plan instead of compiling")
         p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                        help="convert the weights first (default: the model's own dtype)")
+        p.add_argument("--quantize", choices=list(QUANT_FORMATS), default=None,
+                       help="store the FFN and linear weights in a GGUF block format "
+                            "(CPU only; default: float weights)")
         p.add_argument("--quiet", action="store_true",
                        help="no progress output (a bar on a terminal, plain lines elsewhere)")
     run = sub.choices["run"]

@@ -27,9 +27,10 @@ from picompile.passes import calibrate as calibrate_pass
 from picompile.passes import lower as lower_pass
 from picompile.passes import predictors as predictors_pass
 from picompile.passes import profile as profile_pass
+from picompile.passes import quantize as quantize_pass
 from picompile.passes import rewrite as rewrite_pass
 from picompile.passes.detect import detect
-from picompile.plan import MODES, PREDICTOR_POLICIES, BlockPlan, Plan, Unmatched
+from picompile.plan import MODES, PREDICTOR_POLICIES, QUANT_FORMATS, BlockPlan, Plan, Unmatched
 from picompile.progress import note
 from picompile.runtime.dense_linear import DenseLinear
 from picompile.runtime.sparse_ffn import SparseFFN
@@ -49,6 +50,7 @@ class CompiledModel(nn.Module):
         object.__setattr__(self, "graphs", graphs)
         self.paths = paths  # block name -> execution path picked ("C", "reference (...)")
         self.linear_paths: dict[str, str] = {}  # other linears -> path (passes/lower.py)
+        self.quant_notes: list[str] = []  # what stayed float under plan.quantize, and why
         # block -> [n_ff] share of calibration tokens each neuron fired on (original neuron
         # order), from compile's profile (mode="predicted" or a gpu_budget); kept for report();
         # not saved with a plan
@@ -139,7 +141,7 @@ class CompiledModel(nn.Module):
         except AttributeError:
             return getattr(super().__getattr__("model"), name)
 
-    _OWN = frozenset({"model", "plan", "graphs", "paths", "linear_paths", "training",
+    _OWN = frozenset({"model", "plan", "graphs", "paths", "linear_paths", "quant_notes", "training",
                       "decoder_reason", "firing"})
 
     def __setattr__(self, name: str, value) -> None:
@@ -269,6 +271,7 @@ def compile(
     calibration_tokens: int = 32768,
     predictors: str = "auto",
     dtype: torch.dtype | str | None = None,
+    quantize: str | None = None,
 ) -> CompiledModel:
     """Compile `model` (rewritten in place) into activation-sparse FFN blocks.
 
@@ -289,9 +292,15 @@ def compile(
     dtype (torch.float32 / float16 / bfloat16 or its name): convert the model's weights first
     (in place); the kernels read that dtype and accumulate in float32. Default: the model's own.
     A plan saved from it loads onto a model converted the same way (model.to(dtype)).
+
+    quantize ("q8_0", "q4_0", "q4_1": GGUF's block formats, see picompile/quant.py): the FFN
+    blocks and the other linear layers are stored and read quantized (blocks of 32 weights with a
+    float16 scale), after calibration, profiling and placement have measured the float model.
+    Embeddings, norms and biases stay float. CPU only for now. Default: float weights.
     """
     budget = _check_args(model, mode, sparsity, gpu_budget, predictors)
     dtype = _check_dtype(dtype)
+    _check_quantize(quantize, budget)
     _check_not_compiled(model, "compile")
     # Every check that can fail comes before the model is rewritten in place.
     ids = _calibration_ids(calibration, tokenizer, calibration_tokens)
@@ -309,7 +318,7 @@ def compile(
     if dtype is not None:
         model.to(dtype)
     plan = Plan(mode=mode, target_sparsity=sparsity, predictors=predictors,
-                fingerprint=saving.fingerprint(model))
+                fingerprint=saving.fingerprint(model), quantize=quantize)
     plan.placement.budget_bytes = budget
     original = model
     model, graphs, ffns = _rewrite(model, plan)
@@ -385,6 +394,17 @@ def _plan_and_lower(model, plan, graphs, ffns, ids, mode, sparsity, budget, max_
     return cm
 
 
+def _check_quantize(quantize, budget) -> None:
+    if quantize is None:
+        return
+    if quantize not in QUANT_FORMATS:
+        raise ValueError(f"quantize must be one of {', '.join(QUANT_FORMATS)} (GGUF's block "
+                         f"formats) or None for float weights, got {quantize!r}")
+    if budget is not None:
+        raise ValueError("quantize= runs on the CPU only so far: the GPU kernels read float "
+                         "weights. Drop gpu_budget, or quantize=")
+
+
 def _check_not_compiled(model, what: str) -> None:
     if isinstance(model, CompiledModel) or any(isinstance(m, SparseFFN) for m in model.modules()):
         raise ValueError(
@@ -457,8 +477,9 @@ def _attach_predictor(graphs, ffn: SparseFFN, predictor) -> None:
 
 
 def _finish(model, plan, graphs, ffns) -> CompiledModel:
-    """Pick each block's kernels, once, after every change to the weights, and which predictors
-    run (plan.predictors)."""
+    """quantize (plan.quantize) -> pick each block's kernels, once, after every change to the
+    weights -> lower the other linears -> which predictors run (plan.predictors)."""
+    quant_notes = quantize_pass.quantize_ffns(ffns, plan.quantize) if plan.quantize else []
     paths = {name: ffn.select_kernel() for name, ffn in ffns.items()}
     for ffn in ffns.values():
         if ffn.predictor is not None:
@@ -466,8 +487,13 @@ def _finish(model, plan, graphs, ffns) -> CompiledModel:
     # lower: every other weight-bearing linear (attention projections, LM head) to the dense
     # kernel; after capture and detect, which find FFN blocks by their nn.Linear members
     linear_paths = lower_pass.lower_linears(model)
+    if plan.quantize:
+        quantized, notes = quantize_pass.quantize_linears(model, plan.quantize)
+        linear_paths.update(quantized)
+        quant_notes += notes
     cm = CompiledModel(model, plan, graphs, paths)
     cm.linear_paths = linear_paths
+    cm.quant_notes = quant_notes
     cm.use_predictors(plan.predictors)
     cm.reset_stats()  # what calibration ran through the blocks is not the user's run
     return cm
@@ -489,7 +515,8 @@ def load(model: nn.Module, directory) -> CompiledModel:
                                "compile the model again and save it") from e
     plan = Plan(mode=saved.mode, target_sparsity=saved.target_sparsity,
                 fingerprint=saved.fingerprint, placement=saved.placement,
-                calibration_tokens=saved.calibration_tokens, predictors=saved.predictors)
+                calibration_tokens=saved.calibration_tokens, predictors=saved.predictors,
+                quantize=saved.quantize)
     model, graphs, ffns = _rewrite(model, plan)
     for gm in graphs.values():
         gm.meta.pop("picompile_original", None)
@@ -548,6 +575,40 @@ def name_in_graph(block: BlockPlan) -> str:
     return block.name[len(block.module) + 1:] if block.module else block.name
 
 
+def _weights_line(cm: CompiledModel) -> str:
+    """Bytes of the weights by role and format: "FFN q4_0 12,345 B (30 blocks); ...". A tensor
+    shared by several modules (tied weights) counts once."""
+    from picompile.runtime.sparse_ffn import dtype_name
+
+    groups: dict[tuple[str, str], list[int]] = {}  # (role, format) -> [modules, bytes]
+    seen: set[int] = set()
+
+    def add(role, fmt, tensors):
+        tensors = [t for t in tensors if t is not None and id(t) not in seen]
+        seen.update(id(t) for t in tensors)
+        g = groups.setdefault((role, fmt), [0, 0])
+        g[0] += 1
+        g[1] += sum(t.numel() * t.element_size() for t in tensors)
+
+    for m in cm.model.modules():
+        if isinstance(m, SparseFFN):
+            fmt = getattr(m, "qformat", None) or dtype_name(m.w_up.dtype)
+            add("FFN", fmt, [m.w_gate, m.w_up, m.w_down_t])
+        elif type(m).__name__ == "QuantLinear":  # FIXME(lead): isinstance once it lands
+            add("linear", m.qformat, [m.qweight])
+        elif isinstance(m, DenseLinear):
+            add("linear", dtype_name(m.weight.dtype), [m.weight])
+    rest: dict[str, int] = {}  # everything else (embeddings, norms, biases, eager layers)
+    for t in list(cm.model.parameters()) + list(cm.model.buffers()):
+        if id(t) not in seen and t.is_floating_point():
+            seen.add(id(t))
+            rest[dtype_name(t.dtype)] = rest.get(dtype_name(t.dtype), 0) + t.numel() * t.element_size()
+    parts = [f"{role} {fmt} {b:,} B ({n} {'blocks' if role == 'FFN' else 'layers'})"
+             for (role, fmt), (n, b) in groups.items()]
+    parts += [f"other {fmt} {b:,} B" for fmt, b in rest.items()]
+    return "; ".join(parts)
+
+
 def explain(cm: CompiledModel) -> str:
     """A readable report: per block what was found and decided; what was left dense, and why."""
     if not isinstance(cm, CompiledModel):
@@ -595,6 +656,8 @@ def explain(cm: CompiledModel) -> str:
             by_path[path] = by_path.get(path, 0) + 1
         lines.append("other linears (attention, LM head): " +
                      "; ".join(f"{n} {path}" for path, n in by_path.items()))
+    lines.append("weights: " + _weights_line(cm))
+    lines += [f"  stays float: {n}" for n in cm.quant_notes]
     lines.append("decode step: " + ("picompile decoder (kernels/decoder.c, one C call per token)"
                                     if cm._decoder is not None else
                                     f"per module in PyTorch (whole-step decoder: {cm.decoder_reason})"))

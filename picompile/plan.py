@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, fields
 
+from picompile.quant import FORMATS
+
 ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh")
 MODES = ("exact", "predicted")
 # Which trained predictors run: "auto" those that make a block's decode faster (measured on the
@@ -21,6 +23,7 @@ MODES = ("exact", "predicted")
 PREDICTOR_POLICIES = ("auto", "all", "none")
 KINDS = ("plain", "gated", "drelu")
 DTYPES = ("float32", "float16", "bfloat16", "float64")
+QUANT_FORMATS = tuple(FORMATS)  # compile(quantize=...)
 
 
 class PlanError(ValueError):
@@ -97,6 +100,7 @@ class Plan:
     placement: Placement = field(default_factory=Placement)
     calibration_tokens: int = 0
     fingerprint: str = ""  # of the model before compile rewrote it (see saving.fingerprint)
+    quantize: str | None = None  # weight format the kernels read (picompile/quant.py), or float
 
     def block(self, name: str) -> BlockPlan:
         for b in self.blocks:
@@ -216,6 +220,7 @@ PLAN_FIELDS = {
     "placement": _OBJECT,
     "calibration_tokens": _int(0),
     "fingerprint": _str(),
+    "quantize": _optional(_choice(QUANT_FORMATS)),
 }
 PLAN_REQUIRED = ("mode", "target_sparsity", "blocks", "unmatched", "placement",
                  "calibration_tokens", "fingerprint")
