@@ -32,11 +32,12 @@ def _compile(args, model, tokenizer):
     import picompile
     from picompile import saving
 
+    gguf, quantize = _quantization(args)
     if args.plan:
         if args.dtype:
             model.to(getattr(torch, args.dtype))  # as compile(dtype=) did before saving
-        cm = picompile.load(model, args.plan)  # quantized as the plan says
-        if args.quantize and args.quantize != cm.plan.quantize:
+        cm = picompile.load(model, args.plan, gguf=gguf)  # quantized as the plan says
+        if quantize != cm.plan.quantize and args.quantize is not None:
             raise SystemExit(f"picompile: the plan in {args.plan} was compiled with quantize="
                              f"{cm.plan.quantize}; drop --quantize, or compile again with it")
         return cm
@@ -45,11 +46,25 @@ def _compile(args, model, tokenizer):
     cm = picompile.compile(model, mode=args.mode, sparsity=args.sparsity, tokenizer=tokenizer,
                            gpu_budget=args.gpu_budget, calibration_tokens=args.calibration_tokens,
                            predictors=args.predictors, quiet=args.quiet, dtype=args.dtype,
-                           quantize=args.quantize)
+                           quantize=quantize, gguf=gguf)
     if args.save:
         cm.save(args.save)
         print(f"picompile: plan saved to {args.save} (reuse it with --plan)", file=sys.stderr)
     return cm
+
+
+def _quantization(args) -> tuple:
+    """(gguf file, quantize) for compile: a GGUF model keeps its file's quantized tensors
+    unless --quantize says otherwise ("float": dequantized, as transformers loads it)."""
+    from picompile import models
+
+    path = models.check(args.model)
+    gguf = path if path.is_file() and path.suffix == ".gguf" else None
+    if args.quantize == "float":
+        return None, None
+    if args.quantize in (None, "gguf"):
+        return gguf, ("gguf" if gguf is not None else None)
+    return None, args.quantize
 
 
 def _positive_int(text: str) -> int:
@@ -318,9 +333,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="load a saved plan instead of compiling")
         p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                        help="convert the weights first (default: the model's own dtype)")
-        p.add_argument("--quantize", choices=list(QUANT_FORMATS), default=None,
-                       help="store the FFN and linear weights in a GGUF block format "
-                            "(CPU only; default: float weights)")
+        p.add_argument("--quantize", choices=[*QUANT_FORMATS, "float"], default=None,
+                       help="weights the kernels read: a GGUF block format (q8_0, q4_0, q4_1), "
+                            "gguf (the GGUF model file's own tensors), or float. Default: gguf "
+                            "for a GGUF model, else float. CPU only")
         p.add_argument("--quiet", action="store_true",
                        help="no progress output (a bar on a terminal, plain lines elsewhere)")
     run = sub.choices["run"]

@@ -13,6 +13,7 @@ calibrating, profiling and training again.
 
 from __future__ import annotations
 
+import pathlib
 import re
 import warnings
 
@@ -20,7 +21,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from picompile import saving
+from picompile import gguf_weights, saving
 from picompile.budget import parse_budget
 from picompile.capture import capture, replace_module
 from picompile.passes import calibrate as calibrate_pass
@@ -32,7 +33,7 @@ from picompile.passes import rewrite as rewrite_pass
 from picompile.passes.detect import detect
 from picompile.plan import MODES, PREDICTOR_POLICIES, QUANT_FORMATS, BlockPlan, Plan, Unmatched
 from picompile.progress import note
-from picompile.runtime.dense_linear import DenseLinear
+from picompile.runtime.dense_linear import DenseLinear, QuantLinear
 from picompile.runtime.sparse_ffn import SparseFFN
 
 
@@ -272,6 +273,7 @@ def compile(
     predictors: str = "auto",
     dtype: torch.dtype | str | None = None,
     quantize: str | None = None,
+    gguf=None,
 ) -> CompiledModel:
     """Compile `model` (rewritten in place) into activation-sparse FFN blocks.
 
@@ -297,10 +299,15 @@ def compile(
     blocks and the other linear layers are stored and read quantized (blocks of 32 weights with a
     float16 scale), after calibration, profiling and placement have measured the float model.
     Embeddings, norms and biases stay float. CPU only for now. Default: float weights.
+    gguf (the GGUF file the model was loaded from): its Q8_0 / Q4_0 / Q4_1 tensors are used as
+    they are, each in its own format (quantize="gguf", the default when gguf is given; see
+    picompile/gguf_weights.py); a quantize format instead re-quantizes the float weights.
     """
     budget = _check_args(model, mode, sparsity, gpu_budget, predictors)
     dtype = _check_dtype(dtype)
-    _check_quantize(quantize, budget)
+    if gguf is not None and quantize is None:
+        quantize = "gguf"
+    _check_quantize(quantize, budget, gguf)
     _check_not_compiled(model, "compile")
     # Every check that can fail comes before the model is rewritten in place.
     ids = _calibration_ids(calibration, tokenizer, calibration_tokens)
@@ -324,7 +331,7 @@ def compile(
     model, graphs, ffns = _rewrite(model, plan)
     try:
         cm = _plan_and_lower(model, plan, graphs, ffns, ids, mode, sparsity, budget, max_context,
-                             target_recall, predictors, quiet)
+                             target_recall, predictors, quiet, gguf)
     except BaseException:
         # Nothing has permuted or moved a weight before placement: put the original modules
         # back, so that a retry (with other arguments) starts from the model as it was.
@@ -342,7 +349,7 @@ def compile(
 
 
 def _plan_and_lower(model, plan, graphs, ffns, ids, mode, sparsity, budget, max_context,
-                    target_recall, predictors, quiet) -> CompiledModel:
+                    target_recall, predictors, quiet, gguf=None) -> CompiledModel:
     """calibrate -> profile -> predictors -> place -> select kernels -> autotune -> distribute."""
     needs_profile = mode == "predicted" or budget is not None
 
@@ -373,7 +380,7 @@ def _plan_and_lower(model, plan, graphs, ffns, ids, mode, sparsity, budget, max_
     # place: hot neurons on the GPU within the budget, neurons permuted hot-first
     if budget is not None:
         _place(model, ffns, plan.placement, profiles, budget, max_context)
-    cm = _finish(model, plan, graphs, ffns)
+    cm = _finish(model, plan, graphs, ffns, gguf)
     cm.firing = {name: prof.freq for name, prof in profiles.items()}
     hybrid = budget is not None and torch.cuda.is_available() and plan.placement.fixed_on_gpu
     if mode == "predicted" and not hybrid:  # time each block with and without its predictor
@@ -394,12 +401,16 @@ def _plan_and_lower(model, plan, graphs, ffns, ids, mode, sparsity, budget, max_
     return cm
 
 
-def _check_quantize(quantize, budget) -> None:
+def _check_quantize(quantize, budget, gguf) -> None:
     if quantize is None:
         return
     if quantize not in QUANT_FORMATS:
         raise ValueError(f"quantize must be one of {', '.join(QUANT_FORMATS)} (GGUF's block "
-                         f"formats) or None for float weights, got {quantize!r}")
+                         f"formats, or the GGUF file's own) or None for float weights, got "
+                         f"{quantize!r}")
+    if quantize == "gguf" and (gguf is None or not pathlib.Path(gguf).is_file()):
+        raise ValueError(f"quantize='gguf' keeps the tensors of the GGUF file the model was "
+                         f"loaded from: pass gguf=<that file> (got {gguf!r})")
     if budget is not None:
         raise ValueError("quantize= runs on the CPU only so far: the GPU kernels read float "
                          "weights. Drop gpu_budget, or quantize=")
@@ -476,10 +487,14 @@ def _attach_predictor(graphs, ffn: SparseFFN, predictor) -> None:
     predictors_pass.insert_predictor_node(graphs[ffn.block.module], name_in_graph(ffn.block))
 
 
-def _finish(model, plan, graphs, ffns) -> CompiledModel:
+def _finish(model, plan, graphs, ffns, gguf=None) -> CompiledModel:
     """quantize (plan.quantize) -> pick each block's kernels, once, after every change to the
     weights -> lower the other linears -> which predictors run (plan.predictors)."""
-    quant_notes = quantize_pass.quantize_ffns(ffns, plan.quantize) if plan.quantize else []
+    file_blocks, quant_notes = None, []
+    if plan.quantize == "gguf":
+        file_blocks, quant_notes = gguf_weights.read(gguf, model.config)
+    if plan.quantize:
+        quant_notes += quantize_pass.quantize_ffns(ffns, plan.quantize, file_blocks)
     paths = {name: ffn.select_kernel() for name, ffn in ffns.items()}
     for ffn in ffns.values():
         if ffn.predictor is not None:
@@ -488,7 +503,7 @@ def _finish(model, plan, graphs, ffns) -> CompiledModel:
     # kernel; after capture and detect, which find FFN blocks by their nn.Linear members
     linear_paths = lower_pass.lower_linears(model)
     if plan.quantize:
-        quantized, notes = quantize_pass.quantize_linears(model, plan.quantize)
+        quantized, notes = quantize_pass.quantize_linears(model, plan.quantize, file_blocks)
         linear_paths.update(quantized)
         quant_notes += notes
     cm = CompiledModel(model, plan, graphs, paths)
@@ -499,9 +514,10 @@ def _finish(model, plan, graphs, ffns) -> CompiledModel:
     return cm
 
 
-def load(model: nn.Module, directory) -> CompiledModel:
+def load(model: nn.Module, directory, gguf=None) -> CompiledModel:
     """Rebuild a compiled model from `cm.save(directory)` without profiling: `model` must be
-    the model the plan was made from (checked by fingerprint)."""
+    the model the plan was made from (checked by fingerprint); `gguf`: its GGUF file, for a plan
+    compiled with quantize="gguf"."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"picompile.load needs the torch.nn.Module the plan was made for, got "
                         f"{type(model).__name__}")
@@ -517,6 +533,9 @@ def load(model: nn.Module, directory) -> CompiledModel:
                 fingerprint=saved.fingerprint, placement=saved.placement,
                 calibration_tokens=saved.calibration_tokens, predictors=saved.predictors,
                 quantize=saved.quantize)
+    if plan.quantize == "gguf" and gguf is None:
+        raise ValueError(f"the plan in {directory} keeps the GGUF file's quantized tensors: pass "
+                         "gguf=<the file the model was loaded from>")
     model, graphs, ffns = _rewrite(model, plan)
     for gm in graphs.values():
         gm.meta.pop("picompile_original", None)
@@ -535,7 +554,7 @@ def load(model: nn.Module, directory) -> CompiledModel:
         except (KeyError, RuntimeError, IndexError) as e:
             raise saving.PlanError(f"the saved tensors for {block.name} are incomplete or do not "
                                    f"fit the model: {e}") from e
-    cm = _finish(model, plan, graphs, ffns)
+    cm = _finish(model, plan, graphs, ffns, gguf)
     cm.decoder()
     return cm
 
@@ -594,7 +613,7 @@ def _weights_line(cm: CompiledModel) -> str:
         if isinstance(m, SparseFFN):
             fmt = getattr(m, "qformat", None) or dtype_name(m.w_up.dtype)
             add("FFN", fmt, [m.w_gate, m.w_up, m.w_down_t])
-        elif type(m).__name__ == "QuantLinear":  # FIXME(lead): isinstance once it lands
+        elif isinstance(m, QuantLinear):
             add("linear", m.qformat, [m.qweight])
         elif isinstance(m, DenseLinear):
             add("linear", dtype_name(m.weight.dtype), [m.weight])

@@ -23,7 +23,8 @@ MODES = ("exact", "predicted")
 PREDICTOR_POLICIES = ("auto", "all", "none")
 KINDS = ("plain", "gated", "drelu")
 DTYPES = ("float32", "float16", "bfloat16", "float64")
-QUANT_FORMATS = tuple(FORMATS)  # compile(quantize=...)
+# compile(quantize=...): a block format, or "gguf": each tensor as the model's GGUF file has it
+QUANT_FORMATS = (*FORMATS, "gguf")
 
 
 class PlanError(ValueError):
@@ -147,6 +148,7 @@ class Plan:
             placement=placement,
             calibration_tokens=data["calibration_tokens"],
             fingerprint=data["fingerprint"],
+            quantize=data.get("quantize"),  # plans from before quantize= are float
         )
 
 

@@ -1,0 +1,127 @@
+"""Perplexity of quantized weights: picompile against llama.cpp's `llama-perplexity`, same GGUF
+weights, same text, same scoring (issue 10's quality targets).
+
+    python benchmarks/quant_quality.py [--chunks 16] [--ctx 512]
+
+Needs llama.cpp built by benchmarks/peers.py (build/peers/cmake/bin), plus its llama-perplexity
+target (`cmake --build build/peers/cmake --target llama-perplexity`), and the F32 copy of the
+shipped model peers.py makes (build/peers/smollm2-F32.gguf).
+
+Text: the built-in corpus's heldout split (picompile/corpus.py), written to
+build/quant-quality/heldout.txt. Scoring, as llama-perplexity does it: the text's tokens cut
+into chunks of --ctx tokens (the first replaced by BOS where the file says to add one); per chunk
+one forward pass; the negative log-likelihood of each token in the second half given all before
+it; exp of the mean over all chunks.
+
+Rows, for SmolLM2-135M-Instruct (shipped as Q4_1):
+    F32   the shipped file dequantized (llama-quantize to F32; picompile: the float model
+          transformers loads from the shipped file, the same values)
+    Q4_1  the shipped file (picompile: compile(gguf=file), its tensors kept as they are)
+    Q8_0, Q4_0  of the F32 weights (llama-quantize from F32; picompile: compile(quantize=...))
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import pathlib
+import platform
+import re
+import subprocess
+import time
+
+import torch
+import torch.nn.functional as F
+
+import picompile
+from picompile import bench, corpus, models
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+OUT = ROOT / "build" / "quant-quality"
+
+
+def add_bos(gguf_path: pathlib.Path) -> bool:
+    import gguf
+
+    field = gguf.GGUFReader(gguf_path).fields.get("tokenizer.ggml.add_bos_token")
+    return bool(field.contents()) if field is not None else False
+
+
+@torch.no_grad()
+def chunked_perplexity(model, ids: torch.Tensor, ctx: int, chunks: int, bos: int | None) -> float:
+    """llama-perplexity's measure over ids [n]: chunks of ctx tokens, second halves scored."""
+    total, count = 0.0, 0
+    for c in range(chunks):
+        x = ids[c * ctx:(c + 1) * ctx].clone()
+        if bos is not None:
+            x[0] = bos
+        logits = model(x[None], use_cache=False).logits[0].float()  # [ctx, vocab]
+        first = ctx // 2
+        total += float(F.cross_entropy(logits[first:ctx - 1], x[first + 1:], reduction="sum"))
+        count += ctx - 1 - first
+    return math.exp(total / count)
+
+
+def llama_perplexity(bins: pathlib.Path, gguf_path: pathlib.Path, text: pathlib.Path, ctx: int,
+                     chunks: int, threads: int) -> float:
+    cmd = [str(bins / "llama-perplexity"), "-m", str(gguf_path), "-f", str(text), "-c", str(ctx),
+           "-b", str(ctx), "--chunks", str(chunks), "-t", str(threads)]
+    r = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    m = re.search(r"Final estimate: PPL = ([0-9.]+)", r.stdout + r.stderr)
+    if m is None:
+        raise RuntimeError(f"no final estimate from {' '.join(cmd)}:\n{(r.stdout + r.stderr)[-2000:]}")
+    return float(m.group(1))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--chunks", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    bins = bench.llama_cpp_bins()
+    if bins is None or not (bins / "llama-perplexity").exists():
+        raise SystemExit("llama.cpp is not built: python benchmarks/peers.py builds it, then "
+                         "cmake --build build/peers/cmake --target llama-perplexity")
+    shipped = models.default_gguf()
+    f32 = bins.parent.parent / "smollm2-F32.gguf"
+    if not f32.exists():
+        raise SystemExit(f"{f32} is missing: python benchmarks/peers.py makes it")
+    OUT.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = models.load()
+    text = "\n\n".join(corpus.default_texts("heldout"))
+    text_file = OUT / "heldout.txt"
+    text_file.write_text(text)
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
+    chunks = min(args.chunks, ids.numel() // args.ctx)
+    bos = tokenizer.bos_token_id if add_bos(shipped) else None
+    print(f"SmolLM2-135M-Instruct, {ids.numel()} heldout tokens, {chunks} chunks of {args.ctx}, "
+          f"{args.threads} threads, {platform.processor() or platform.machine()}, "
+          f"{time.strftime('%Y-%m-%d')}", flush=True)
+
+    llama = {"F32": f32, "Q4_1 (shipped)": shipped,
+             "Q8_0": bench.requantized(bins, f32, "Q8_0", OUT / "smollm2-Q8_0.gguf"),
+             "Q4_0": bench.requantized(bins, f32, "Q4_0", OUT / "smollm2-Q4_0.gguf")}
+    ours = {"F32": dict(), "Q4_1 (shipped)": dict(gguf=shipped),
+            "Q8_0": dict(quantize="q8_0"), "Q4_0": dict(quantize="q4_0")}
+    rows = []
+    for name in llama:
+        cm = picompile.compile(copy.deepcopy(model), quiet=True, **ours[name])
+        ppl_ours = chunked_perplexity(cm, ids, args.ctx, chunks, bos)
+        ppl_llama = llama_perplexity(bins, llama[name], text_file, args.ctx, chunks, args.threads)
+        rows.append((name, ppl_ours, ppl_llama))
+        print(f"{name}: picompile {ppl_ours:.4f}, llama.cpp {ppl_llama:.4f}", flush=True)
+        del cm
+    base_ours, base_llama = rows[0][1], rows[0][2]
+    print()
+    print("| weights | picompile PPL | vs its F32 | llama.cpp PPL | vs its F32 | picompile / llama.cpp |")
+    print("|---|---|---|---|---|---|")
+    for name, o, l in rows:
+        print(f"| {name} | {o:.4f} | {o / base_ours - 1:+.2%} | {l:.4f} | {l / base_llama - 1:+.2%} "
+              f"| {o / l - 1:+.2%} |")
+
+
+if __name__ == "__main__":
+    main()
