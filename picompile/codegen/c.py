@@ -11,6 +11,14 @@ binds a module's weights to that library and returns the callable `SparseFFN.for
 The math is the contract in `picompile/runtime/sparse_ffn.py`. The kernel is the small-batch
 (decode) path: one fused pass per neuron, each weight row read once for all T tokens; for ReLU
 blocks the up and down rows of a neuron are only read when its gate fired for some token.
+
+Weight formats: float32 / float16 / bfloat16 elements (DTYPES), or GGUF's q8_0 / q4_0 / q4_1
+blocks (QFORMATS, picompile/quant.py): uint8 [n_ff, d / 32 * block bytes], each neuron's row its
+blocks of 32 weights along d, dequantized in registers (F16C for the scales, FMA into float32
+accumulators). The C code reaches every row through `row_bytes(d)` / `row_at`, and does its three
+per-row operations (dot with up to 8 tokens, axpy into the partial outputs, prefetch) through
+`row_dot` / `row_axpy` / `row_prefetch`, which pick the float or the quantized code. AVX2 + FMA
+(+ F16C) where the CPU has them, else portable scalar C (same source, see `build_flags`).
 """
 
 from __future__ import annotations
@@ -32,12 +40,14 @@ from typing import Callable
 
 import torch
 
+from picompile import quant
 from picompile.codegen.cache import cached_build
 from picompile.config import reference_forced
 
 log = logging.getLogger(__name__)
 
 DTYPES = ("float32", "float16", "bfloat16")
+QFORMATS = tuple(quant.FORMATS)  # GGUF block formats: "q8_0", "q4_0", "q4_1" (picompile/quant.py)
 ACTS = ("relu", "silu", "gelu", "gelu_tanh")
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -48,15 +58,16 @@ Kernel = Callable[..., "tuple[torch.Tensor, int]"]
 class Variant:
     """Everything about a block that changes the generated code."""
 
-    dtype: str  # weight dtype: "float32" | "float16" | "bfloat16"
+    dtype: str  # weight format: "float32" | "float16" | "bfloat16" | "q8_0" | "q4_0" | "q4_1"
     gated: bool  # down(act(gate x) * up x); False: down(act(up x))
     drelu: bool  # gated with relu on the up branch too (implies gated)
     bias: bool  # the block has bias vectors (any of b_gate, b_up, b_down)
     act: str  # "relu" | "silu" | "gelu" | "gelu_tanh"
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"unsupported weight dtype {self.dtype!r} (C kernels take {DTYPES})")
+        if self.dtype not in DTYPES + QFORMATS:
+            raise ValueError(f"unsupported weight dtype {self.dtype!r} (C kernels take "
+                             f"{DTYPES + QFORMATS})")
         if self.act not in ACTS:
             raise ValueError(f"unsupported activation {self.act!r}")
         if self.drelu and not self.gated:
@@ -66,12 +77,23 @@ class Variant:
     def of(cls, ffn) -> Variant:
         """The variant of a SparseFFN module."""
         return cls(
-            dtype=str(ffn.w_up.dtype).removeprefix("torch."),
+            dtype=getattr(ffn, "qformat", None) or str(ffn.w_up.dtype).removeprefix("torch."),
             gated=ffn.w_gate is not None,
             drelu=bool(ffn.drelu),
             bias=any(getattr(ffn, b) is not None for b in ("b_gate", "b_up", "b_down")),
             act=ffn.act,
         )
+
+    @property
+    def quantized(self) -> bool:
+        """The weight rows are GGUF blocks (uint8), not float elements."""
+        return self.dtype in QFORMATS
+
+    def row_bytes(self, d: int) -> int:
+        """Bytes of one weight row of d weights (a neuron's row of w_gate, w_up or w_down_t)."""
+        if self.quantized:
+            return quant.row_bytes(d, self.dtype)
+        return d * _TORCH_DTYPES[self.dtype].itemsize
 
     @property
     def name(self) -> str:
@@ -82,7 +104,7 @@ class Variant:
 def all_variants() -> list[Variant]:
     return [
         Variant(dtype, gated, drelu, bias, act)
-        for dtype in DTYPES
+        for dtype in DTYPES + QFORMATS
         for gated, drelu in ((False, False), (True, False), (True, True))
         for bias in (False, True)
         for act in ACTS
@@ -103,6 +125,9 @@ _HEADER = """\
  *            const wtype* w_gate,   [n_ff, d] one row per neuron (NULL for a plain block)
  *            const wtype* w_up,     [n_ff, d]
  *            const wtype* w_down_t, [n_ff, d] (down projection weight, transposed)
+ *                                   quantized variants (q8_0, q4_0, q4_1): uint8
+ *                                   [n_ff, row_bytes(d)], each row its d / 32 GGUF blocks
+ *                                   (d a multiple of 32, which the caller checks)
  *            const float* b_gate,   [n_ff] or NULL
  *            const float* b_up,     [n_ff] or NULL
  *            const float* b_down,   [d] or NULL
@@ -115,9 +140,10 @@ _HEADER = """\
  *            int64_t* n_active);    out: number of active (token, neuron) pairs; -1 = no memory
  *   int predict(const float* x,     [T, d] float32: the block input
  *               int64_t T, int64_t d, int64_t r, int64_t n_ff,
- *               const wtype* p1,    [r, d]      the predictor's layers (wtype: this library's
- *               const float* pb1,   [r]          weight dtype; picompile uses float16)
- *               const wtype* p2t,   [r, n_ff]   the second layer's weight, transposed
+ *               const etype* p1,    [r, d]      the predictor's layers (etype: this library's
+ *               const float* pb1,   [r]          weight dtype, float16 in quantized libraries;
+ *               const etype* p2t,   [r, n_ff]   picompile uses float16) p2t: the second
+ *                                               layer's weight, transposed
  *               const float* pb2,   [n_ff]
  *               float tau,
  *               uint8_t* mask);     out [T, n_ff]: 1 where p2t^T relu(p1 x + pb1) + pb2 > tau
@@ -128,6 +154,9 @@ _HEADER = """\
 #define PIC_F32 0
 #define PIC_F16 1
 #define PIC_BF16 2
+#define PIC_Q8_0 3   /* GGUF blocks of 32 weights: f16 d, int8 q[32]          w = d * q */
+#define PIC_Q4_0 4   /*                            f16 d, uint8 qs[16]        w = d * (nibble - 8) */
+#define PIC_Q4_1 5   /*                            f16 d, f16 m, uint8 qs[16] w = d * nibble + m */
 #define PIC_RELU 0
 #define PIC_SILU 1
 #define PIC_GELU 2
@@ -155,7 +184,17 @@ _BODY = r"""
 #include <omp.h>
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && (PIC_WDTYPE != PIC_F16 || defined(__F16C__))
+#define PIC_QUANT (PIC_WDTYPE >= PIC_Q8_0) /* FFN rows in GGUF blocks */
+/* etype: the element type of the float matrices this library reads element by element: the FFN
+ * weights of float variants, and predict's matrices (float16 in quantized libraries). */
+#if PIC_QUANT
+#define PIC_EDTYPE PIC_F16
+#else
+#define PIC_EDTYPE PIC_WDTYPE
+#endif
+
+/* F16C converts float16 weights and the quantized blocks' float16 scales. */
+#if defined(__AVX2__) && defined(__FMA__) && (PIC_EDTYPE != PIC_F16 || defined(__F16C__))
 #include <immintrin.h>
 #define PIC_SIMD 1
 #else
@@ -175,13 +214,8 @@ _BODY = r"""
 #define PIC_CHUNKS 16           /* chunks of candidate neurons, each with a partial output */
 #define PIC_PARTIAL_MAX_BYTES ((int64_t)64 << 20) /* cap on the partial outputs */
 
-/* ---- weights: element type and conversion to float32 (exact for all three dtypes) ---- */
-#if PIC_WDTYPE == PIC_F32
-typedef float wtype;
-PIC_INLINE float w2f(wtype v) { return v; }
-#elif PIC_WDTYPE == PIC_F16
-typedef uint16_t wtype;
-PIC_INLINE float w2f(wtype h) {
+/* float16 -> float32 (exact), portable */
+PIC_INLINE float pic_f16(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
     if (exp == 0x1f) {
         bits = sign | 0x7f800000u | (mant << 13);          /* inf, nan */
@@ -198,9 +232,17 @@ PIC_INLINE float w2f(wtype h) {
     memcpy(&f, &bits, 4);
     return f;
 }
+
+/* ---- float weights: element type and conversion to float32 (exact for all three dtypes) ---- */
+#if PIC_EDTYPE == PIC_F32
+typedef float etype;
+PIC_INLINE float w2f(etype v) { return v; }
+#elif PIC_EDTYPE == PIC_F16
+typedef uint16_t etype;
+PIC_INLINE float w2f(etype h) { return pic_f16(h); }
 #else
-typedef uint16_t wtype;
-PIC_INLINE float w2f(wtype b) {
+typedef uint16_t etype;
+PIC_INLINE float w2f(etype b) {
     uint32_t bits = (uint32_t)b << 16;
     float f;
     memcpy(&f, &bits, 4);
@@ -208,12 +250,41 @@ PIC_INLINE float w2f(wtype b) {
 }
 #endif
 
+/* ---- FFN weight rows: wtype, and the bytes of one row ---- */
+#if PIC_QUANT
+typedef uint8_t wtype; /* a row is d / PIC_QK blocks of PIC_QBYTES bytes */
+#define PIC_QK 32      /* weights per block */
+#if PIC_WDTYPE == PIC_Q8_0
+#define PIC_QBYTES 34
+#elif PIC_WDTYPE == PIC_Q4_0
+#define PIC_QBYTES 18
+#else
+#define PIC_QBYTES 20
+#endif
+#else
+typedef etype wtype;
+#endif
+
+/* Bytes of one weight row of d weights (a neuron's row of w_gate, w_up or w_down_t): every row
+ * address in the FFN goes through row_at with this stride. */
+PIC_INLINE int64_t row_bytes(int64_t d) {
+#if PIC_QUANT
+    return d / PIC_QK * PIC_QBYTES;
+#else
+    return d * (int64_t)sizeof(wtype);
+#endif
+}
+
+PIC_INLINE const wtype* row_at(const wtype* w, int64_t j, int64_t rb) {
+    return (const wtype*)((const char*)w + j * rb);
+}
+
 #if PIC_SIMD
 /* 8 consecutive weights as float32 */
-PIC_INLINE __m256 loadw8(const wtype* p) {
-#if PIC_WDTYPE == PIC_F32
+PIC_INLINE __m256 loadw8(const etype* p) {
+#if PIC_EDTYPE == PIC_F32
     return _mm256_loadu_ps(p);
-#elif PIC_WDTYPE == PIC_F16
+#elif PIC_EDTYPE == PIC_F16
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
 #else
     return _mm256_castsi256_ps(
@@ -250,18 +321,22 @@ PIC_INLINE float act_fn(float g) {
 #else
 #define PIC_PREFETCH(p) __builtin_prefetch((const void*)(p), 0, 3)
 #endif
-#define PIC_WPL (64 / (int)sizeof(wtype)) /* weights per 64-byte cache line */
+#define PIC_WPL (64 / (int)sizeof(etype)) /* float weights per 64-byte cache line */
 
-PIC_INLINE void prefetch_head(const wtype* row, int64_t d) {
-    int64_t n = (int64_t)PIC_PF_BYTES / (int64_t)sizeof(wtype);
-    if (n > d) n = d;
-    for (int64_t k = 0; k < n; k += PIC_WPL) PIC_PREFETCH(row + k);
+/* The first min(n, PIC_PF_BYTES) bytes at p. */
+PIC_INLINE void prefetch_bytes(const void* p, int64_t n) {
+    if (n > PIC_PF_BYTES) n = PIC_PF_BYTES;
+    for (int64_t k = 0; k < n; k += 64) PIC_PREFETCH((const char*)p + k);
+}
+
+PIC_INLINE void prefetch_head(const etype* row, int64_t d) {
+    prefetch_bytes(row, d * (int64_t)sizeof(etype));
 }
 
 /* res[n] = w[0:d] . xs[n][0:d] for n < N: one pass over the row w for all N tokens.
  * N tokens x U independent 8-float accumulators (N*U <= 8: all in registers); each main-loop
  * step covers SV vectors (whole cache lines, one prefetch per line). */
-PIC_INLINE void dot_n(const wtype* w, const float* const* xs, int64_t d, float* res,
+PIC_INLINE void dot_n(const etype* w, const float* const* xs, int64_t d, float* res,
                       const int N, const int U) {
 #if PIC_SIMD
     const int VPL = PIC_WPL / 8;              /* 8-float vectors per cache line of weights */
@@ -270,7 +345,7 @@ PIC_INLINE void dot_n(const wtype* w, const float* const* xs, int64_t d, float* 
     for (int i = 0; i < N * U; ++i) acc[i] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 8 * SV <= d; k += 8 * SV) {
-        for (int l = 0; l < SV / VPL; ++l) PIC_PREFETCH(w + k + l * PIC_WPL + PIC_PF_BYTES / sizeof(wtype));
+        for (int l = 0; l < SV / VPL; ++l) PIC_PREFETCH(w + k + l * PIC_WPL + PIC_PF_BYTES / sizeof(etype));
         for (int v = 0; v < SV; ++v) {
             const __m256 wv = loadw8(w + k + 8 * v);
             for (int n = 0; n < N; ++n)
@@ -293,7 +368,7 @@ PIC_INLINE void dot_n(const wtype* w, const float* const* xs, int64_t d, float* 
     float r[PIC_MAXTOK] = {0};
     (void)U;
     for (int64_t k = 0; k < d; ++k) {
-        if ((k & (PIC_WPL - 1)) == 0) PIC_PREFETCH(w + k + PIC_PF_BYTES / sizeof(wtype));
+        if ((k & (PIC_WPL - 1)) == 0) PIC_PREFETCH(w + k + PIC_PF_BYTES / sizeof(etype));
         const float wk = w2f(w[k]);
         for (int n = 0; n < N; ++n) r[n] += wk * xs[n][k];
     }
@@ -302,7 +377,7 @@ PIC_INLINE void dot_n(const wtype* w, const float* const* xs, int64_t d, float* 
 }
 
 /* ps[n][0:d] += hs[n] * w[0:d] for n < N: one pass over the row w for all N tokens. */
-PIC_INLINE void axpy_n(const wtype* w, const float* hs, float* const* ps, int64_t d, const int N) {
+PIC_INLINE void axpy_n(const etype* w, const float* hs, float* const* ps, int64_t d, const int N) {
     int64_t k = 0;
 #if PIC_SIMD
     const int VPL = PIC_WPL / 8;
@@ -310,7 +385,7 @@ PIC_INLINE void axpy_n(const wtype* w, const float* hs, float* const* ps, int64_
     __m256 hv[PIC_MAXTOK];
     for (int n = 0; n < N; ++n) hv[n] = _mm256_set1_ps(hs[n]);
     for (; k + 8 * SV <= d; k += 8 * SV) {
-        for (int l = 0; l < SV / VPL; ++l) PIC_PREFETCH(w + k + l * PIC_WPL + PIC_PF_BYTES / sizeof(wtype));
+        for (int l = 0; l < SV / VPL; ++l) PIC_PREFETCH(w + k + l * PIC_WPL + PIC_PF_BYTES / sizeof(etype));
         for (int v = 0; v < SV; ++v) {
             const __m256 wv = loadw8(w + k + 8 * v);
             for (int n = 0; n < N; ++n) {
@@ -329,7 +404,7 @@ PIC_INLINE void axpy_n(const wtype* w, const float* hs, float* const* ps, int64_
 #endif
     for (; k < d; ++k) {
 #if !PIC_SIMD
-        if ((k & (PIC_WPL - 1)) == 0) PIC_PREFETCH(w + k + PIC_PF_BYTES / sizeof(wtype));
+        if ((k & (PIC_WPL - 1)) == 0) PIC_PREFETCH(w + k + PIC_PF_BYTES / sizeof(etype));
 #endif
         const float wk = w2f(w[k]);
         for (int n = 0; n < N; ++n) ps[n][k] += hs[n] * wk;
@@ -337,7 +412,7 @@ PIC_INLINE void axpy_n(const wtype* w, const float* hs, float* const* ps, int64_
 }
 
 /* Dispatch on the token count so that every instance has compile-time N and U. */
-static void dot_rows(const wtype* w, const float* const* xs, int n, int64_t d, float* res) {
+static void dot_rows(const etype* w, const float* const* xs, int n, int64_t d, float* res) {
     switch (n) {
     case 1: dot_n(w, xs, d, res, 1, 4); break;
     case 2: dot_n(w, xs, d, res, 2, 4); break;
@@ -350,7 +425,7 @@ static void dot_rows(const wtype* w, const float* const* xs, int n, int64_t d, f
     }
 }
 
-static void axpy_rows(const wtype* w, const float* hs, float* const* ps, int n, int64_t d) {
+static void axpy_rows(const etype* w, const float* hs, float* const* ps, int n, int64_t d) {
     switch (n) {
     case 1: axpy_n(w, hs, ps, d, 1); break;
     case 2: axpy_n(w, hs, ps, d, 2); break;
@@ -361,6 +436,262 @@ static void axpy_rows(const wtype* w, const float* hs, float* const* ps, int n, 
     case 7: axpy_n(w, hs, ps, d, 7); break;
     default: axpy_n(w, hs, ps, d, 8); break;
     }
+}
+
+/* ---- quantized rows: the FFN's row operations on GGUF blocks, dequantized in registers ----
+ * A block is 32 weights along d: a float16 scale s (q4_1: and a float16 minimum m) and 32
+ * integers q (q8_0: int8; q4_*: nibbles n, weight k in the low nibble of byte k for k < 16, in
+ * the high nibble of byte k - 16 above). The dot product of a row with x sums, per block,
+ *     q8_0: s * (q . x)      q4_0: s * (n . x) - 8 s * S      q4_1: s * (n . x) + m * S
+ * with S the sum of x over the block (PIC_QSUMS: computed once per call, "block sums"), so the
+ * integers go to float32 unshifted and the scale multiplies once per block. axpy dequantizes
+ * (s * (n - 8), s * n + m) and FMAs each weight into the partial outputs. */
+#if PIC_QUANT
+#define PIC_QSUMS (PIC_SIMD && PIC_WDTYPE != PIC_Q8_0) /* dot products use block sums of x */
+#define PIC_QGROUP 4                                  /* blocks per step of the row loops */
+#define PIC_QLINES ((PIC_QGROUP * PIC_QBYTES + 63) / 64) /* prefetches per step: cover its bytes */
+
+#if PIC_SIMD
+/* The float16 scale at blk[0:2] (lane 0) and, for q4_1, the minimum at blk[2:4] (lane 1): one
+ * 4-byte load (inside every block) and one conversion. */
+PIC_INLINE __m128 qhead(const uint8_t* blk) {
+    int32_t v;
+    memcpy(&v, blk, 4);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(v));
+}
+
+/* The 32 integers of a block as float32, in weight order, 8 per vector: q8_0 q; q4_0 / q4_1 the
+ * nibbles n (minus 8 when `center`, q4_0: the integer weight). */
+PIC_INLINE void qvals(const uint8_t* blk, __m256 v[4], const int center) {
+#if PIC_WDTYPE == PIC_Q8_0
+    (void)center;
+    for (int i = 0; i < 4; ++i)
+        v[i] = _mm256_cvtepi32_ps(
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 2 + 8 * i))));
+#else
+    /* qs[16] in both 128-bit halves; spread qs[0..7] and qs[8..15] over the 32-bit lanes, one
+     * byte each: the low nibbles are weights 0..15, the high ones 16..31. */
+    const __m256i qs = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128((const __m128i*)(blk + (PIC_WDTYPE == PIC_Q4_1 ? 4 : 2))));
+    const __m256i lo8 = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                         4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+    const __m256i hi8 = _mm256_setr_epi8(8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1,
+                                         12, -1, -1, -1, 13, -1, -1, -1, 14, -1, -1, -1, 15, -1, -1, -1);
+    const __m256i b0 = _mm256_shuffle_epi8(qs, lo8); /* bytes 0..7, one per lane */
+    const __m256i b1 = _mm256_shuffle_epi8(qs, hi8); /* bytes 8..15 */
+    const __m256i m4 = _mm256_set1_epi32(15);
+    __m256i n[4] = {_mm256_and_si256(b0, m4), _mm256_and_si256(b1, m4),
+                    _mm256_srli_epi32(b0, 4), _mm256_srli_epi32(b1, 4)};
+    for (int i = 0; i < 4; ++i) {
+        if (PIC_WDTYPE == PIC_Q4_0 && center) n[i] = _mm256_sub_epi32(n[i], _mm256_set1_epi32(8));
+        v[i] = _mm256_cvtepi32_ps(n[i]);
+    }
+#endif
+}
+
+/* One block of qdot_n: block b of the row for N tokens, into accumulator u of each token (and
+ * the block-sum terms into corr). */
+PIC_INLINE void qdot_block(const uint8_t* w, int64_t b, const float* const* xs,
+                           const float* const* xss, __m256* acc, float* corr, const int N,
+                           const int U, const int u) {
+    const uint8_t* blk = w + b * PIC_QBYTES;
+    __m256 v[4];
+    qvals(blk, v, 0);
+    const __m128 head = qhead(blk);
+    const __m256 s = _mm256_broadcastss_ps(head);
+#if PIC_QSUMS
+#if PIC_WDTYPE == PIC_Q4_0
+    const float cs = _mm_cvtss_f32(head);                    /* s: times -8 at the end */
+#else
+    const float cs = _mm_cvtss_f32(_mm_movehdup_ps(head));  /* m */
+#endif
+    for (int n = 0; n < N; ++n) corr[n] = fmaf(cs, xss[n][b], corr[n]);
+#else
+    (void)xss; (void)corr;
+#endif
+    for (int n = 0; n < N; ++n) {
+        const float* x = xs[n] + b * PIC_QK;
+        __m256 q = _mm256_mul_ps(v[0], _mm256_loadu_ps(x));
+        q = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(x + 8), q);
+        q = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(x + 16), q);
+        q = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(x + 24), q);
+        acc[n * U + u] = _mm256_fmadd_ps(s, q, acc[n * U + u]);
+    }
+}
+#else
+/* The 32 weights of a block, dequantized (the reference's arithmetic, in float32). */
+PIC_INLINE void qdeq32(const uint8_t* blk, float w[32]) {
+    const float s = pic_f16((uint16_t)(blk[0] | blk[1] << 8));
+#if PIC_WDTYPE == PIC_Q8_0
+    for (int i = 0; i < 32; ++i) w[i] = s * (float)(int8_t)blk[2 + i];
+#elif PIC_WDTYPE == PIC_Q4_0
+    for (int i = 0; i < 16; ++i) {
+        w[i] = s * (float)((blk[2 + i] & 15) - 8);
+        w[i + 16] = s * (float)((blk[2 + i] >> 4) - 8);
+    }
+#else
+    const float m = pic_f16((uint16_t)(blk[2] | blk[3] << 8));
+    for (int i = 0; i < 16; ++i) {
+        w[i] = s * (float)(blk[4 + i] & 15) + m;
+        w[i + 16] = s * (float)(blk[4 + i] >> 4) + m;
+    }
+#endif
+}
+#endif
+
+/* res[n] = w . xs[n] for n < N over a quantized row of d weights: one pass over its blocks for
+ * all N tokens, N tokens x U vector accumulators (N * U <= 8; consecutive blocks take turns).
+ * xss[n]: token n's block sums (PIC_QSUMS). */
+PIC_INLINE void qdot_n(const wtype* w, const float* const* xs, const float* const* xss, int64_t d,
+                       float* res, const int N, const int U) {
+    const int64_t nb = d / PIC_QK;
+#if PIC_SIMD
+    __m256 acc[8];
+    float corr[PIC_MAXTOK];
+    for (int i = 0; i < N * U; ++i) acc[i] = _mm256_setzero_ps();
+    for (int n = 0; n < N; ++n) corr[n] = 0.0f;
+    int64_t b = 0;
+    for (; b + PIC_QGROUP <= nb; b += PIC_QGROUP) {
+        for (int l = 0; l < PIC_QLINES; ++l) PIC_PREFETCH(w + b * PIC_QBYTES + PIC_PF_BYTES + 64 * l);
+        for (int k = 0; k < PIC_QGROUP; ++k) qdot_block(w, b + k, xs, xss, acc, corr, N, U, k % U);
+    }
+    for (; b < nb; ++b) qdot_block(w, b, xs, xss, acc, corr, N, U, 0);
+    for (int n = 0; n < N; ++n) {
+        __m256 t = acc[n * U];
+        for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, acc[n * U + u]);
+#if PIC_WDTYPE == PIC_Q4_0
+        res[n] = hsum8(t) - 8.0f * corr[n];
+#else
+        res[n] = hsum8(t) + corr[n];
+#endif
+    }
+#else
+    float r[PIC_MAXTOK] = {0};
+    float wb[32];
+    (void)U; (void)xss;
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = w + b * PIC_QBYTES;
+        PIC_PREFETCH(blk + PIC_PF_BYTES);
+        qdeq32(blk, wb);
+        for (int n = 0; n < N; ++n) {
+            const float* x = xs[n] + b * PIC_QK;
+            float t = 0.0f;
+            for (int i = 0; i < 32; ++i) t += wb[i] * x[i];
+            r[n] += t;
+        }
+    }
+    for (int n = 0; n < N; ++n) res[n] = r[n];
+#endif
+}
+
+#if PIC_SIMD
+/* One block of qaxpy_n. */
+PIC_INLINE void qaxpy_block(const uint8_t* w, int64_t b, const __m256* hv, float* const* ps,
+                            const int N) {
+    const uint8_t* blk = w + b * PIC_QBYTES;
+    __m256 v[4];
+    qvals(blk, v, 1);
+    const __m128 head = qhead(blk);
+    const __m256 s = _mm256_broadcastss_ps(head);
+#if PIC_WDTYPE == PIC_Q4_1
+    const __m256 mn = _mm256_broadcastss_ps(_mm_movehdup_ps(head));
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_fmadd_ps(s, v[i], mn); /* dequantized */
+#endif
+    for (int n = 0; n < N; ++n) {
+#if PIC_WDTYPE == PIC_Q4_1
+        const __m256 c = hv[n];
+#else
+        const __m256 c = _mm256_mul_ps(hv[n], s); /* h * s: the block's integers scale by it */
+#endif
+        float* p = ps[n] + b * PIC_QK;
+        for (int i = 0; i < 4; ++i)
+            _mm256_storeu_ps(p + 8 * i, _mm256_fmadd_ps(c, v[i], _mm256_loadu_ps(p + 8 * i)));
+    }
+}
+#endif
+
+/* ps[n] += hs[n] * w for n < N over a quantized row of d weights: one pass over its blocks. */
+PIC_INLINE void qaxpy_n(const wtype* w, const float* hs, float* const* ps, int64_t d, const int N) {
+    const int64_t nb = d / PIC_QK;
+#if PIC_SIMD
+    __m256 hv[PIC_MAXTOK];
+    for (int n = 0; n < N; ++n) hv[n] = _mm256_set1_ps(hs[n]);
+    int64_t b = 0;
+    for (; b + PIC_QGROUP <= nb; b += PIC_QGROUP) {
+        for (int l = 0; l < PIC_QLINES; ++l) PIC_PREFETCH(w + b * PIC_QBYTES + PIC_PF_BYTES + 64 * l);
+        for (int k = 0; k < PIC_QGROUP; ++k) qaxpy_block(w, b + k, hv, ps, N);
+    }
+    for (; b < nb; ++b) qaxpy_block(w, b, hv, ps, N);
+#else
+    float wb[32];
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = w + b * PIC_QBYTES;
+        PIC_PREFETCH(blk + PIC_PF_BYTES);
+        qdeq32(blk, wb);
+        for (int n = 0; n < N; ++n) {
+            float* p = ps[n] + b * PIC_QK;
+            for (int i = 0; i < 32; ++i) p[i] += hs[n] * wb[i];
+        }
+    }
+#endif
+}
+
+#if PIC_QSUMS
+/* Block sums of x [T, d] into sums [T, d / PIC_QK]: what qdot_n's block-sum terms read. */
+static void qblock_sums(const float* x, int64_t T, int64_t d, float* sums) {
+    const int64_t nb = d / PIC_QK;
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t b = 0; b < nb; ++b) {
+            const float* xb = x + t * d + b * PIC_QK;
+            float a = 0.0f;
+            for (int i = 0; i < PIC_QK; ++i) a += xb[i];
+            sums[t * nb + b] = a;
+        }
+}
+#endif
+#else
+#define PIC_QSUMS 0
+#endif /* PIC_QUANT */
+
+/* ---- the FFN's row operations, on one neuron's row of d weights (whatever its format) ---- */
+PIC_INLINE void row_prefetch(const wtype* row, int64_t d) { prefetch_bytes(row, row_bytes(d)); }
+
+/* res[n] = row . xs[n] for n < nt <= 8 (xss: the tokens' block sums, quantized variants) */
+static void row_dot(const wtype* w, const float* const* xs, const float* const* xss, int nt,
+                    int64_t d, float* res) {
+#if PIC_QUANT
+    switch (nt) {
+    case 1: qdot_n(w, xs, xss, d, res, 1, 4); break;
+    case 2: qdot_n(w, xs, xss, d, res, 2, 4); break;
+    case 3: qdot_n(w, xs, xss, d, res, 3, 2); break;
+    case 4: qdot_n(w, xs, xss, d, res, 4, 2); break;
+    case 5: qdot_n(w, xs, xss, d, res, 5, 1); break;
+    case 6: qdot_n(w, xs, xss, d, res, 6, 1); break;
+    case 7: qdot_n(w, xs, xss, d, res, 7, 1); break;
+    default: qdot_n(w, xs, xss, d, res, 8, 1); break;
+    }
+#else
+    (void)xss;
+    dot_rows(w, xs, nt, d, res);
+#endif
+}
+
+/* ps[n] += hs[n] * row for n < nt <= 8 */
+static void row_axpy(const wtype* w, const float* hs, float* const* ps, int nt, int64_t d) {
+#if PIC_QUANT
+    switch (nt) {
+    case 1: qaxpy_n(w, hs, ps, d, 1); break;
+    case 2: qaxpy_n(w, hs, ps, d, 2); break;
+    case 3: qaxpy_n(w, hs, ps, d, 3); break;
+    case 4: qaxpy_n(w, hs, ps, d, 4); break;
+    case 5: qaxpy_n(w, hs, ps, d, 5); break;
+    case 6: qaxpy_n(w, hs, ps, d, 6); break;
+    case 7: qaxpy_n(w, hs, ps, d, 7); break;
+    default: qaxpy_n(w, hs, ps, d, 8); break;
+    }
+#else
+    axpy_rows(w, hs, ps, nt, d);
+#endif
 }
 
 /* A neuron that passed the first test: gated blocks, act(gate) != 0 for some token (its up and
@@ -377,10 +708,11 @@ typedef struct {
  * in order), then the up / down rows of only the neurons that fired, prefetching ahead. Returns
  * the number of active (token, neuron) pairs. */
 static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float* const* xs,
-                         int nt, int64_t d, const wtype* w_gate, const wtype* w_up,
+                         const float* const* xss, int nt, int64_t d, const wtype* w_gate, const wtype* w_up,
                          const wtype* w_down_t, const float* b_gate, const float* b_up,
                          float threshold, float* const* ps) {
     int64_t total = 0;
+    const int64_t rb = row_bytes(d);
     pic_fired f[PIC_BLOCK];
 #if !PIC_BIAS
     (void)b_gate; (void)b_up;
@@ -394,19 +726,19 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
 #if PIC_GATED && PIC_H_FIRST
         float gs[PIC_BLOCK][PIC_MAXTOK]; /* gate x of the block's neurons, read first */
         for (int64_t i = b0; i < b1; ++i)
-            dot_rows(w_gate + (idx ? (int64_t)idx[i] : i) * d, xs, nt, d, gs[i - b0]);
+            row_dot(row_at(w_gate, idx ? (int64_t)idx[i] : i, rb), xs, xss, nt, d, gs[i - b0]);
 #endif
         for (int64_t i = b0; i < b1; ++i) {
             const int64_t j = idx ? (int64_t)idx[i] : i;
             if (idx && i + 1 < hi) /* candidates are scattered: start the next one's first row */
-                prefetch_head((PIC_GATED ? w_gate : w_up) + (int64_t)idx[i + 1] * d, d);
+                row_prefetch(row_at(PIC_GATED ? w_gate : w_up, idx[i + 1], rb), d);
             pic_fired* fi = &f[nfired];
             float g[PIC_MAXTOK];
             fi->j = j;
             fi->nf = 0;
 #if PIC_GATED && !PIC_H_FIRST
             const float b = PIC_BIAS && b_gate ? b_gate[j] : 0.0f;
-            dot_rows(w_gate + j * d, xs, nt, d, g);
+            row_dot(row_at(w_gate, j, rb), xs, xss, nt, d, g);
             for (int n = 0; n < nt; ++n) {
                 const float a = act_fn(g[n] + b);
                 if (a != 0.0f) { fi->tok[fi->nf] = n; fi->a[fi->nf] = a; ++fi->nf; }
@@ -414,7 +746,7 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
 #elif PIC_GATED  /* the gate rows of the block were read above: now its up rows */
             const float b = PIC_BIAS && b_gate ? b_gate[j] : 0.0f;
             const float bu = PIC_BIAS && b_up ? b_up[j] : 0.0f;
-            dot_rows(w_up + j * d, xs, nt, d, g);
+            row_dot(row_at(w_up, j, rb), xs, xss, nt, d, g);
             for (int n = 0; n < nt; ++n) {
                 float uv = g[n] + bu;
 #if PIC_DRELU
@@ -425,7 +757,7 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
             }
 #else
             const float b = PIC_BIAS && b_up ? b_up[j] : 0.0f;
-            dot_rows(w_up + j * d, xs, nt, d, g);
+            row_dot(row_at(w_up, j, rb), xs, xss, nt, d, g);
             for (int n = 0; n < nt; ++n) {
                 const float h = act_fn(g[n] + b);
                 if (fabsf(h) > threshold) { fi->tok[fi->nf] = n; fi->a[fi->nf] = h; ++fi->nf; }
@@ -437,19 +769,23 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
             const int64_t j = f[q].j;
             if (q + 1 < nfired) { /* start the next fired neuron's rows on their way */
 #if PIC_GATED && !PIC_H_FIRST
-                prefetch_head(w_up + f[q + 1].j * d, d);
+                row_prefetch(row_at(w_up, f[q + 1].j, rb), d);
 #endif
-                prefetch_head(w_down_t + f[q + 1].j * d, d);
+                row_prefetch(row_at(w_down_t, f[q + 1].j, rb), d);
             }
             float hv[PIC_MAXTOK];  /* h of the active tokens */
             float* pa[PIC_MAXTOK]; /* their partial-output rows */
             int na = 0;
 #if PIC_GATED && !PIC_H_FIRST
             const float* xf[PIC_MAXTOK];
+            const float* xsf[PIC_MAXTOK];
             float u[PIC_MAXTOK];
             const float bu = PIC_BIAS && b_up ? b_up[j] : 0.0f;
-            for (int k = 0; k < f[q].nf; ++k) xf[k] = xs[f[q].tok[k]];
-            dot_rows(w_up + j * d, xf, f[q].nf, d, u);
+            for (int k = 0; k < f[q].nf; ++k) {
+                xf[k] = xs[f[q].tok[k]];
+                xsf[k] = xss ? xss[f[q].tok[k]] : NULL;
+            }
+            row_dot(row_at(w_up, j, rb), xf, xsf, f[q].nf, d, u);
             for (int k = 0; k < f[q].nf; ++k) {
                 float uv = u[k] + bu;
 #if PIC_DRELU
@@ -462,7 +798,7 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
             for (int k = 0; k < f[q].nf; ++k) { hv[k] = f[q].a[k]; pa[k] = ps[f[q].tok[k]]; }
             na = f[q].nf;
 #endif
-            if (na) axpy_rows(w_down_t + j * d, hv, pa, na, d);
+            if (na) row_axpy(row_at(w_down_t, j, rb), hv, pa, na, d);
             total += na;
         }
     }
@@ -511,7 +847,7 @@ void ffn(const float* x, int64_t T, int64_t d, int64_t n_ff,
 }
 
 int predict(const float* x, int64_t T, int64_t d, int64_t r, int64_t n_ff,
-            const wtype* p1, const float* pb1, const wtype* p2t, const float* pb2,
+            const etype* p1, const float* pb1, const etype* p2t, const float* pb2,
             float tau, uint8_t* mask) {
     if (T <= 0) return 0;
     const size_t rr = (size_t)(r > 0 ? r : 1);
@@ -618,12 +954,19 @@ static void ffn_candidates(const float* x, int64_t T, int64_t d, int64_t n_ff,
     size_t bytes = (size_t)(nch > 0 ? nch : 1) * (size_t)T * (size_t)dp * sizeof(float);
     float* part = (float*)aligned_alloc(64, (bytes + 63) & ~(size_t)63);
     if (!part) { *n_active = -1; return; }
+    float* sums = NULL; /* [T, d / 32] block sums of x (PIC_QSUMS) */
+#if PIC_QSUMS
+    sums = (float*)malloc((size_t)T * (size_t)(d / PIC_QK > 0 ? d / PIC_QK : 1) * sizeof(float));
+    if (!sums) { free(part); *n_active = -1; return; }
+    qblock_sums(x, T, d, sums);
+#endif
     int64_t total = 0;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(nthr) reduction(+ : total)
 #endif
     {
         const float* xs[PIC_MAXTOK];
+        const float* xss[PIC_MAXTOK] = {NULL};
         float* ps[PIC_MAXTOK];
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
@@ -634,9 +977,13 @@ static void ffn_candidates(const float* x, int64_t T, int64_t d, int64_t n_ff,
             const int64_t lo = M * c / nch, hi = M * (c + 1) / nch; /* gate rows stream in order */
             for (int64_t t0 = 0; t0 < T; t0 += PIC_MAXTOK) {
                 const int nt = (int)(T - t0 < PIC_MAXTOK ? T - t0 : PIC_MAXTOK);
-                for (int n = 0; n < nt; ++n) { xs[n] = x + (t0 + n) * d; ps[n] = mine + (t0 + n) * dp; }
-                total += run_range(lo, hi, idx, xs, nt, d, w_gate, w_up, w_down_t, b_gate, b_up,
-                                   threshold, ps);
+                for (int n = 0; n < nt; ++n) {
+                    xs[n] = x + (t0 + n) * d;
+                    if (sums) xss[n] = sums + (t0 + n) * (d / 32);
+                    ps[n] = mine + (t0 + n) * dp;
+                }
+                total += run_range(lo, hi, idx, xs, sums ? xss : NULL, nt, d, w_gate, w_up,
+                                   w_down_t, b_gate, b_up, threshold, ps);
             }
         } /* implicit barrier: all partials complete */
         /* out[t][k] = b_down[k] + sum over chunks, in chunk order; threads split the columns. */
@@ -659,6 +1006,7 @@ static void ffn_candidates(const float* x, int64_t T, int64_t d, int64_t n_ff,
         }
     }
     free(part);
+    free(sums);
     *n_active = total;
 }
 """
@@ -670,7 +1018,8 @@ def source(v: Variant, tuning: dict[str, int] | None = None) -> str:
     extra = "".join(f"#define {k} {int(val)}\n" for k, val in (tuning or {}).items())
     return _HEADER.format(
         name=v.name,
-        wdtype={"float32": "PIC_F32", "float16": "PIC_F16", "bfloat16": "PIC_BF16"}[v.dtype],
+        wdtype={"float32": "PIC_F32", "float16": "PIC_F16", "bfloat16": "PIC_BF16",
+                "q8_0": "PIC_Q8_0", "q4_0": "PIC_Q4_0", "q4_1": "PIC_Q4_1"}[v.dtype],
         dtype=v.dtype,
         gated=int(v.gated),
         drelu=int(v.drelu),
@@ -1018,16 +1367,32 @@ def kernel_for(ffn) -> Kernel | None:
 
 
 def _bind(lib: ctypes.CDLL, v: Variant, ffn) -> Kernel:
-    wdt = _TORCH_DTYPES[v.dtype]
+    if v.quantized:  # uint8 row blocks, as they are
+        d = ffn.d_model
+        if d % quant.BLOCK:
+            raise ValueError(f"a {v.dtype} block needs d a multiple of {quant.BLOCK}, got {d}")
 
-    def weight(t):
-        return None if t is None else t.detach().to(wdt).contiguous()
+        def weight(t):
+            if t is None:
+                return None
+            if t.dtype != torch.uint8:
+                raise ValueError(f"{v.dtype} weights are uint8 row blocks, got {t.dtype}")
+            return t.detach().contiguous()
+    else:
+        wdt = _TORCH_DTYPES[v.dtype]
+
+        def weight(t):
+            return None if t is None else t.detach().to(wdt).contiguous()
 
     # Kept referenced by the closure: the C code reads them through raw pointers.
     w_gate, w_up, w_down_t = weight(ffn.w_gate), weight(ffn.w_up), weight(ffn.w_down_t)
-    n_ff, d = w_up.shape
-    if w_down_t.shape != (n_ff, d) or (w_gate is not None and w_gate.shape != (n_ff, d)):
-        raise ValueError(f"weight shapes disagree: up {tuple(w_up.shape)}, "
+    n_ff = w_up.shape[0]
+    if not v.quantized:
+        d = w_up.shape[1]
+    row = (n_ff, v.row_bytes(d) // w_up.element_size())  # each weight's shape
+    if (w_up.shape != row or w_down_t.shape != row
+            or (w_gate is not None and w_gate.shape != row)):
+        raise ValueError(f"weight shapes disagree (want {row}): up {tuple(w_up.shape)}, "
                          f"down_t {tuple(w_down_t.shape)}, gate {None if w_gate is None else tuple(w_gate.shape)}")
     raw_biases = (ffn.b_gate, ffn.b_up, ffn.b_down)
     converted: dict = {}  # "biases": their float32 copies, made on first use

@@ -196,7 +196,8 @@ def calibrate(
         def record(ffn: SparseFFN, args, _out):
             x = args[0].reshape(-1, ffn.d_model)
             h = down_input(x, ffn.w_up, w_gate=ffn.w_gate, b_gate=ffn.b_gate, b_up=ffn.b_up,
-                           act=ffn.act, drelu=ffn.drelu).abs().flatten()  # [T * n_ff]
+                           act=ffn.act, drelu=ffn.drelu,
+                           qformat=ffn.qformat).abs().flatten()  # [T * n_ff]
             if h.numel() > SAMPLES_PER_CALL:
                 pick = torch.randint(h.numel(), (SAMPLES_PER_CALL,), generator=gens[name])  # CPU
                 h = h[pick.to(h.device)]

@@ -223,7 +223,7 @@ def account(
     predictors = sum(2 * t.numel() for f in ffns.values() if getattr(f, "predictor", None) is not None
                      for t in _tensors_of(f.predictor))
 
-    fallback = next(iter(ffns.values())).w_up.dtype if ffns else torch.float32
+    fallback = next(iter(ffns.values())).float_dtype if ffns else torch.float32
     dtype = _model_dtype(others, fallback)
     esize = torch.empty((), dtype=dtype).element_size()
     config = getattr(model, "config", None)

@@ -220,7 +220,7 @@ def _row_reads(ffn) -> tuple[int, int, int]:
     gated = ffn.w_gate is not None
     first_rows = 2 if gated and ffn.act != "relu" else 1  # per candidate
     later_rows = 2 if gated and ffn.act == "relu" else 1  # per firing neuron
-    return first_rows, later_rows, ffn.d_model * ffn.w_up.element_size()
+    return first_rows, later_rows, ffn.row_bytes
 
 
 def exact_decode_bytes(ffn, density: float) -> int:
@@ -246,7 +246,9 @@ def time_decode(ffns: list, xs: list[torch.Tensor], rounds: int = 5, quiet: bool
     if n == 0:
         return [(0.0, 0.0)] * len(ffns)  # nothing to time on: predictors="auto" leaves them exact
     # the samples may be on the GPU that profiled: time on the blocks' own device (the CPU)
-    xs = [x[:n].to(f.w_up.device, f.w_up.dtype) for f, x in zip(ffns, xs)]
+    # (in the weights' dtype; float32 for quantized blocks, whose weights are uint8 blocks)
+    xs = [x[:n].to(f.w_up.device, f.w_up.dtype if f.w_up.is_floating_point() else torch.float32)
+          for f, x in zip(ffns, xs)]
     times = [([], []) for _ in ffns]  # per block: exact, predicted seconds
     enabled = [f.predictor.enabled for f in ffns]
     try:

@@ -72,7 +72,7 @@ def profile(
         def record(ffn: SparseFFN, args, _out):
             x = args[0].reshape(-1, ffn.d_model)  # [T, d]
             h = down_input(x, ffn.w_up, w_gate=ffn.w_gate, b_gate=ffn.b_gate, b_up=ffn.b_up,
-                           act=ffn.act, drelu=ffn.drelu)
+                           act=ffn.act, drelu=ffn.drelu, qformat=ffn.qformat)
             active = h.abs() > ffn.threshold  # [T, n_ff]
             if name not in counts:
                 counts[name] = torch.zeros(ffn.n_ff, dtype=torch.int64, device=active.device)

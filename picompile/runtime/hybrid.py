@@ -63,6 +63,7 @@ def _view(ffn: SparseFFN, rows: slice, device, with_down_bias: bool) -> SparseFF
         b_gate=_rows(ffn.b_gate, rows, device),
         b_up=_rows(ffn.b_up, rows, device),
         b_down=ffn.b_down.detach().to(device, copy=True) if with_down_bias and ffn.b_down is not None else None,
+        qformat=ffn.qformat,
     )
     view.threshold = ffn.threshold
     return view
@@ -107,6 +108,7 @@ class HybridFFN:
 
     def __init__(self, ffn: SparseFFN, device: torch.device | str, n_hot: int):
         self.device = torch.device(device)
+        _check_quantized(ffn, self.device)
         self.n_hot = n_hot = max(0, min(int(n_hot), ffn.n_ff))
         self.n_ff = ffn.n_ff
         self.d = ffn.d_model
@@ -246,7 +248,7 @@ class HybridFFN:
         down)."""
         gated, relu = self.hot.w_gate is not None, self.hot.act == "relu"
         first, later = (2, 1) if gated and not relu else (1, 2) if gated else (1, 1)
-        row = self.d * self.hot.w_up.element_size()
+        row = self.hot.row_bytes
         return (candidates * first + active * later) * row
 
     def _mark(self):
@@ -274,12 +276,23 @@ class HybridFFN:
         return self.timeline
 
 
+def _check_quantized(ffn: SparseFFN, device: torch.device) -> None:
+    """Quantized blocks have C kernels only: no split across a GPU."""
+    if ffn.qformat is not None and device.type != "cpu":
+        raise ValueError(
+            f"picompile: the FFN block {ffn.block.name} is quantized ({ffn.qformat}) and cannot "
+            f"run split across {device.type} and the CPU: the GPU kernels take float weights "
+            "only. Keep quantized models on the CPU, or compile without quantize= to use the GPU")
+
+
 def distribute(model: nn.Module, ffns: dict[str, SparseFFN], device: torch.device | str,
                move_non_ffn: bool = True) -> None:
     """Put the model on `device` as planned: every non-FFN parameter and buffer, each block's
     predictor (float16 on a GPU) and its hot rows (block.hot_neurons of them, hot-first order
     already applied); cold rows stay on the CPU."""
     device = torch.device(device)
+    for ffn in ffns.values():  # before anything moves
+        _check_quantized(ffn, device)
     inside = {id(m) for f in ffns.values() for m in f.modules()}
     if move_non_ffn:
         for module in model.modules():

@@ -13,6 +13,12 @@ neuron j (all neurons, or the candidate list `idx`):
 Weights are stored one row per neuron: w_gate, w_up and w_down_t are all [n_ff, d] (w_down_t is the
 down projection's weight transposed), so a neuron's bytes are contiguous. For ReLU blocks the rows
 of up and down are only read for neurons whose gate fired, which is what makes exact mode fast.
+
+Quantized blocks (`SparseFFN.quantize_`, `qformat` "q8_0" | "q4_0" | "q4_1") hold the three
+matrices as uint8 [n_ff, d / 32 * block bytes], each row its GGUF blocks of 32 weights along d
+(picompile/quant.py), so a neuron's row stays contiguous; biases stay float. The math is the same
+over the dequantized weights: the reference functions take `qformat` and dequantize the rows they
+use (quant.dequantize), the C kernels dequantize in registers.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from picompile import quant
 from picompile.config import KERNEL_MAX_TOKENS, reference_forced
 from picompile.plan import BlockPlan
 from picompile.runtime.kernel_module import KernelModule
@@ -49,6 +56,7 @@ def down_input(
     drelu: bool = False,
     idx: torch.Tensor | None = None,  # [m] int candidate neurons, or None for all
     compute_dtype: torch.dtype = torch.float32,
+    qformat: str | None = None,  # the weight matrices are uint8 row blocks of this format
 ) -> torch.Tensor:
     """h [T, m]: the down projection's input for the candidate neurons, before thresholding."""
     cd = compute_dtype
@@ -57,7 +65,10 @@ def down_input(
     def rows(t):
         if t is None:
             return None
-        return (t if idx is None else t.index_select(0, idx.long())).to(cd)
+        t = t if idx is None else t.index_select(0, idx.long())
+        if qformat is not None and t.dim() == 2:  # a weight matrix: only its used rows
+            t = quant.dequantize(t, qformat, x.shape[-1])
+        return t.to(cd)
 
     if w_gate is not None:
         a = activation(act, F.linear(x, rows(w_gate), rows(b_gate)))  # [T, m]
@@ -75,15 +86,20 @@ def ffn_reference(
     threshold: float = 0.0,
     idx: torch.Tensor | None = None,  # [m] int candidate neurons, or None for all
     compute_dtype: torch.dtype = torch.float32,
+    qformat: str | None = None,  # the weight matrices are uint8 row blocks of this format
     **gate_and_act,  # w_gate, b_gate, b_up, act, drelu: as down_input takes them
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plain-PyTorch reference of the block math above.
+    """The plain-PyTorch reference of the block math above (quantized weights: over the
+    dequantized weights).
 
     Returns (out [T, d] in compute_dtype, active [T, m] bool over the candidates)."""
-    h = down_input(x, w_up, idx=idx, compute_dtype=compute_dtype, **gate_and_act)  # [T, m]
+    h = down_input(x, w_up, idx=idx, compute_dtype=compute_dtype, qformat=qformat,
+                   **gate_and_act)  # [T, m]
     active = h.abs() > threshold  # [T, m]
     h = torch.where(active, h, torch.zeros((), dtype=compute_dtype))
     w_down_t = w_down_t if idx is None else w_down_t.index_select(0, idx.long())
+    if qformat is not None:
+        w_down_t = quant.dequantize(w_down_t, qformat, x.shape[-1])
     out = h @ w_down_t.to(compute_dtype)  # [T, d]
     if b_down is not None:
         out = out + b_down.to(compute_dtype)
@@ -96,6 +112,8 @@ class SparseFFN(KernelModule):
     The fast path (a generated C kernel, later a CUDA kernel) is picked once, when the module is
     built; `forward_native` is the reference every kernel is tested against."""
 
+    qformat: str | None = None  # "q8_0" | "q4_0" | "q4_1": weights are uint8 row blocks
+
     def __init__(
         self,
         block: BlockPlan,
@@ -105,8 +123,20 @@ class SparseFFN(KernelModule):
         b_gate: torch.Tensor | None = None,
         b_up: torch.Tensor | None = None,
         b_down: torch.Tensor | None = None,
+        qformat: str | None = None,
     ):
+        """Weights [n_ff, d] float, or with `qformat` already quantized: uint8 row blocks
+        [n_ff, quant.row_bytes(d, qformat)] (see quantize_)."""
         super().__init__()
+        if qformat is not None:
+            quant.format_of(qformat)
+            for t in (w_up, w_down_t, w_gate):
+                if t is not None and (t.dtype != torch.uint8 or t.dim() != 2
+                                      or t.shape[1] % quant.format_of(qformat).block_bytes):
+                    raise ValueError(f"{qformat} weights are uint8 [n_ff, d / {quant.BLOCK} * "
+                                     f"{quant.format_of(qformat).block_bytes}], got {t.dtype} "
+                                     f"{tuple(t.shape)}")
+        self.qformat = qformat  # None: float weights
         self.block = block
         self.act = block.act
         self.drelu = block.kind == "drelu"
@@ -153,7 +183,58 @@ class SparseFFN(KernelModule):
 
     @property
     def d_model(self) -> int:
-        return self.w_up.shape[1]
+        if self.qformat is None:
+            return self.w_up.shape[1]
+        return self.w_up.shape[1] // quant.format_of(self.qformat).block_bytes * quant.BLOCK
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one neuron's row of one weight matrix (w_gate, w_up or w_down_t): what the
+        kernels read per row, quantized or not."""
+        return self.w_up.shape[1] * self.w_up.element_size()
+
+    @property
+    def float_dtype(self) -> torch.dtype:
+        """The dtype of the block's math outside the C kernels (prefill, inputs for timing): the
+        weights' dtype, float32 for quantized blocks."""
+        return torch.float32 if self.qformat is not None else self.w_up.dtype
+
+    @torch.no_grad()
+    def quantize_(self, fmt: str) -> SparseFFN:
+        """Quantize the block in place to `fmt` ("q8_0" | "q4_0" | "q4_1", picompile/quant.py):
+        w_gate, w_up and w_down_t become uint8 row blocks [n_ff, d / 32 * block bytes] (GGUF's
+        blocks of 32 weights along d, one neuron's row contiguous), biases float32; the kernel is
+        selected again. A block already in `fmt` is left as it is; one in another format is
+        dequantized and quantized again. Raises ValueError when d is not a multiple of 32 (the
+        block must stay float), and for a block split across devices (distribute() runs after
+        quantizing). Predictors are untouched. Returns self."""
+        f = quant.format_of(fmt)
+        if self.hybrid is not None:
+            raise ValueError("picompile: quantize a block before distribute(): this one already "
+                             "runs split across the GPU and the CPU")
+        if self.qformat == fmt:
+            return self
+        d = self.d_model
+        if d % quant.BLOCK:
+            raise ValueError(f"picompile: cannot quantize this FFN block to {fmt}: its rows hold "
+                             f"d={d} weights, not a multiple of {quant.BLOCK} (the {fmt} block "
+                             "size); the block must stay float")
+        for name in ("w_gate", "w_up", "w_down_t"):
+            w = getattr(self, name)
+            if w is None:
+                continue
+            if self.qformat is not None:
+                w = quant.dequantize(w, self.qformat, d)
+            q = quant.quantize(w, f.name).to(w.device)
+            setattr(self, name, nn.Parameter(q, requires_grad=False))
+        for name in ("b_gate", "b_up", "b_down"):
+            b = getattr(self, name)
+            if b is not None:
+                setattr(self, name, nn.Parameter(b.detach().to(torch.float32).contiguous(),
+                                                 requires_grad=False))
+        self.qformat = f.name
+        self.select_kernel()
+        return self
 
     def select_kernel(self) -> str:
         """Pick the execution path once. Returns its name (for explain)."""
@@ -180,7 +261,8 @@ class SparseFFN(KernelModule):
         return super().__getstate__()
 
     def weights(self) -> dict:
-        """The tensors in the keyword form ffn_reference and the kernels take."""
+        """The tensors in the keyword form ffn_reference and the kernels take (quantized
+        blocks: the uint8 row blocks, with their `qformat`; float blocks: qformat None)."""
         return dict(
             w_up=self.w_up,
             w_down_t=self.w_down_t,
@@ -188,6 +270,7 @@ class SparseFFN(KernelModule):
             b_gate=self.b_gate,
             b_up=self.b_up,
             b_down=self.b_down,
+            qformat=self.qformat,
         )
 
     def forward_native(
@@ -216,14 +299,19 @@ class SparseFFN(KernelModule):
                 out, active = self.forward_native(x2, idx)
                 n_active = int(active.sum())
         else:
-            # Prefill: dense BLAS in the weights' own dtype (as the dense model does), masked
-            # per token by what fired and, in predicted mode, by what was predicted.
+            # Prefill: dense BLAS in the weights' own dtype (as the dense model does; quantized
+            # blocks: over their weights dequantized to float32), masked per token by what
+            # fired and, in predicted mode, by what was predicted.
             h = down_input(x2, self.w_up, w_gate=self.w_gate, b_gate=self.b_gate, b_up=self.b_up,
-                           act=self.act, drelu=self.drelu, compute_dtype=self.w_up.dtype)
+                           act=self.act, drelu=self.drelu, compute_dtype=self.float_dtype,
+                           qformat=self.qformat)
             active = h.abs() > self.threshold
             if predicted is not None:
                 active &= predicted
-            out = torch.where(active, h, torch.zeros((), dtype=h.dtype)) @ self.w_down_t
+            w_down_t = self.w_down_t
+            if self.qformat is not None:
+                w_down_t = quant.dequantize(w_down_t, self.qformat, self.d_model)
+            out = torch.where(active, h, torch.zeros((), dtype=h.dtype)) @ w_down_t
             if self.b_down is not None:
                 out = out + self.b_down
             n_active = int(active.sum())
@@ -233,7 +321,8 @@ class SparseFFN(KernelModule):
     def extra_repr(self) -> str:
         b = self.block
         mode = "exact" if self.threshold == 0 else f"threshold={self.threshold:.4g}"
-        return f"{b.kind}, act={b.act}, d={self.d_model}, n_ff={self.n_ff}, {mode}"
+        q = f", {self.qformat}" if self.qformat is not None else ""
+        return f"{b.kind}, act={b.act}, d={self.d_model}, n_ff={self.n_ff}{q}, {mode}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
