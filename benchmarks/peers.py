@@ -8,8 +8,8 @@ package index's JSON API, its sha256 checked), into the git-ignored build/peers/
 (CPU only, -DGGML_NATIVE=ON); never in CI. `llama-quantize --allow-requantize` turns the shipped
 Q4_1 file into F32 and F16 for like-for-like runs; `llama-bench -p 0 -n N -t T` times decode.
 
-Rows, all on the weights dequantised from the same GGUF file, greedy, `--threads` threads, one
-32-token prompt, float32 and float16 (--dtypes):
+Rows, all on the weights of the same GGUF file, greedy, `--threads` threads, one 32-token
+prompt: the file's own Q4_1 tensors (gguf), and dequantised to float32 and float16 (--dtypes):
   llama.cpp Q4_1 / F16 / F32 (decode only); HF eager, dense (decode only); picompile dense (every
   FFN neuron) and at --sparsity threshold sparsity, each through its whole-step decoder (decode
   only; with the C step's rate alone and the Python time per token of the loop around it) and
@@ -55,11 +55,14 @@ def measure_picompile(args) -> list[Row]:
         log(f"{label}: {tps:.1f} tok/s {notes}")
 
     for dtype in args.dtypes:
-        dense = copy.deepcopy(loaded).to(getattr(torch, dtype))
-        record(f"HF eager, dense, {dtype}", bench.best_tps(dense, prompt, n, args.repeats))
+        # "gguf": the float32 model with the shipped file's Q4_1 tensors kept (compile(gguf=))
+        quant = dict(gguf=models.default_gguf()) if dtype == "gguf" else {}
+        dense = copy.deepcopy(loaded).to(getattr(torch, dtype) if not quant else torch.float32)
+        if not quant:
+            record(f"HF eager, dense, {dtype}", bench.best_tps(dense, prompt, n, args.repeats))
         for what, kw in (("dense", {}), (f"threshold @{args.sparsity:.0%}",
                                          dict(sparsity=args.sparsity, calibration=calib))):
-            cm = picompile.compile(copy.deepcopy(dense), quiet=True, **kw)
+            cm = picompile.compile(copy.deepcopy(dense), quiet=True, **kw, **quant)
             cm.reset_stats()
             tps = bench.best_tps(cm, prompt, n, args.repeats)
             notes = "" if cm.sparsity() is None else f"FFN sparsity {cm.sparsity():.1%}; "
@@ -83,8 +86,9 @@ def main():
     ap.add_argument("--sparsity", type=float, default=0.5)
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--skip-llama-cpp", action="store_true")
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "float16"],
-                    choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--dtypes", nargs="+", default=["gguf", "float32", "float16"],
+                    choices=["gguf", "float32", "float16", "bfloat16"],
+                    help="gguf: the shipped file's Q4_1 tensors kept (compile(gguf=...))")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows: list[Row] = []
@@ -98,7 +102,7 @@ def main():
                            ("F32", bench.requantized(bins, q41, "F32", BUILD / "smollm2-F32.gguf"))):
             rows.append(Row(f"llama.cpp {kind}", bench.llama_bench(bins, path, args.threads,
                                                                    args.new_tokens),
-                            ref=kind in ("F32", "F16")))
+                            ref=True))
             log(f"llama.cpp {kind}: {rows[-1].tps:.1f} tok/s")
     rows += measure_picompile(args)
     print(f"\nSmolLM2-135M-Instruct decode, {args.threads} threads, {args.new_tokens} new tokens, "

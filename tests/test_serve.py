@@ -39,7 +39,7 @@ def model():
 @contextlib.contextmanager
 def running(app):
     """The app served by uvicorn on a free 127.0.0.1 port -> its base URL; stopped after."""
-    sock = socket.socket()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY, as uvicorn's own socket
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
