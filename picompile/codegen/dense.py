@@ -1,7 +1,7 @@
 """The dense linear C kernel (picompile/kernels/dense.c): decode GEMV and small-T GEMM.
 
-One shared library per weight dtype (float32, float16, bfloat16) and vector width, built from the
-package's `kernels/dense.c` with `-DPI_WDTYPE=...` by the same compiler, flags and build cache as
+One shared library per weight format and vector width, built from the package's `kernels/dense.c`
+with `-DPI_WDTYPE=...` by the same compiler, flags and build cache as
 the C FFN kernels (`picompile.codegen.c`, `picompile.codegen.cache.cached_build`), and loaded with
 ctypes (the GIL is released during a call). The AVX2 build runs one token; where the CPU has
 AVX-512F, a second build with `-mavx512f` runs AVX512_MIN_TOKENS tokens and more (measured on
@@ -16,6 +16,18 @@ tokens (T <= 8; more tokens are done in groups of 8). The bias is read in the we
 F.linear uses it). The kernel reads the weight and bias through raw pointers: it keeps the
 (contiguous) tensors alive, and sees in-place updates of contiguous ones; after a dtype / device
 change or a reassigned `.data`, bind again (runtime.dense_linear.DenseLinear does).
+
+Weight formats ("variants" of the library) are of two kinds, kept apart here:
+
+- torch dtypes of float weights (DTYPES: "float32", "float16", "bfloat16"): W is that tensor;
+- block-quantized formats of picompile.quant (QFORMATS: "q8_0", "q4_0", "q4_1"), which are no
+  torch dtype: W is the uint8 tensor [O, K / 32 * block_bytes] of GGUF's blocks, the bias float32.
+
+    kernel = quant_kernel_for(qweight [O, row_bytes] uint8, "q4_0", K, bias [O] | None)
+    out = kernel(x [T, K])                                      # -> [T, O] float32
+
+computes `x @ quant.dequantize(qweight, fmt, K).T + bias`, each block dequantized in registers.
+Where AVX-512 is available its build runs AVX512_MIN_TOKENS_Q[fmt] tokens and more (all calls).
 """
 
 from __future__ import annotations
@@ -37,9 +49,15 @@ from picompile.config import reference_forced
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_WDTYPE_CODE = {"float32": 0, "float16": 1, "bfloat16": 2}  # PI_WDTYPE in dense.c
+QFORMATS = ("q8_0", "q4_0", "q4_1")  # picompile.quant's block formats: uint8 weights, no dtype
+VARIANTS = (*DTYPES, *QFORMATS)  # what one library is built for
+# PI_WDTYPE in dense.c
+_WDTYPE_CODE = {"float32": 0, "float16": 1, "bfloat16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5}
 MAX_TOKENS = 8  # tokens per pass over the weights (PI_MAXTOK in dense.c)
 AVX512_MIN_TOKENS = 3  # calls with fewer tokens run the AVX2 build (see above)
+# The same for the quantized formats: dequantizing makes the loop compute-bound, and the AVX-512
+# build was faster from one token on (benchmarks/dense_quant.py --isa, AMD EPYC Zen 4).
+AVX512_MIN_TOKENS_Q = {"q8_0": 1, "q4_0": 1, "q4_1": 1}
 
 DenseKernel = Callable[[torch.Tensor], torch.Tensor]
 
@@ -54,23 +72,24 @@ def avx512_available() -> bool:
     return "-mavx2" in c.build_flags() and "avx512f" in c.cpu_flags()
 
 
-def flags(dtype: str, avx512: bool = False, tuning: dict[str, int] | None = None) -> list[str]:
-    """Compiler flags of the library for weight dtype `dtype`: c.build_flags() plus the variant's
-    -D flags (and -mavx512f). `tuning` adds -DPI_<name>=<int> (tests, benchmarks)."""
-    if dtype not in DTYPES:
-        raise ValueError(f"unsupported weight dtype {dtype!r} "
-                         f"(the dense kernel takes {tuple(DTYPES)})")
-    out = [*c.build_flags(), f"-DPI_WDTYPE={_WDTYPE_CODE[dtype]}"]
+def flags(variant: str, avx512: bool = False, tuning: dict[str, int] | None = None) -> list[str]:
+    """Compiler flags of the library for weight format `variant` (a VARIANTS name: a float dtype
+    or a quantized format): c.build_flags() plus the variant's -D flags (and -mavx512f).
+    `tuning` adds -DPI_<name>=<int> (tests, benchmarks)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unsupported weight format {variant!r} "
+                         f"(the dense kernel takes {VARIANTS})")
+    out = [*c.build_flags(), f"-DPI_WDTYPE={_WDTYPE_CODE[variant]}"]
     if avx512:
         out.append("-mavx512f")
     out += [f"-DPI_{k}={int(v)}" for k, v in sorted((tuning or {}).items())]
     return out
 
 
-def build(dtype: str, avx512: bool = False, tuning: dict[str, int] | None = None) -> pathlib.Path:
-    """Compile (or fetch from the build cache) the library for one weight dtype; its path."""
+def build(variant: str, avx512: bool = False, tuning: dict[str, int] | None = None) -> pathlib.Path:
+    """Compile (or fetch from the build cache) the library for one weight format; its path."""
     cc = c.compiler()
-    fl = flags(dtype, avx512, tuning)
+    fl = flags(variant, avx512, tuning)
     tag = "picompile-dense " + c._compiler_identity(tuple(cc))
     return cached_build(source(), suffix=".so", flags=fl, build=c.build_with(cc, fl), tag=tag)
 
@@ -80,15 +99,15 @@ _DENSE_ARGTYPES = [_vp, _i64, _i64, _vp, _i64, _vp, _vp]  # x, T, K, W, O, b, ou
 
 _libs: dict[tuple, ctypes.CDLL] = {}
 _libs_lock = threading.Lock()
-_failures: dict[str, str] = {}  # dtype -> why its library is not available (last failed try)
+_failures: dict[str, str] = {}  # variant -> why its library is not available (last failed try)
 _errors: dict[tuple, Exception] = {}  # load key -> its build / load error: not retried per layer
 
 
-def load(dtype: str, avx512: bool = False, tuning: dict[str, int] | None = None) -> ctypes.CDLL:
-    """The loaded library for a weight dtype (built on first use). Raises on any failure (the
+def load(variant: str, avx512: bool = False, tuning: dict[str, int] | None = None) -> ctypes.CDLL:
+    """The loaded library for a weight format (built on first use). Raises on any failure (the
     same error again, without rebuilding, for the same compiler and flags in this process)."""
     cc = c.compiler()
-    fl = flags(dtype, avx512, tuning)
+    fl = flags(variant, avx512, tuning)
     key = (tuple(cc), tuple(fl))
     with _libs_lock:
         lib = _libs.get(key)
@@ -96,7 +115,7 @@ def load(dtype: str, avx512: bool = False, tuning: dict[str, int] | None = None)
             if key in _errors:
                 raise _errors[key]
             try:
-                path = build(dtype, avx512, tuning)
+                path = build(variant, avx512, tuning)
                 try:
                     lib = ctypes.CDLL(str(path))
                     for symbol in ("pi_dense", "pi_set_num_threads", "pi_dense_variant"):
@@ -117,11 +136,11 @@ def load(dtype: str, avx512: bool = False, tuning: dict[str, int] | None = None)
     return lib
 
 
-def try_load(dtype: str) -> ctypes.CDLL | None:
-    """load(dtype), or None (no compiler, failed build or load): the cause is kept for
+def try_load(variant: str) -> ctypes.CDLL | None:
+    """load(variant), or None (no compiler, failed build or load): the cause is kept for
     why_no_kernel, and the first failure of the process is warned about once."""
     try:
-        lib = load(dtype)
+        lib = load(variant)
     except Exception as e:  # noqa: BLE001 - a failed build must never break the model
         if isinstance(e, c.CompilerNotFound):
             why = e.label
@@ -130,13 +149,13 @@ def try_load(dtype: str) -> ctypes.CDLL | None:
         else:
             lines = str(e).strip().splitlines()
             why = f"C kernel failed: {lines[0] if lines else type(e).__name__}"
-        _failures[dtype] = " ".join(why.split())[:200]
-        log.debug("dense C kernel (%s) unavailable", dtype, exc_info=True)
+        _failures[variant] = " ".join(why.split())[:200]
+        log.debug("dense C kernel (%s) unavailable", variant, exc_info=True)
         # One warning per process for all of picompile's C kernels (FFN and dense alike).
-        c._warn_once(f"picompile: no dense C kernel ({_failures[dtype]}): linear layers run "
+        c._warn_once(f"picompile: no dense C kernel ({_failures[variant]}): linear layers run "
                      "torch's F.linear; set PICOMPILE_REFERENCE=1 to silence this")
         return None
-    _failures.pop(dtype, None)
+    _failures.pop(variant, None)
     return lib
 
 
@@ -166,14 +185,14 @@ def _set_threads(lib: ctypes.CDLL) -> None:
         lib._pi_threads = nt
 
 
-def _wide_lib(dtype: str) -> ctypes.CDLL | None:
+def _wide_lib(variant: str) -> ctypes.CDLL | None:
     """The AVX-512 build for several tokens, where the CPU has AVX-512F and it builds."""
     if not avx512_available():
         return None
     try:
-        return load(dtype, avx512=True)
+        return load(variant, avx512=True)
     except Exception:  # noqa: BLE001 - the AVX2 build serves all token counts then
-        log.debug("dense C kernel (%s, AVX-512) unavailable", dtype, exc_info=True)
+        log.debug("dense C kernel (%s, AVX-512) unavailable", variant, exc_info=True)
         return None
 
 
@@ -197,20 +216,90 @@ def dense_kernel_for(weight: torch.Tensor, bias: torch.Tensor | None = None, *,
         return None
     if any(t is not None and t.device.type != "cpu" for t in (weight, bias)):
         return None
-    if avx512 is None and tuning is None:
-        lib = try_load(dtype)
-        if lib is None:
-            return None
-        wide = _wide_lib(dtype)
-    else:
-        lib, wide = load(dtype, bool(avx512), tuning), None
-    # Kept referenced by the closure: the C code reads them through raw pointers. For contiguous
+    # Kept referenced by the kernel: the C code reads them through raw pointers. For contiguous
     # tensors of the weight's dtype these are the tensors themselves (no copy).
     w = weight.detach().contiguous()
     b = None if bias is None else bias.detach().to(weight.dtype).contiguous()
     O, K = w.shape
+    return _bind(dtype, w, b, O, K, avx512, tuning, AVX512_MIN_TOKENS)
+
+
+def why_no_quant_kernel(qweight: torch.Tensor, fmt: str, in_features: int,
+                        bias: torch.Tensor | None = None) -> str:
+    """The path label when quant_kernel_for(...) gives None: "reference (<cause>)"."""
+    if reference_forced():
+        return "reference (PICOMPILE_REFERENCE set)"
+    if fmt not in QFORMATS:
+        return f"reference (no dense C kernel for the format {fmt!r})"
+    why = _quant_shape_error(qweight, fmt, in_features, bias)
+    if why:
+        return f"reference ({why})"
+    if any(t is not None and t.device.type != "cpu" for t in (qweight, bias)):
+        return "reference (weights not on the CPU)"
+    reason = _failures.get(fmt)
+    return f"reference ({reason})" if reason else "reference (C kernel not selected)"
+
+
+def _quant_shape_error(qweight: torch.Tensor, fmt: str, in_features: int,
+                       bias: torch.Tensor | None) -> str:
+    from picompile import quant
+
+    if in_features <= 0 or in_features % quant.BLOCK:
+        return f"{in_features} input features, not a multiple of {quant.BLOCK}"
+    rb = quant.row_bytes(in_features, fmt)
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.shape[1] != rb:
+        return (f"a {fmt} weight of {in_features} input features is uint8 [O, {rb}], got "
+                f"{str(qweight.dtype).removeprefix('torch.')} {tuple(qweight.shape)}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != qweight.shape[0]
+                             or not bias.is_floating_point()):
+        return f"the bias is not a float [{qweight.shape[0]}]"
+    return ""
+
+
+def quant_kernel_for(qweight: torch.Tensor, fmt: str, in_features: int,
+                     bias: torch.Tensor | None = None, *, avx512: bool | None = None,
+                     tuning: dict[str, int] | None = None) -> DenseKernel | None:
+    """A C kernel computing `x @ quant.dequantize(qweight, fmt, in_features).T + bias` ->
+    float32 on the CPU, for x [T, K] (or [..., K] -> [..., O]), K = in_features; or None when
+    there is none (PICOMPILE_REFERENCE set, no compiler / failed build, tensors not on the CPU;
+    why_no_quant_kernel says which). Raises ValueError for a format that is not in QFORMATS or
+    shapes that do not fit it (uint8 [O, quant.row_bytes(K, fmt)], K a multiple of 32, bias [O]).
+
+    The kernel's `weight` is the uint8 tensor of blocks, `bias` float32 (a copy where the given
+    one is not contiguous float32). avx512 / tuning as in dense_kernel_for (the AVX-512 build
+    from AVX512_MIN_TOKENS_Q[fmt] tokens)."""
+    if fmt not in QFORMATS:
+        raise ValueError(f"unknown quantized format {fmt!r}: choose one of {QFORMATS}")
+    why = _quant_shape_error(qweight, fmt, in_features, bias)
+    if why:
+        raise ValueError(f"no {fmt} dense kernel: {why}")
+    if reference_forced():
+        return None
+    if any(t is not None and t.device.type != "cpu" for t in (qweight, bias)):
+        return None
+    w = qweight.detach().contiguous()
+    b = None if bias is None else bias.detach().to(torch.float32).contiguous()
+    return _bind(fmt, w, b, w.shape[0], in_features, avx512, tuning, AVX512_MIN_TOKENS_Q[fmt])
+
+
+def _bind(variant: str, w: torch.Tensor, b: torch.Tensor | None, O: int, K: int,
+          avx512: bool | None, tuning: dict[str, int] | None,
+          wide_from: int) -> DenseKernel | None:
+    """The kernel over the contiguous CPU tensors w (weights in the variant's layout) and b
+    (bias or None), which it keeps referenced; None where the library is not available (and
+    avx512 / tuning are not given). The AVX-512 build, where there is one, runs `wide_from`
+    tokens and more (avx512 None)."""
+    if avx512 is None and tuning is None:
+        lib = try_load(variant)
+        if lib is None:
+            return None
+        wide = _wide_lib(variant)
+    else:
+        lib, wide = load(variant, bool(avx512), tuning), None
+    if wide is not None and wide_from <= 1:  # the AVX-512 build for every call
+        lib, wide = wide, None
     w_ptr, b_ptr = w.data_ptr(), (None if b is None else b.data_ptr())
-    libs = (lib,) * AVX512_MIN_TOKENS + ((wide or lib),)  # by min(T, AVX512_MIN_TOKENS)
+    libs = (lib,) * wide_from + ((wide or lib),)  # by min(T, wide_from)
     f32 = torch.float32
 
     def kernel(x: torch.Tensor) -> torch.Tensor:
@@ -223,7 +312,7 @@ def dense_kernel_for(weight: torch.Tensor, bias: torch.Tensor | None = None, *,
         T = x.numel() // K if K else math.prod(shape[:-1])
         out = x.new_empty(*shape[:-1], O)  # float32 on the CPU, as x is now
         if T and O:
-            use = libs[min(T, AVX512_MIN_TOKENS)]
+            use = libs[min(T, wide_from)]
             nt = torch.get_num_threads()
             if use._pi_threads != nt:  # as many OpenMP threads as torch uses
                 use.pi_set_num_threads(nt)
@@ -234,8 +323,8 @@ def dense_kernel_for(weight: torch.Tensor, bias: torch.Tensor | None = None, *,
     kernel.weight = w  # type: ignore[attr-defined]
     kernel.bias = b  # type: ignore[attr-defined]
     kernel.library = lib  # type: ignore[attr-defined]
-    kernel.library_for = lambda T: libs[min(T, AVX512_MIN_TOKENS)]  # type: ignore[attr-defined]
+    kernel.library_for = lambda T: libs[min(T, wide_from)]  # type: ignore[attr-defined]
     kernel.variant = lib.pi_dense_variant().decode()  # type: ignore[attr-defined]
     if wide is not None:
-        kernel.variant += f" (avx512 for T >= {AVX512_MIN_TOKENS})"  # type: ignore[attr-defined]
+        kernel.variant += f" (avx512 for T >= {wide_from})"  # type: ignore[attr-defined]
     return kernel

@@ -1,7 +1,9 @@
 /* picompile dense linear kernel: decode GEMV and small-T GEMM over a row-major weight matrix.
- * Built by picompile/codegen/dense.py, once per weight dtype, with the flags of the C FFN kernels
+ * Built by picompile/codegen/dense.py, once per weight format, with the flags of the C FFN kernels
  * (picompile/codegen/c.py: -O3 -fopenmp -mavx2 -mfma -mf16c where the CPU has them) plus
- *   -DPI_WDTYPE=0|1|2   weight (and bias) dtype: 0 float32, 1 float16, 2 bfloat16
+ *   -DPI_WDTYPE=0..5    weight format: 0 float32, 1 float16, 2 bfloat16 (the bias in the same
+ *                       dtype), or a block-quantized format of picompile/quant.py (GGUF's blocks
+ *                       of 32 weights along K; the bias float32): 3 q8_0, 4 q4_0, 5 q4_1
  *   -mavx512f           where the CPU has AVX-512F: 16-float vectors (#ifdef __AVX512F__)
  *   -DPI_PF_BYTES=n     software prefetch distance, bytes ahead in the weight stream (tuning)
  *   -DPI_CHUNK_BYTES=n  weight bytes per work chunk (tuning)
@@ -13,14 +15,19 @@
  *                 int64_t T,        tokens (any T >= 0; the weights are read once per group of
  *                                   up to 8 tokens, so T <= 8 reads them exactly once)
  *                 int64_t K,        input features
- *                 const wtype* W,   [O, K] row-major, contiguous; wtype = PI_WDTYPE's element
+ *                 const wtype* W,   [O, K] row-major, contiguous; wtype = PI_WDTYPE's element.
+ *                                   Quantized formats: uint8 [O, K / 32 * PI_BLOCK_BYTES], each
+ *                                   row its K / 32 blocks one after another (K must be a
+ *                                   multiple of 32)
  *                 int64_t O,        output features
- *                 const wtype* b,   [O] bias in the weight dtype, or NULL for none
+ *                 const btype* b,   [O] bias (the weight dtype; float32 for quantized weights),
+ *                                   or NULL for none
  *                 float* out);      [T, O] float32, row-major, contiguous; written fully
  *       out[t][o] = sum_k x[t][k] * W[o][k] (+ b[o]), accumulated in float32 (f16 / bf16
- *       weights convert to float32 exactly).
+ *       weights convert to float32 exactly; a quantized block is dequantized in registers to
+ *       float32, d * q (q8_0), d * (q - 8) (q4_0) or d * q + m (q4_1), one rounding per weight).
  *   void pi_set_num_threads(int n);  OpenMP threads for pi_dense (<= 0: the OpenMP default)
- *   const char* pi_dense_variant(void);  e.g. "float16 avx512" (dtype and vector ISA built)
+ *   const char* pi_dense_variant(void);  e.g. "float16 avx512", "q4_0 avx2" (format and ISA)
  *
  * Parallel plan: the O output rows are cut into contiguous chunks of about PI_CHUNK_BYTES of
  * weights (whole 16-row groups, so no two threads write the same 64-byte line of out when
@@ -37,9 +44,15 @@
 #define PI_F32 0
 #define PI_F16 1
 #define PI_BF16 2
+#define PI_Q8_0 3
+#define PI_Q4_0 4
+#define PI_Q4_1 5
 #ifndef PI_WDTYPE
 #define PI_WDTYPE PI_F32
 #endif
+#define PI_QUANT (PI_WDTYPE >= PI_Q8_0) /* block-quantized weights (float32 bias) */
+/* The vector paths convert float16 (weights, block scales) with F16C. */
+#define PI_NEEDS_F16C (PI_WDTYPE == PI_F16 || PI_QUANT)
 #ifndef PI_PF_BYTES
 #define PI_PF_BYTES 0           /* software prefetch distance in the weight stream; 0: none (the
                                    hardware prefetchers follow the contiguous chunks as well or
@@ -58,11 +71,11 @@
 #define PI_PARALLEL_MIN 32768   /* below this many multiply-adds (O * K * T) run one thread */
 #define PI_INLINE static inline __attribute__((always_inline))
 
-#if !PI_SCALAR && defined(__AVX512F__) && (PI_WDTYPE != PI_F16 || defined(__F16C__))
+#if !PI_SCALAR && defined(__AVX512F__) && (!PI_NEEDS_F16C || defined(__F16C__))
 #include <immintrin.h>
 #define PI_VW 16                /* floats per vector */
 #define PI_ISA "avx512"
-#elif !PI_SCALAR && defined(__AVX2__) && defined(__FMA__) && (PI_WDTYPE != PI_F16 || defined(__F16C__))
+#elif !PI_SCALAR && defined(__AVX2__) && defined(__FMA__) && (!PI_NEEDS_F16C || defined(__F16C__))
 #include <immintrin.h>
 #define PI_VW 8
 #define PI_ISA "avx2"
@@ -71,15 +84,8 @@
 #define PI_ISA "scalar"
 #endif
 
-/* ---- weight element type and its exact conversion to float32 ---- */
-#if PI_WDTYPE == PI_F32
-typedef float wtype;
-#define PI_DTYPE "float32"
-PI_INLINE float w2f(wtype v) { return v; }
-#elif PI_WDTYPE == PI_F16
-typedef uint16_t wtype;
-#define PI_DTYPE "float16"
-PI_INLINE float w2f(wtype h) {
+/* float16 -> float32, exact, in software (the scalar paths) */
+PI_INLINE float h2f(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
     if (exp == 0x1f) {
         bits = sign | 0x7f800000u | (mant << 13);          /* inf, nan */
@@ -96,6 +102,17 @@ PI_INLINE float w2f(wtype h) {
     memcpy(&f, &bits, 4);
     return f;
 }
+
+/* ---- weight element type (wtype), bias type (btype) and their exact conversion to float32;
+ *      PI_ROW(K): wtype elements of one weight row ---- */
+#if PI_WDTYPE == PI_F32
+typedef float wtype;
+#define PI_DTYPE "float32"
+PI_INLINE float w2f(wtype v) { return v; }
+#elif PI_WDTYPE == PI_F16
+typedef uint16_t wtype;
+#define PI_DTYPE "float16"
+PI_INLINE float w2f(wtype h) { return h2f(h); }
 #elif PI_WDTYPE == PI_BF16
 typedef uint16_t wtype;
 #define PI_DTYPE "bfloat16"
@@ -105,17 +122,40 @@ PI_INLINE float w2f(wtype b) {
     memcpy(&f, &bits, 4);
     return f;
 }
+#elif PI_WDTYPE == PI_Q8_0        /* 34-byte blocks: d f16, q int8[32]; w = d * q */
+#define PI_DTYPE "q8_0"
+#define PI_BLOCK_BYTES 34
+#elif PI_WDTYPE == PI_Q4_0        /* 18-byte blocks: d f16, qs u8[16]; w = d * (nibble - 8) */
+#define PI_DTYPE "q4_0"
+#define PI_BLOCK_BYTES 18
+#elif PI_WDTYPE == PI_Q4_1        /* 20-byte blocks: d f16, m f16, qs u8[16]; w = d * nibble + m */
+#define PI_DTYPE "q4_1"
+#define PI_BLOCK_BYTES 20
 #else
-#error "PI_WDTYPE must be 0 (float32), 1 (float16) or 2 (bfloat16)"
+#error "PI_WDTYPE must be 0 (float32), 1 (float16), 2 (bfloat16), 3 (q8_0), 4 (q4_0) or 5 (q4_1)"
 #endif
 
+#if PI_QUANT
+typedef uint8_t wtype;            /* the blocks' bytes */
+typedef float btype;
+#define PI_BLOCK 32               /* weights per block, along K */
+#define PI_ROW(K) ((K) / PI_BLOCK * PI_BLOCK_BYTES)
+PI_INLINE float b2f(btype v) { return v; }
+#else
+typedef wtype btype;
+#define PI_ROW(K) (K)
+PI_INLINE float b2f(btype v) { return w2f(v); }
 #define PI_WPL (64 / (int)sizeof(wtype)) /* weights per 64-byte cache line */
+#endif
 
 /* ---- vectors of PI_VW floats: load x, load weights (converted), fma, horizontal sum ---- */
 #if PI_VW == 16
 typedef __m512 vf;
 PI_INLINE vf v_zero(void) { return _mm512_setzero_ps(); }
 PI_INLINE vf v_loadx(const float* p) { return _mm512_loadu_ps(p); }
+PI_INLINE vf v_set1(float f) { return _mm512_set1_ps(f); }
+PI_INLINE vf v_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+#if !PI_QUANT
 PI_INLINE vf v_loadw(const wtype* p) {
 #if PI_WDTYPE == PI_F32
     return _mm512_loadu_ps(p);
@@ -126,6 +166,7 @@ PI_INLINE vf v_loadw(const wtype* p) {
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 #endif
 }
+#endif
 PI_INLINE vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 PI_INLINE vf v_add(vf a, vf b) { return _mm512_add_ps(a, b); }
 PI_INLINE float v_hsum(vf v) { return _mm512_reduce_add_ps(v); }
@@ -133,6 +174,9 @@ PI_INLINE float v_hsum(vf v) { return _mm512_reduce_add_ps(v); }
 typedef __m256 vf;
 PI_INLINE vf v_zero(void) { return _mm256_setzero_ps(); }
 PI_INLINE vf v_loadx(const float* p) { return _mm256_loadu_ps(p); }
+PI_INLINE vf v_set1(float f) { return _mm256_set1_ps(f); }
+PI_INLINE vf v_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+#if !PI_QUANT
 PI_INLINE vf v_loadw(const wtype* p) {
 #if PI_WDTYPE == PI_F32
     return _mm256_loadu_ps(p);
@@ -143,6 +187,7 @@ PI_INLINE vf v_loadw(const wtype* p) {
         _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 #endif
 }
+#endif
 PI_INLINE vf v_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 PI_INLINE vf v_add(vf a, vf b) { return _mm256_add_ps(a, b); }
 PI_INLINE float v_hsum(vf v) {
@@ -159,6 +204,152 @@ PI_INLINE float v_hsum(vf v) {
 #define PI_PREFETCH(p) __builtin_prefetch((const void*)(p), 0, 3)
 #endif
 
+#if PI_QUANT
+/* ---- quantized blocks: the 32 weights of one block in float32 ---- */
+
+PI_INLINE uint16_t load_u16(const uint8_t* p) { /* a block's float16 (little-endian host) */
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return h;
+}
+
+#if PI_VW > 1
+/* The weights of a block are d * q (q8_0) or d * q + off (4-bit: off = -8 d for q4_0, exact, so
+ * the product rounds once as d * (q - 8) does; off = m for q4_1): one FMA a vector. */
+PI_INLINE float block_off(const uint8_t* blk, float d) {
+#if PI_WDTYPE == PI_Q4_0
+    (void)blk;
+    return -8.0f * d;
+#else
+    (void)d;
+    return _cvtsh_ss(load_u16(blk + 2));
+#endif
+}
+#endif
+
+#if PI_VW == 16
+/* wv[0..1] = the block's 32 weights, dequantized (AVX-512) */
+PI_INLINE void v_dequant(const uint8_t* blk, vf* wv) {
+    const float d = _cvtsh_ss(load_u16(blk));
+#if PI_WDTYPE == PI_Q8_0
+    for (int v = 0; v < 2; ++v)
+        wv[v] = v_mul(v_set1(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                     _mm_loadu_si128((const __m128i*)(blk + 2 + 16 * v)))));
+#else
+    /* the block's 16 possible weights (nibble j = 0..15), then one lookup (vpermps) per 16
+       weights: it reads the low 4 bits of each index, the low nibble of the byte as it is and
+       the high one after a shift (measured faster than converting each nibble) */
+#if PI_WDTYPE == PI_Q4_0
+    const vf table = v_mul(v_set1(d), _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1,
+                                                     0, 1, 2, 3, 4, 5, 6, 7));  /* d (j - 8) */
+#else
+    const vf table = v_fma(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                           v_set1(d), v_set1(block_off(blk, d)));           /* d j + m */
+#endif
+    const __m512i qs = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128((const __m128i*)(blk + PI_BLOCK_BYTES - 16)));  /* 16 bytes -> int32 */
+    wv[0] = _mm512_permutexvar_ps(qs, table);                           /* weights 0..15 */
+    wv[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(qs, 4), table);     /* weights 16..31 */
+#endif
+}
+#elif PI_VW == 8
+/* wv[0..3] = the block's 32 weights, dequantized (AVX2) */
+PI_INLINE void v_dequant(const uint8_t* blk, vf* wv) {
+    const float d = _cvtsh_ss(load_u16(blk));
+    const vf dv = v_set1(d);
+#if PI_WDTYPE == PI_Q8_0
+    for (int v = 0; v < 4; ++v)
+        wv[v] = v_mul(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                              _mm_loadl_epi64((const __m128i*)(blk + 2 + 8 * v)))));
+#else
+    const vf off = v_set1(block_off(blk, d));
+    const uint8_t* qs = blk + PI_BLOCK_BYTES - 16;
+    for (int h = 0; h < 2; ++h) { /* bytes 8h..8h+7: weights 8h.. (low nibbles), 16+8h.. (high) */
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(qs + 8 * h)));
+        wv[h] = v_fma(_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15))), dv, off);
+        wv[2 + h] = v_fma(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), dv, off);
+    }
+#endif
+}
+#else
+/* wk[0..31] = the block's weights (scalar fallback) */
+PI_INLINE void dequant_block(const uint8_t* blk, float* wk) {
+    const float d = h2f(load_u16(blk));
+#if PI_WDTYPE == PI_Q8_0
+    for (int i = 0; i < PI_BLOCK; ++i) wk[i] = d * (float)(int8_t)blk[2 + i];
+#else
+    const uint8_t* qs = blk + PI_BLOCK_BYTES - 16;
+#if PI_WDTYPE == PI_Q4_0
+    const float off = -8.0f * d;
+#else
+    const float off = h2f(load_u16(blk + 2));
+#endif
+    for (int i = 0; i < 16; ++i) {
+        wk[i] = d * (float)(qs[i] & 15) + off;
+        wk[i + 16] = d * (float)(qs[i] >> 4) + off;
+    }
+#endif
+}
+#endif
+#endif /* PI_QUANT */
+
+#if PI_QUANT
+/* res[n] = w . xs[n][0:K] for n < N: one pass over the quantized row w for all N tokens.
+ *   w    [K / 32 * PI_BLOCK_BYTES] one row's blocks
+ *   xs   [N] pointers to the token rows, each [K] float32 (K a multiple of 32)
+ *   res  [N] float32 out
+ * Each block is dequantized once into registers (NV vectors) and used for all N tokens; N x U
+ * accumulators (N * U <= 8) as in the float formats' dot_n below, each main-loop step SB whole
+ * blocks (a multiple of U vectors); one prefetch PI_PF_BYTES ahead per step where > 0. */
+PI_INLINE void dot_n(const wtype* w, const float* const* xs, int64_t K, float* res,
+                     const int N, const int U) {
+    const int64_t nb = K / PI_BLOCK;
+#if PI_VW > 1
+    const int NV = PI_BLOCK / PI_VW;         /* vectors per block: 4 (avx2) or 2 (avx512) */
+    const int SB = U > NV ? U / NV : 1;      /* blocks per step */
+    vf acc[PI_MAXTOK];
+    for (int i = 0; i < N * U; ++i) acc[i] = v_zero();
+    int64_t j = 0;
+    for (; j + SB <= nb; j += SB) {
+        if (PI_PF_BYTES > 0) PI_PREFETCH(w + j * PI_BLOCK_BYTES + PI_PF_BYTES);
+        for (int s = 0; s < SB; ++s) {
+            vf wv[PI_BLOCK / PI_VW];
+            v_dequant(w + (j + s) * PI_BLOCK_BYTES, wv);
+            const int64_t k = (j + s) * PI_BLOCK;
+            for (int v = 0; v < NV; ++v) {
+                const int a = (s * NV + v) % U;
+                for (int n = 0; n < N; ++n)
+                    acc[n * U + a] = v_fma(wv[v], v_loadx(xs[n] + k + PI_VW * v), acc[n * U + a]);
+            }
+        }
+    }
+    for (; j < nb; ++j) { /* the blocks left over when SB > 1 */
+        vf wv[PI_BLOCK / PI_VW];
+        v_dequant(w + j * PI_BLOCK_BYTES, wv);
+        for (int v = 0; v < NV; ++v)
+            for (int n = 0; n < N; ++n)
+                acc[n * U + v % U] = v_fma(wv[v], v_loadx(xs[n] + j * PI_BLOCK + PI_VW * v),
+                                           acc[n * U + v % U]);
+    }
+    for (int n = 0; n < N; ++n) {
+        vf s = acc[n * U];
+        for (int u = 1; u < U; ++u) s = v_add(s, acc[n * U + u]);
+        res[n] = v_hsum(s);
+    }
+#else
+    float r[PI_MAXTOK] = {0};
+    (void)U;
+    for (int64_t j = 0; j < nb; ++j) {
+        if (PI_PF_BYTES > 0) PI_PREFETCH(w + j * PI_BLOCK_BYTES + PI_PF_BYTES);
+        float wk[PI_BLOCK];
+        dequant_block(w + j * PI_BLOCK_BYTES, wk);
+        for (int i = 0; i < PI_BLOCK; ++i)
+            for (int n = 0; n < N; ++n) r[n] += wk[i] * xs[n][j * PI_BLOCK + i];
+    }
+    for (int n = 0; n < N; ++n) res[n] = r[n];
+#endif
+}
+#else
 /* res[n] = w[0:K] . xs[n][0:K] for n < N: one pass over the row w for all N tokens.
  *   w    [K] one weight row
  *   xs   [N] pointers to the token rows, each [K] float32
@@ -211,28 +402,29 @@ PI_INLINE void dot_n(const wtype* w, const float* const* xs, int64_t K, float* r
     for (int n = 0; n < N; ++n) res[n] = r[n];
 #endif
 }
+#endif /* PI_QUANT */
 
 /* Rows [lo, hi) of W for one group of N tokens: out[t0 + n][o] for n < N, o in [lo, hi).
  *   x    [T, K] float32 (the group's rows start at x + t0 * K)
- *   W    [O, K], b [O] or NULL, out [T, O] float32
+ *   W    [O, PI_ROW(K)], b [O] or NULL, out [T, O] float32
  * N and U are compile-time constants in every instance (rows_group dispatches). (Cutting K into
  * blocks that keep the token rows in L1 was measured no faster, up to K = 4096.) */
 PI_INLINE void rows_n(const float* x, int64_t t0, int64_t K, const wtype* W, int64_t O,
-                      const wtype* b, float* out, int64_t lo, int64_t hi, const int N,
+                      const btype* b, float* out, int64_t lo, int64_t hi, const int N,
                       const int U) {
     const float* xs[PI_MAXTOK];
     float* os[PI_MAXTOK];
     for (int n = 0; n < N; ++n) { xs[n] = x + (t0 + n) * K; os[n] = out + (t0 + n) * O; }
     for (int64_t o = lo; o < hi; ++o) {
         float r[PI_MAXTOK];
-        dot_n(W + o * K, xs, K, r, N, U);
-        const float bo = b ? w2f(b[o]) : 0.0f;
+        dot_n(W + o * PI_ROW(K), xs, K, r, N, U);
+        const float bo = b ? b2f(b[o]) : 0.0f;
         for (int n = 0; n < N; ++n) os[n][o] = r[n] + bo;
     }
 }
 
 static void rows_group(const float* x, int64_t t0, int nt, int64_t K, const wtype* W, int64_t O,
-                       const wtype* b, float* out, int64_t lo, int64_t hi) {
+                       const btype* b, float* out, int64_t lo, int64_t hi) {
     switch (nt) {
     case 1: rows_n(x, t0, K, W, O, b, out, lo, hi, 1, 4); break;
     case 2: rows_n(x, t0, K, W, O, b, out, lo, hi, 2, 4); break;
@@ -251,16 +443,18 @@ void pi_set_num_threads(int n) { pi_threads = n; }
 
 const char* pi_dense_variant(void) { return PI_DTYPE " " PI_ISA; }
 
-void pi_dense(const float* x, int64_t T, int64_t K, const wtype* W, int64_t O, const wtype* b,
+void pi_dense(const float* x, int64_t T, int64_t K, const wtype* W, int64_t O, const btype* b,
               float* out) {
     if (T <= 0 || O <= 0) return;
     if (K <= 0) { /* empty sums: the bias alone */
         for (int64_t t = 0; t < T; ++t)
-            for (int64_t o = 0; o < O; ++o) out[t * O + o] = b ? w2f(b[o]) : 0.0f;
+            for (int64_t o = 0; o < O; ++o) out[t * O + o] = b ? b2f(b[o]) : 0.0f;
         return;
     }
     /* chunk: whole groups of 16 rows, about PI_CHUNK_BYTES of weights */
-    int64_t rows = (int64_t)PI_CHUNK_BYTES / (K * (int64_t)sizeof(wtype));
+    int64_t row_bytes = PI_ROW(K) * (int64_t)sizeof(wtype);
+    if (row_bytes < 1) row_bytes = 1; /* (quantized weights with K < 32: not a valid call) */
+    int64_t rows = (int64_t)PI_CHUNK_BYTES / row_bytes;
     rows = rows < 16 ? 16 : rows & ~(int64_t)15;
     const int64_t nch = (O + rows - 1) / rows;
     int nthr = 1;

@@ -9,8 +9,8 @@
 Why: in Hugging Face eager, a decode step of a 30-layer model is some 400 PyTorch calls
 between picompile's kernels; here it is one ctypes call (kernels/decoder.c), which runs the
 norms, RoPE, the KV cache and attention itself and calls the very kernels the modules hold
-(DenseLinear's for q/k/v/o and the LM head, SparseFFN's and its Predictor's) through function
-pointers. Prefill stays batched in PyTorch, through the same modules.
+(DenseLinear's or QuantLinear's for q/k/v/o and the LM head, SparseFFN's and its Predictor's)
+through function pointers. Prefill stays batched in PyTorch, through the same modules.
 
 Which models: decoder stacks shaped like HF's LlamaForCausalLM (Llama, SmolLM, Mistral, Qwen2,
 ...): pre-norm layers of exactly {input_layernorm, self_attn, post_attention_layernorm, mlp},
@@ -35,7 +35,7 @@ from torch import nn
 
 from picompile.codegen import c as c_codegen
 from picompile.codegen import decoder as native
-from picompile.runtime.dense_linear import DenseLinear
+from picompile.runtime.dense_linear import DenseLinear, QuantLinear
 from picompile.runtime.sparse_ffn import SparseFFN
 
 _LAYER_PARTS = frozenset({"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"})
@@ -63,8 +63,11 @@ def _norm(mod: nn.Module, where: str) -> tuple[torch.Tensor, float]:
     return w.detach().float().contiguous(), float(eps)
 
 
-def _dense(mod: nn.Module, where: str) -> DenseLinear:
-    if not isinstance(mod, DenseLinear):
+_LINEARS = (DenseLinear, QuantLinear)  # the dense kernel's modules: float or quantized weights
+
+
+def _dense(mod: nn.Module, where: str) -> DenseLinear | QuantLinear:
+    if not isinstance(mod, _LINEARS):
         raise Unsupported(f"{where} is a {type(mod).__name__}, not a lowered linear layer")
     if mod.kernel is None:
         raise Unsupported(f"{where} runs {mod.path}")
@@ -151,9 +154,9 @@ class Decoder:
             linears = {}
             for name, shape in shapes.items():
                 lin = _dense(getattr(attn, name), f"{where}.self_attn.{name}")
-                if tuple(lin.weight.shape) != shape:
-                    raise Unsupported(f"{where}.self_attn.{name} is {tuple(lin.weight.shape)}, "
-                                      f"not {shape}")
+                if (lin.out_features, lin.in_features) != shape:
+                    raise Unsupported(f"{where}.self_attn.{name} is "
+                                      f"{(lin.out_features, lin.in_features)}, not {shape}")
                 linears[name] = lin
             (w_in, eps_in), (w_post, eps_post) = (
                 _norm(layer.input_layernorm, f"{where}.input_layernorm"),
@@ -179,17 +182,17 @@ class Decoder:
         switches and thresholds, the norms' and embedding's storage."""
         parts = []
         for mod in model.modules():
-            if isinstance(mod, (DenseLinear, SparseFFN)):
+            if isinstance(mod, (*_LINEARS, SparseFFN)):
                 parts.append(id(mod.kernel))
             if isinstance(mod, SparseFFN):
                 pred = mod.predictor
                 parts += [mod.threshold, mod.hybrid is None, pred is not None and pred.enabled,
                           None if pred is None else (id(pred.kernel), pred.tau)]
-            elif not isinstance(mod, DenseLinear):
+            elif not isinstance(mod, _LINEARS):
                 parts += [(p.data_ptr(), p.dtype) for p in mod.parameters(recurse=False)]
         return tuple(parts)
 
-    def _linear(self, lin: DenseLinear) -> native.Linear:
+    def _linear(self, lin: DenseLinear | QuantLinear) -> native.Linear:
         lib = lin.kernel.library_for(1)
         bias = lin.kernel.bias
         return native.Linear(native.function_pointer(lib.pi_dense), lin.kernel.weight.data_ptr(),

@@ -1,4 +1,5 @@
 """DenseLinear: an nn.Linear run by picompile's dense C kernel at decode, F.linear otherwise.
+QuantLinear (below): the same with a block-quantized weight (picompile.quant).
 
     y = x @ weight.T + bias          x [..., K] -> y [..., O], in x's dtype
 
@@ -129,3 +130,142 @@ class DenseLinear(KernelModule):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, dtype={dtype}, "
                 f"path={self.path}")
+
+
+class QuantLinear(KernelModule):
+    """A linear layer whose weight is block-quantized (picompile.quant: GGUF's q8_0 / q4_0 /
+    q4_1), run by the dense C kernel's quantized build at decode.
+
+        y = x @ dequantize(qweight).T + bias        x [..., K] -> y [..., O], in x's dtype
+
+    `qweight` (a buffer, so state_dict holds it) is uint8 [O, K / 32 * block_bytes], GGUF's
+    blocks as they are; `bias` a float32 Parameter or None. No float copy of the weight is kept:
+    `forward_native` (the reference) dequantizes on each call. `forward` runs the kernel for
+    1 <= T <= 8 tokens on the CPU, forward_native otherwise (prefill, autograd on x, no kernel).
+    CPU only: moving it to another device is an error (no GPU kernels for quantized layers yet).
+    """
+
+    def __init__(self, qweight: torch.Tensor, qformat: str, in_features: int,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        from picompile import quant
+
+        quant.format_of(qformat)  # raises for an unknown format
+        rb = quant.row_bytes(in_features, qformat)
+        if in_features % quant.BLOCK or qweight.dtype != torch.uint8 or qweight.dim() != 2 \
+                or qweight.shape[1] != rb:
+            raise ValueError(f"a {qformat} weight of {in_features} input features is uint8 "
+                             f"[O, {rb}] with {in_features} a multiple of {quant.BLOCK}; got "
+                             f"{str(qweight.dtype).removeprefix('torch.')} {tuple(qweight.shape)}")
+        if qweight.device.type != "cpu":
+            raise ValueError(self._cpu_only(qformat))
+        self.qformat = qformat
+        self.in_features = in_features
+        self.out_features = qweight.shape[0]
+        self.register_buffer("qweight", qweight.detach().contiguous())
+        if bias is not None:
+            if bias.shape != (self.out_features,):
+                raise ValueError(f"bias {tuple(bias.shape)} for {self.out_features} outputs")
+            # (shares the storage of a float32 bias; no gradient: the layer is not trainable)
+            bias = nn.Parameter(bias.detach().to(torch.float32), requires_grad=False)
+        self.register_parameter("bias", bias)  # [O] float32 or None
+        self.kernel = None  # set by select_kernel(); None runs forward_native
+        self.path = "reference (C kernel not selected)"
+        self._bound = None  # (qweight ptr, bias ptr) the kernel was bound to
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, fmt: str, select: bool = True) -> QuantLinear:
+        """The layer of `linear` (an nn.Linear or DenseLinear) with its weight quantized to
+        `fmt`; its bias is kept (as float32). Raises ValueError where the weight cannot be
+        quantized (its input dimension not a multiple of 32: that layer must stay float)."""
+        from picompile import quant
+
+        quant.format_of(fmt)
+        weight = linear.weight
+        why = quant.why_not_quantizable(weight.shape)
+        if why is not None:
+            raise ValueError(f"cannot quantize this linear layer to {fmt}: {why}; "
+                             "it must stay float")
+        if weight.device.type != "cpu":
+            raise ValueError(cls._cpu_only(fmt))
+        mod = cls(quant.quantize(weight, fmt), fmt, weight.shape[1], linear.bias)
+        mod.train(linear.training)
+        if select:
+            mod.select_kernel()
+        return mod
+
+    @staticmethod
+    def _cpu_only(fmt: str) -> str:
+        return (f"picompile: quantized ({fmt}) linear layers run on the CPU only (there are no "
+                "GPU kernels for quantized weights yet); keep the model on the CPU, or compile "
+                "it without quantize= to run it on a GPU")
+
+    def _apply(self, fn, recurse=True):
+        # Where would the blocks go? (.cuda(), .to(device) move every tensor; .half() / .float()
+        # leave uint8 tensors as they are.) Refuse before anything moves.
+        try:
+            probe = fn(torch.empty(0, dtype=torch.uint8))
+        except Exception as e:  # noqa: BLE001 - e.g. .cuda() without CUDA: still a move off CPU
+            raise RuntimeError(self._cpu_only(self.qformat)) from e
+        if probe.device.type != "cpu" or probe.dtype != torch.uint8:
+            raise RuntimeError(self._cpu_only(self.qformat))
+        return super()._apply(fn, recurse)
+
+    def _ptrs(self) -> tuple:
+        return (self.qweight.data_ptr(), None if self.bias is None else self.bias.data_ptr())
+
+    def select_kernel(self) -> str:
+        """Pick the execution path once; returns its name ("C q4_0 avx512", "reference (...)")."""
+        from picompile.codegen import dense
+
+        self.kernel = None
+        self._selected = True
+        self._bound = self._ptrs()
+        if reference_forced():
+            self.path = "reference (PICOMPILE_REFERENCE set)"
+            return self.path
+        self.kernel = dense.quant_kernel_for(self.qweight, self.qformat, self.in_features,
+                                             self.bias)
+        self.path = (f"C {self.kernel.variant}" if self.kernel is not None else
+                     dense.why_no_quant_kernel(self.qweight, self.qformat, self.in_features,
+                                               self.bias))
+        return self.path
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state["_bound"] = None
+        return state
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight as float32 [O, K] (quant.dequantize: the reference)."""
+        from picompile import quant
+
+        return quant.dequantize(self.qweight, self.qformat, self.in_features)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., O] in x's dtype: dequantize, then F.linear (the reference)."""
+        w = self.dequantized_weight().to(x.dtype)
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., O] in x's dtype."""
+        kernel = self.kernel
+        if kernel is None or not x.is_cpu or x.dim() == 0 or not x.is_floating_point():
+            return self.forward_native(x)
+        K = x.shape[-1]
+        T = x.numel() // K if K else 0
+        bias = self._parameters["bias"]
+        if not 1 <= T <= KERNEL_MAX_TOKENS or (torch.is_grad_enabled() and (
+                x.requires_grad or (bias is not None and bias.requires_grad))):
+            return self.forward_native(x)
+        if self._ptrs() != self._bound:
+            self.select_kernel()  # storage swapped since binding (load_state_dict, .data = ...)
+            kernel = self.kernel
+            if kernel is None:
+                return self.forward_native(x)
+        out = kernel(x)  # [..., O] float32
+        return out if x.dtype is torch.float32 else out.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, format={self.qformat}, path={self.path}")

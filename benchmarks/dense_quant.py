@@ -1,0 +1,138 @@
+"""Benchmark the dense kernel on quantized weights (q8_0 / q4_0 / q4_1) against its float16 and
+float32 builds, in GB/s of weight bytes read.
+
+    .venv/bin/python benchmarks/dense_quant.py           # SmolLM2 shapes, T=1, 2 threads
+    .venv/bin/python benchmarks/dense_quant.py --quick   # fewer calls
+    .venv/bin/python benchmarks/dense_quant.py --isa     # quantized rows also forced AVX2 / AVX-512
+
+One token (x [1, K]) through W [O, K] for SmolLM2-135M's LM head (49152x576) and its q/o
+(576x576), gate/up (1536x576) and down (576x1536) projections. Each format's kernel is called
+as the whole-step decoder calls it (the bare ctypes call with preallocated buffers, the build
+picompile selects for T=1), cycling over copies of W that together exceed the last-level cache
+("cold": the weights come from memory, as in decoding a model much larger than the caches).
+Bytes are the weight matrix as stored: O*K*4 (float32), O*K*2 (float16), O*K/32 * 34 / 18 / 20
+(q8_0 / q4_0 / q4_1, scales included). Methods are interleaved in rounds so that load from other
+processes hits all of them alike; reported are medians ("best": the fastest call) and the share
+of CPU time other processes took during the run.
+
+Memory bandwidth: benchmarks/gemv.py's streaming-read probe (torch sum of a 1 GB float32 tensor)
+at the start and the end of the run; "% BW" is a format's median GB/s over the higher of the two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import subprocess
+
+import torch
+
+from gemv import cycler, stream_probe, time_calls  # benchmarks/gemv.py, beside this script
+from machine import OtherLoad
+from picompile import quant
+from picompile.codegen import dense
+
+SHAPES = [  # (name, O, K)
+    ("lm_head", 49152, 576),
+    ("q_proj / o_proj", 576, 576),
+    ("gate / up", 1536, 576),
+    ("down", 576, 1536),
+]
+FLOATS = {"float32": torch.float32, "float16": torch.float16}
+COLD_BYTES = 256 << 20  # copies of W cycled through: well over the 32 MiB L3 here
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor() or platform.machine()
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    return f"{fields.get('Model name', '?').strip()}, {fields.get('CPU(s)', '?').strip()} CPUs"
+
+
+def methods(O: int, K: int, isa: bool) -> list[tuple[str, str, int, list]]:
+    """(format, build, bytes of W, [(kernel, W copy), ...]) for every format (and build)."""
+    gen = torch.Generator().manual_seed(0)
+    W = torch.randn(O, K, generator=gen) * K**-0.5
+    out = []
+    for name, dt in FLOATS.items():
+        w = W.to(dt)
+        copies = [w] + [w.clone() for _ in range(max(2, -(-COLD_BYTES // w.nbytes)) - 1)]
+        out.append((name, "", w.nbytes, [(dense.dense_kernel_for(c), c) for c in copies]))
+    for fmt in dense.QFORMATS:
+        q = quant.quantize(W, fmt)
+        copies = [q] + [q.clone() for _ in range(max(2, -(-COLD_BYTES // q.nbytes)) - 1)]
+        builds = [("", None)]  # the build picompile selects for T=1
+        if isa:
+            builds += [("forced", False)] + ([("forced", True)] if dense.avx512_available() else [])
+        for label, avx512 in builds:
+            kernels = [(dense.quant_kernel_for(c, fmt, K, avx512=avx512), c) for c in copies]
+            out.append((fmt, label, q.nbytes, kernels))
+    return out
+
+
+def bench(O: int, K: int, calls: int, rounds: int, isa: bool) -> list[dict]:
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(1))
+    out = torch.empty(1, O)
+    fns, info = {}, {}
+    alive = methods(O, K, isa)  # the weights the raw calls below read by pointer
+    for fmt, label, nbytes, kernels in alive:
+        k0 = kernels[0][0]
+        if k0 is None:
+            raise SystemExit(f"no dense C kernel for {fmt}")
+        lib = k0.library_for(1)
+        dense._set_threads(lib)
+        raw = [(x.data_ptr(), 1, K, k.weight.data_ptr(), O, None, out.data_ptr())
+               for k, _ in kernels]
+        nxt = cycler(raw)
+        key = f"{fmt} {label} {len(fns)}"
+        fns[key] = (lambda f=lib.pi_dense, n=nxt: f(*n()))
+        variant = lib.pi_dense_variant().decode().split()[-1] + (f" ({label})" if label else "")
+        info[key] = (fmt, variant, nbytes)
+    times = time_calls(fns, calls, rounds)
+    rows = []
+    for key, t in times.items():
+        fmt, variant, nbytes = info[key]
+        med = statistics.median(t)
+        rows.append(dict(format=fmt, build=variant, bytes=nbytes, gbs=nbytes / med / 1e9,
+                         best=nbytes / t[0] / 1e9, us=med * 1e6))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="fewer calls")
+    ap.add_argument("--isa", action="store_true",
+                    help="also time each quantized format's AVX2 and AVX-512 builds")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    other = OtherLoad()
+    print(f"# dense kernel, quantized vs float weights: {cpu_model()}, {args.threads} threads, "
+          f"T=1, torch {torch.__version__}\n")
+    bw0 = stream_probe(5 if args.quick else 15)
+    print(f"streaming read (torch sum of 1 GB float32): {bw0:.1f} GB/s\n")
+    results = []
+    for name, O, K in SHAPES:
+        big = O * K >= 1 << 24
+        calls = max(3, (10 if big else 100) // (3 if args.quick else 1))
+        rounds = 3 if args.quick else 8
+        results.append((name, O, K, bench(O, K, calls, rounds, args.isa)))
+    bw1 = stream_probe(5 if args.quick else 15)
+    bw = max(bw0, bw1)
+    print("| O x K | layer | format | build | MB | GB/s | best GB/s | us | % BW |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|")
+    for name, O, K, rows in results:
+        for r in rows:
+            print(f"| {O}x{K} | {name} | {r['format']} | {r['build']} | {r['bytes'] / 1e6:.2f} | "
+                  f"{r['gbs']:.1f} | {r['best']:.1f} | {r['us']:.0f} | "
+                  f"{100 * r['gbs'] / bw:.0f}% |")
+    frac = other.fraction()
+    print(f"\nstreaming read again: {bw1:.1f} GB/s; other processes used "
+          f"{'?' if frac is None else f'{100 * frac:.0f}%'} of the CPU time during the run")
+
+
+if __name__ == "__main__":
+    main()
