@@ -51,7 +51,8 @@ class CompiledModel(nn.Module):
         object.__setattr__(self, "graphs", graphs)
         self.paths = paths  # block name -> execution path picked ("C", "reference (...)")
         self.linear_paths: dict[str, str] = {}  # other linears -> path (passes/lower.py)
-        self.quant_notes: list[str] = []  # what stayed float under plan.quantize, and why
+        # under plan.quantize: what stayed float, and why; which layers got another format
+        self.quant_notes: list[str] = []
         # block -> [n_ff] share of calibration tokens each neuron fired on (original neuron
         # order), from compile's profile (mode="predicted" or a gpu_budget); kept for report();
         # not saved with a plan
@@ -595,8 +596,9 @@ def name_in_graph(block: BlockPlan) -> str:
 
 
 def _weights_line(cm: CompiledModel) -> str:
-    """Bytes of the weights by role and format: "FFN q4_0 12,345 B (30 blocks); ...". A tensor
-    shared by several modules (tied weights) counts once."""
+    """Bytes of the weights by role and format: "FFN q4_0 12,345 B (30 blocks); ...", an FFN
+    format "q4_1 (down q8_0)" where the down rows have their own. A tensor shared by several
+    modules (tied weights) counts once."""
     from picompile.runtime.sparse_ffn import dtype_name
 
     groups: dict[tuple[str, str], list[int]] = {}  # (role, format) -> [modules, bytes]
@@ -612,6 +614,8 @@ def _weights_line(cm: CompiledModel) -> str:
     for m in cm.model.modules():
         if isinstance(m, SparseFFN):
             fmt = getattr(m, "qformat", None) or dtype_name(m.w_up.dtype)
+            if m.down_format != fmt:
+                fmt = f"{fmt} (down {m.down_format})"
             add("FFN", fmt, [m.w_gate, m.w_up, m.w_down_t])
         elif isinstance(m, QuantLinear):
             add("linear", m.qformat, [m.qweight])
@@ -676,7 +680,7 @@ def explain(cm: CompiledModel) -> str:
         lines.append("other linears (attention, LM head): " +
                      "; ".join(f"{n} {path}" for path, n in by_path.items()))
     lines.append("weights: " + _weights_line(cm))
-    lines += [f"  stays float: {n}" for n in cm.quant_notes]
+    lines += [f"  quantization: {n}" for n in cm.quant_notes]
     lines.append("decode step: " + ("picompile decoder (kernels/decoder.c, one C call per token)"
                                     if cm._decoder is not None else
                                     f"per module in PyTorch (whole-step decoder: {cm.decoder_reason})"))

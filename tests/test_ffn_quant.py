@@ -16,6 +16,11 @@ Two kinds of test data:
 - blocks quantized by quantize_ from random float weights (what compile(quantize=...) makes),
   with a tolerance derived from float32 accumulation (below, `_float_bound`).
 
+The down rows may have a format of their own (Variant.down_dtype, SparseFFN.down_qformat): the
+mixed pairs below (MIXED: 4-bit gate / up with q8_0 down, as compile(gguf=) makes them, and q8_0
+with float down rows) run through the same checks; exact float down rows are dyadic numbers
+(multiples of 1/16), exact in float16 too.
+
 The down projection sums float32 products h * w in another order than the reference: its error is
 bounded by a few float32 roundings of each term, 1e-4 of sum |h| |w_down| (+ |b_down|) as in
 tests/test_c_kernels.py, far above the rounding (n_ff <= 300 terms: about 300 * 2^-24 = 2e-5) and
@@ -41,18 +46,23 @@ from picompile.runtime.sparse_ffn import SparseFFN, activation, down_input, ffn_
 from tests import zoo
 
 FORMATS = list(quant.FORMATS)  # q8_0, q4_0, q4_1
+# (gate / up, down) formats: the down rows in another format than the gate and up rows
+MIXED = [("q4_1", "q8_0"), ("q4_0", "q8_0"), ("q8_0", "float32"), ("q4_1", "float16")]
+PAIRS = [(f, f) for f in FORMATS] + MIXED
 KINDS = ("plain", "gated", "drelu")
 ACTS = ("relu", "silu")
+TORCH_DT = {"float32": torch.float32, "float16": torch.float16}
 
 
-def variant(fmt: str, kind: str, bias: bool, act: str) -> c.Variant:
-    return c.Variant(fmt, kind != "plain", kind == "drelu", bias, act)
+def variant(fmt: str, kind: str, bias: bool, act: str, down: str | None = None) -> c.Variant:
+    return c.Variant(fmt, kind != "plain", kind == "drelu", bias, act, down_dtype=down)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _built():
     """Build the quantized variants the tests use once, two at a time (no-op on a warm cache)."""
-    vs = [variant(f, k, b, a) for f in FORMATS for k in KINDS for b in (False, True) for a in ACTS]
+    vs = [variant(f, k, b, a, down) for f, down in PAIRS for k in KINDS for b in (False, True)
+          for a in ACTS]
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(c.build, vs))
 
@@ -83,11 +93,24 @@ def dyadic(gen, *shape, scale: int) -> torch.Tensor:
     return torch.randint(-scale, scale + 1, shape, generator=gen).float() / scale
 
 
+def exact_down(gen, fmt: str, n_ff: int, d: int) -> torch.Tensor:
+    """Exact down rows in `fmt`: GGUF blocks, or dyadic float elements."""
+    if fmt in TORCH_DT:
+        return dyadic(gen, n_ff, d, scale=16).to(TORCH_DT[fmt])
+    return exact_blocks(gen, fmt, n_ff, d)
+
+
+def dequantized_down(w_down_t: torch.Tensor, fmt: str, d: int) -> torch.Tensor:
+    """Down rows in `fmt` as float64 [n_ff, d]."""
+    return (w_down_t if fmt in TORCH_DT else quant.dequantize(w_down_t, fmt, d)).double()
+
+
 def exact_case(fmt: str, v: c.Variant, T: int, d: int, n_ff: int, seed: int):
-    """(weights dict in the keyword form of SparseFFN / ffn_reference, x float32 [T, d])."""
+    """(weights dict in the keyword form of SparseFFN / ffn_reference, x float32 [T, d]); the
+    down rows in v.down_dtype."""
     gen = torch.Generator().manual_seed(seed)
     x = dyadic(gen, T, d, scale=8)
-    w = dict(w_up=exact_blocks(gen, fmt, n_ff, d), w_down_t=exact_blocks(gen, fmt, n_ff, d),
+    w = dict(w_up=exact_blocks(gen, fmt, n_ff, d), w_down_t=exact_down(gen, v.down_dtype, n_ff, d),
              w_gate=exact_blocks(gen, fmt, n_ff, d) if v.gated else None,
              b_gate=dyadic(gen, n_ff, scale=16) if v.bias and v.gated else None,
              b_up=dyadic(gen, n_ff, scale=16) if v.bias else None,
@@ -102,10 +125,12 @@ def block_plan(v: c.Variant, d: int, n_ff: int, threshold: float = 0.0) -> Block
 
 
 def make_module(fmt: str, v: c.Variant, w: dict, d: int, threshold: float = 0.0) -> SparseFFN:
-    """A SparseFFN over already quantized weights (the constructor's qformat)."""
+    """A SparseFFN over already quantized weights (the constructor's qformat; the down rows'
+    format is v.down_dtype: down_qformat, or float rows)."""
     w = dict(w)
+    down = None if v.down_dtype in TORCH_DT else v.down_dtype
     ffn = SparseFFN(block_plan(v, d, w["w_up"].shape[0], threshold), w.pop("w_up"),
-                    w.pop("w_down_t"), **w, qformat=fmt)
+                    w.pop("w_down_t"), **w, qformat=fmt, down_qformat=down)
     ffn.select_kernel()
     return ffn
 
@@ -142,7 +167,7 @@ def check_exact(fmt, v, w, x, *, threshold, idx=None, mask=None, ffn=None):
     ffn = ffn or make_module(fmt, v, w, d)
     kernel = c.kernel_for(ffn)
     assert kernel is not None, c.why_no_kernel(ffn)
-    assert kernel.variant.dtype == fmt
+    assert kernel.variant == v and kernel.variant.dtype == fmt
     out, n_active = kernel(x, threshold=threshold, idx=idx, mask=mask)
     if mask is not None:
         idx = mask.any(0).nonzero().flatten()
@@ -151,7 +176,7 @@ def check_exact(fmt, v, w, x, *, threshold, idx=None, mask=None, ffn=None):
     assert out.dtype == torch.float32 and out.shape == ref.shape == (x.shape[0], d)
     assert n_active == int(active.sum())
     h = reference_h(fmt, v, w, x, idx)
-    wd = quant.dequantize(w["w_down_t"], fmt, d).double()
+    wd = dequantized_down(w["w_down_t"], v.down_dtype, d)
     wd = wd if idx is None else wd[idx.long()]
     bound = (h.abs() * active) @ wd.abs()
     if w["b_down"] is not None:
@@ -175,9 +200,10 @@ def test_exact_blocks_are_what_they_claim():
 
 
 @st.composite
-def cases(draw):
-    fmt = draw(st.sampled_from(FORMATS))
-    v = variant(fmt, draw(st.sampled_from(KINDS)), draw(st.booleans()), draw(st.sampled_from(ACTS)))
+def cases(draw, pairs=tuple((f, f) for f in FORMATS)):
+    fmt, down = draw(st.sampled_from(pairs))
+    v = variant(fmt, draw(st.sampled_from(KINDS)), draw(st.booleans()), draw(st.sampled_from(ACTS)),
+                down)
     T = draw(st.integers(1, 9))
     d = 32 * draw(st.integers(1, 10))
     n_ff = draw(st.one_of(st.integers(1, 300), st.sampled_from([1, 7, 63, 65, 129, 257, 299])))
@@ -191,6 +217,18 @@ def cases(draw):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_kernel_matches_reference(case):
+    check_case(case)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(pairs=tuple(MIXED)))
+def test_kernel_with_down_rows_in_their_own_format_matches_reference(case):
+    """Gate and up rows in one format, down rows in another (4-bit with q8_0, q8_0 with
+    float32, q4_1 with float16)."""
+    check_case(case)
+
+
+def check_case(case):
     fmt, v, T, d, n_ff, sparsity, idx_mode, relu_threshold, seed = case
     w, x = exact_case(fmt, v, T, d, n_ff, seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -211,14 +249,14 @@ def test_kernel_matches_reference(case):
     check_exact(fmt, v, w, x, threshold=thr, idx=idx, mask=mask)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt,down", PAIRS)
 @pytest.mark.parametrize("kind,act,bias", [("gated", "silu", False), ("plain", "relu", True),
                                            ("gated", "relu", False), ("drelu", "relu", True),
                                            ("gated", "silu", True)])
-def test_every_mode(fmt, kind, act, bias):
+def test_every_mode(fmt, down, kind, act, bias):
     """Exact (threshold 0), about half firing (a threshold in a gap near the median of |h|) and
     predicted (a mask), 1 to 9 tokens, for the block kinds picompile rewrites."""
-    v = variant(fmt, kind, bias, act)
+    v = variant(fmt, kind, bias, act, down)
     for T, d, n_ff, seed in ((1, 576 // 2, 300, 0), (4, 32, 77, 1), (9, 160, 129, 2)):
         w, x = exact_case(fmt, v, T, d, n_ff, seed)
         ffn = make_module(fmt, v, w, d)
@@ -245,16 +283,17 @@ def isa(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_scalar_fallback_and_simd_agree(isa, fmt):
+@pytest.mark.parametrize("fmt,down", PAIRS)
+def test_scalar_fallback_and_simd_agree(isa, fmt, down):
     for kind, bias, act in (("gated", True, "relu"), ("plain", False, "silu"), ("drelu", False, "relu")):
-        v = variant(fmt, kind, bias, act)
+        v = variant(fmt, kind, bias, act, down)
         for T, d in ((1, 96), (5, 160), (9, 320)):  # 3, 5 and 10 blocks: tails and groups
             w, x = exact_case(fmt, v, T, d, 90, seed=T)
             thr = 0.0 if act == "relu" else pick_threshold(reference_h(fmt, v, w, x), 0.5)
             check_exact(fmt, v, w, x, threshold=thr)
-    src = c.source(variant(fmt, "gated", False, "relu"))
-    assert "PIC_QUANT" in src and "row_bytes" in src
+    src = c.source(variant(fmt, "gated", False, "relu", down))
+    assert "PIC_IS_QUANT" in src and "row_bytes" in src
+    assert f"#define PIC_DDTYPE {c._FORMAT_MACROS[down]}" in src
 
 
 def test_scalar_and_simd_builds_give_the_same_counts(monkeypatch):
@@ -262,8 +301,8 @@ def test_scalar_and_simd_builds_give_the_same_counts(monkeypatch):
     within rounding of each other."""
     if "-mavx2" not in c.build_flags():
         pytest.skip("no AVX2 on this CPU")
-    for fmt in FORMATS:
-        v = variant(fmt, "gated", True, "relu")
+    for fmt, down in PAIRS:
+        v = variant(fmt, "gated", True, "relu", down)
         w, x = exact_case(fmt, v, 6, 256, 200, seed=5)
         simd = c.kernel_for(make_module(fmt, v, w, 256))(x, 0.0)
         with monkeypatch.context() as m:
@@ -302,7 +341,8 @@ def _float_bound(ffn: SparseFFN, x: torch.Tensor, active: torch.Tensor) -> torch
     w = ffn.weights()
     d, eps = x.shape[1], 2.0**-24
     deq = {k: None if w[k] is None else quant.dequantize(w[k], ffn.qformat, d).double()
-           for k in ("w_up", "w_gate", "w_down_t")}
+           for k in ("w_up", "w_gate")}
+    deq["w_down_t"] = dequantized_down(w["w_down_t"], ffn.down_format, d)
     ax = x.double().abs()
     x64 = x.double()
     b_up = 0 if w["b_up"] is None else w["b_up"].double()
@@ -424,19 +464,32 @@ def test_float16_block_quantizes_and_dtype_changes_keep_the_kernel():
     torch.testing.assert_close(back(x), ffn(x))
 
 
-def test_byte_accounting_counts_quantized_rows():
-    from picompile.passes import place, predictors
+def _bytes(fmt: str, d: int) -> int:
+    """Bytes of one row of d weights in fmt."""
+    return d * TORCH_DT[fmt].itemsize if fmt in TORCH_DT else quant.row_bytes(d, fmt)
 
-    for fmt in FORMATS:
-        ffn = float_module("gated", "relu", True, d=128, n_ff=50)
-        f32_row = ffn.row_bytes
-        ffn.quantize_(fmt)
-        rb = quant.row_bytes(128, fmt)
-        assert ffn.row_bytes == rb < f32_row
-        assert place.neuron_bytes(ffn) == 3 * rb + 2 * 4  # gate, up, down_t rows; b_gate, b_up
-        first, later, row = predictors._row_reads(ffn)
-        assert row == rb
-        assert predictors.exact_decode_bytes(ffn, 0.5) == round(50 * (first + 0.5 * later) * rb)
+
+@pytest.mark.parametrize("fmt,down", PAIRS)
+def test_byte_accounting_counts_quantized_rows(fmt, down):
+    """Every byte count takes gate / up rows in their format and down rows in theirs."""
+    from picompile.passes import place, predictors
+    from picompile.runtime import hybrid
+
+    ffn = float_module("gated", "relu", True, d=128, n_ff=50)
+    f32_row = ffn.row_bytes
+    ffn.quantize_(fmt, down)
+    rb, rd = quant.row_bytes(128, fmt), _bytes(down, 128)
+    assert ffn.row_bytes == rb < f32_row and ffn.down_row_bytes == rd
+    assert place.neuron_bytes(ffn) == 2 * rb + rd + 2 * 4  # gate, up, down_t rows; b_gate, b_up
+    # gated ReLU: the gate row per candidate; the up and down rows per firing neuron
+    assert predictors._row_reads(ffn) == (rb, rb + rd)
+    assert predictors.exact_decode_bytes(ffn, 0.5) == round(50 * (rb + 0.5 * (rb + rd)))
+    silu = float_module("gated", "silu", False, d=128, n_ff=50).quantize_(fmt, down)
+    assert predictors._row_reads(silu) == (2 * rb, rd)  # gate and up per candidate, then down
+    plain = float_module("plain", "relu", False, d=128, n_ff=50).quantize_(fmt, down)
+    assert predictors._row_reads(plain) == (rb, rd)
+    split = hybrid.HybridFFN(ffn, "cpu", 10)  # the hot rows' reads (a CPU stand-in here)
+    assert split._bytes_read(7, 3) == 7 * rb + 3 * (rb + rd)
 
 
 def test_gpu_split_of_a_quantized_block_is_refused():
@@ -465,6 +518,126 @@ def test_kernel_refuses_a_malformed_quantized_block():
         SparseFFN(ffn.block, ffn.w_up.float(), ffn.w_down_t, qformat="q8_0")
     with pytest.raises(ValueError, match="uint8"):
         SparseFFN(ffn.block, ffn.w_up[:, :-1], ffn.w_down_t, qformat="q8_0")
+    # down rows of another format: their own width must match d
+    q4 = quant.quantize(torch.randn(10, 64), "q4_1")
+    with pytest.raises(ValueError, match="d=64"):
+        SparseFFN(ffn.block, q4, ffn.w_down_t[:, :34], qformat="q4_1", down_qformat="q8_0")
+    with pytest.raises(ValueError, match="float down weights"):
+        SparseFFN(ffn.block, q4, torch.randn(10, 32), qformat="q4_1")
+    with pytest.raises(ValueError, match="needs quantized gate and up"):
+        SparseFFN(ffn.block, torch.randn(10, 64), ffn.w_down_t, down_qformat="q8_0")
+    ok = SparseFFN(ffn.block, q4, ffn.w_down_t, qformat="q4_1", down_qformat="q8_0")
+    assert (ok.qformat, ok.down_qformat, ok.d_model) == ("q4_1", "q8_0", 64)
+    assert SparseFFN(ffn.block, q4, torch.randn(10, 64), qformat="q4_1").down_qformat is None
+    # uint8 down rows without down_qformat: the gate / up format (one format for all three)
+    assert SparseFFN(ffn.block, ffn.w_up, ffn.w_down_t, qformat="q8_0").down_qformat == "q8_0"
+
+
+# ---------------------------------------------------------------------------------------------
+# Down rows in their own format
+# ---------------------------------------------------------------------------------------------
+
+
+def test_variant_names_and_sources_include_the_down_format():
+    same = c.Variant("q4_1", True, False, False, "silu")
+    assert same == c.Variant("q4_1", True, False, False, "silu", down_dtype="q4_1")
+    assert same.down_dtype == "q4_1" and same.name == "gated_silu_q4_1"
+    mixed = c.Variant("q4_1", True, False, False, "silu", down_dtype="q8_0")
+    assert mixed != same and hash(mixed) != hash(same)
+    assert mixed.name == "gated_silu_q4_1_down_q8_0"
+    assert c.Variant("q8_0", False, False, True, "relu", down_dtype="float32").name == \
+        "plain_relu_q8_0_down_float32_bias"
+    src, src_same = c.source(mixed), c.source(same)
+    assert "#define PIC_WDTYPE PIC_Q4_1" in src and "#define PIC_DDTYPE PIC_Q8_0" in src
+    assert "#define PIC_DDTYPE PIC_Q4_1" in src_same
+    assert 'PIC_VARIANT "gated_silu_q4_1_down_q8_0"' in src
+    assert c.build(mixed) != c.build(same)  # cached apart
+    assert c.load(mixed).pic_variant() == b"gated_silu_q4_1_down_q8_0"
+    with pytest.raises(ValueError, match="down weight dtype"):
+        c.Variant("q4_1", True, False, False, "silu", down_dtype="q5_k")
+    assert {("q4_0", "q8_0"), ("q4_1", "q8_0")} <= {(v.dtype, v.down_dtype) for v in c.all_variants()}
+
+
+@pytest.mark.parametrize("fmt,down", MIXED)
+@pytest.mark.parametrize("kind,act,bias", [("gated", "silu", False), ("plain", "relu", True),
+                                           ("drelu", "relu", False)])
+def test_quantize_with_a_down_format_then_kernel_matches_reference(fmt, down, kind, act, bias):
+    ffn = float_module(kind, act, bias, d=192, n_ff=150, seed=3)
+    w_down = ffn.w_down_t.detach().clone()
+    assert ffn.quantize_(fmt, down) is ffn
+    assert ffn.qformat == fmt and ffn.down_format == down
+    assert ffn.down_qformat == (None if down in TORCH_DT else down)
+    assert ffn.kernel is not None and ffn.kernel.variant.down_dtype == down
+    assert ffn.d_model == 192 and ffn.w_up.shape == (150, quant.row_bytes(192, fmt))
+    if down in TORCH_DT:
+        assert ffn.w_down_t.dtype == TORCH_DT[down] and ffn.w_down_t.shape == (150, 192)
+        torch.testing.assert_close(ffn.w_down_t.float(), w_down, atol=1e-3, rtol=1e-3)
+    else:
+        assert ffn.w_down_t.dtype == torch.uint8
+        assert torch.equal(ffn.w_down_t, quant.quantize(w_down, down))
+    assert f"{fmt} (down {down})" in repr(ffn)
+    gen = torch.Generator().manual_seed(4)
+    for T in (1, 3, 8):
+        x = torch.randn(T, 192, generator=gen)
+        out, n_active = ffn.kernel(x, 0.0)
+        ref, active = ffn.forward_native(x)
+        assert n_active == int(active.sum())
+        err = (out.double() - ref.double()).abs()
+        assert bool((err <= _float_bound(ffn, x, active)).all()), float(err.max())
+    # prefill (> 8 tokens) and the reference path dequantize each matrix in its own format
+    x = torch.randn(20, 192, generator=gen)
+    want, _ = ffn.forward_native(x)
+    torch.testing.assert_close(ffn(x), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    h = down_input(x, ffn.w_up, w_gate=ffn.w_gate, b_gate=ffn.b_gate, b_up=ffn.b_up, act=act,
+                   drelu=ffn.drelu, qformat=fmt)
+    wd = dequantized_down(ffn.w_down_t, down, 192).float()
+    by_hand = torch.where(h.abs() > 0, h, 0) @ wd + (0 if ffn.b_down is None else ffn.b_down)
+    torch.testing.assert_close(want, by_hand, rtol=1e-5, atol=1e-5 * float(by_hand.abs().max()))
+
+
+def test_down_format_changes_requantize_only_the_down_rows():
+    ffn = float_module("gated", "relu", True, d=64, n_ff=33)
+    ffn.quantize_("q4_1", "q8_0")
+    up, down = ffn.w_up, ffn.w_down_t
+    assert ffn.quantize_("q4_1", "q8_0").w_down_t is down  # already: nothing changes
+    ffn.quantize_("q4_1")  # down_fmt None: the gate / up format
+    assert ffn.w_up is up and ffn.down_qformat == "q4_1"
+    torch.testing.assert_close(quant.dequantize(ffn.w_down_t, "q4_1", 64),
+                               quant.dequantize(quant.quantize(quant.dequantize(down, "q8_0", 64),
+                                                               "q4_1"), "q4_1", 64))
+    assert ffn.kernel.variant == c.Variant("q4_1", True, False, True, "relu")
+    ffn.quantize_("q4_1", "float32")  # float down rows: dequantized
+    assert ffn.w_up is up and ffn.down_qformat is None and ffn.w_down_t.dtype == torch.float32
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(ffn(x), ffn.forward_native(x)[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="unknown quantization"):
+        ffn.quantize_("q4_1", "q5_k")
+
+
+def test_mixed_block_splits_pickles_and_keeps_its_formats():
+    from picompile.runtime import hybrid
+
+    ffn = float_module("gated", "silu", False, d=64, n_ff=40).quantize_("q4_0", "q8_0")
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    want = ffn(x)
+    buf = io.BytesIO()
+    torch.save(ffn, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)
+    assert (back.qformat, back.down_qformat) == ("q4_0", "q8_0") and back.kernel is not None
+    torch.testing.assert_close(back(x), want)
+    # a block pickled before down rows had their own format: one format for the three
+    old = float_module("plain", "relu", False, d=64, n_ff=8).quantize_("q8_0")
+    state = old.__getstate__()
+    del state["down_qformat"]
+    revived = SparseFFN.__new__(SparseFFN)
+    revived.__setstate__(state)
+    assert revived.down_qformat == "q8_0" and revived.kernel is not None
+    # the CPU stand-in of a split: both sides keep both formats
+    ffn.hybrid = hybrid.HybridFFN(ffn, "cpu", 15)
+    cold = ffn.hybrid.cold
+    assert (cold.qformat, cold.down_qformat) == ("q4_0", "q8_0") and cold.kernel is not None
+    torch.testing.assert_close(ffn(x), want, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -476,9 +649,9 @@ def _calibration(n=256, seed=0):
     return torch.randint(3, zoo.VOCAB, (4, n // 4), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt,down", [(f, f) for f in FORMATS] + [("q4_0", "q8_0")])
 @pytest.mark.parametrize("arch", ["llama_silu", "tiny_plain_relu", "tiny_drelu"])
-def test_compiled_model_with_quantized_blocks_matches_its_reference(fmt, arch):
+def test_compiled_model_with_quantized_blocks_matches_its_reference(fmt, down, arch):
     import picompile
 
     sizes = dict(d=64, n_ff=96) if arch.startswith("tiny_") else dict(hidden=64, n_ff=96)
@@ -487,8 +660,8 @@ def test_compiled_model_with_quantized_blocks_matches_its_reference(fmt, arch):
     ffns = cm.ffns()
     assert ffns
     for ffn in ffns.values():
-        ffn.quantize_(fmt)
-        assert ffn.kernel is not None
+        ffn.quantize_(fmt, down)
+        assert ffn.kernel is not None and ffn.kernel.variant.down_dtype == down
     ids = torch.randint(0, zoo.VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))  # T=6
     with torch.no_grad():
         got = zoo.logits(cm, ids)
@@ -525,10 +698,10 @@ def _step_logits(cm, decoder, ids, prompt: int):
     return torch.stack(want), torch.stack(got)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt,down", [(f, f) for f in FORMATS] + [("q4_1", "q8_0")])
 @pytest.mark.parametrize("arch,how", [("llama_silu", "exact"), ("llama_relu", "predicted"),
                                       ("qwen2", "threshold")])
-def test_decoder_runs_quantized_blocks(fmt, arch, how):
+def test_decoder_runs_quantized_blocks(fmt, down, arch, how):
     import picompile
 
     # predicted: the default width, as tests/test_decoder.py (at hidden=64 this random model's
@@ -544,13 +717,14 @@ def test_decoder_runs_quantized_blocks(fmt, arch, how):
     cm = picompile.compile(model, **kw)
     before = cm.decoder()
     for ffn in cm.ffns().values():
-        ffn.quantize_(fmt)
+        ffn.quantize_(fmt, down)
         if how == "predicted":
             assert ffn.predictor is not None and ffn.predictor.enabled
     dec = cm.decoder()
     assert dec is not None, cm.decoder_reason
     assert dec is not before  # rebound to the quantized kernels
-    assert all(ffn.kernel.variant.dtype == fmt for _, _, ffn in dec.layers)
+    assert all((ffn.kernel.variant.dtype, ffn.kernel.variant.down_dtype) == (fmt, down)
+               for _, _, ffn in dec.layers)
     ids = torch.randint(3, zoo.VOCAB, (1, 16), generator=torch.Generator().manual_seed(1))
     want, got = _step_logits(cm, dec, ids, prompt=5)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))

@@ -1,6 +1,11 @@
 """compile(quantize=...): every FFN block and linear layer reads GGUF blocks; the model equals
 the float model whose weights went through the same quantization (the kernels add nothing but
-float32 rounding); plans record the format; a GGUF file's own tensors are kept as they are."""
+float32 rounding); plans record the format; a GGUF file's own tensors are kept as they are.
+
+The quantization's rules, which the fake-quantized reference models mirror: a 4-bit format
+quantizes the LM head to q8_0; in "gguf" mode the down rows of a 4-bit block are re-quantized
+along d to q8_0 (the file blocks them along n_ff).
+"""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from picompile.runtime.sparse_ffn import SparseFFN
 from tests import zoo
 
 FORMATS = sorted(quant.FORMATS)
+FOUR_BIT = ("q4_0", "q4_1")
 
 
 def _fake_quant(w: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -25,18 +31,25 @@ def _fake_quant(w: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _fake_quant_model(dense: nn.Module, fmt: str) -> nn.Module:
+def _fake_quant_model(dense: nn.Module, fmt: str, gguf: bool = False) -> nn.Module:
     """The float model with what compile(quantize=fmt) quantizes quantized and dequantized:
     every nn.Linear, the down projection along its output dimension (the kernels' rows are
-    neurons), the LM head untied from the embedding (which stays float)."""
+    neurons), the LM head untied from the embedding (which stays float), in q8_0 where fmt is
+    4-bit. gguf=True: what compile(gguf=file) does to a model whose weights are the file's
+    (`fmt` blocks) dequantized: every layer kept as the file has it, but the down projection
+    quantized again along its output dimension, to q8_0 where fmt is 4-bit."""
     ref = copy.deepcopy(dense)
+    head = ref.get_output_embeddings()
     for name, m in ref.named_modules():
         if isinstance(m, nn.Linear):
             w = m.weight
             if name.endswith("down_proj"):
-                q = _fake_quant(w.t().contiguous(), fmt).t()
+                down = "q8_0" if gguf and fmt in FOUR_BIT else fmt
+                q = _fake_quant(w.t().contiguous(), down).t()
+            elif gguf:
+                continue  # the file's own blocks: the model holds their values already
             else:
-                q = _fake_quant(w, fmt)
+                q = _fake_quant(w, "q8_0" if m is head and fmt in FOUR_BIT else fmt)
             m.weight = nn.Parameter(q.contiguous(), requires_grad=False)
     return ref
 
@@ -50,7 +63,12 @@ def test_quantized_model_equals_the_fake_quantized_float_model(fmt, arch):
     ffns = [m for m in cm.model.modules() if isinstance(m, SparseFFN)]
     linears = [m for m in cm.model.modules() if isinstance(m, QuantLinear)]
     assert ffns and all(f.qformat == fmt and f.w_up.dtype == torch.uint8 for f in ffns)
-    assert len(linears) == 2 * 4 + 1 and all(m.qformat == fmt for m in linears)  # q k v o x2, head
+    assert all(f.down_qformat == fmt for f in ffns)  # one format for the three matrices
+    head = cm.model.get_output_embeddings()
+    head_fmt = "q8_0" if fmt in FOUR_BIT else fmt
+    assert isinstance(head, QuantLinear) and head.qformat == head_fmt
+    assert len(linears) == 2 * 4 + 1  # q k v o x2, head
+    assert all(m.qformat == fmt for m in linears if m is not head)
     ids = torch.randint(0, zoo.VOCAB, (1, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(zoo.logits(cm, ids), zoo.logits(ref, ids), atol=2e-4, rtol=2e-4)
@@ -59,7 +77,63 @@ def test_quantized_model_equals_the_fake_quantized_float_model(fmt, arch):
         got = cm.generate(ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(got, want)
     text = picompile.explain(cm)
-    assert f"FFN {fmt}" in text and f"linear {fmt}" in text
+    assert f"FFN {fmt} " in text and f"linear {fmt}" in text and "(down" not in text
+    assert ("lm_head: the LM head, q8_0 (not " in text) == (fmt in FOUR_BIT)
+
+
+def _file_blocks(dense: nn.Module, fmt: str) -> dict:
+    """gguf_weights.read's answer for a file holding `dense`'s linears in `fmt` blocks (the
+    rows of each module's weight in the HF order), down_proj as the file stores it: blocked
+    along n_ff."""
+    from picompile import gguf_weights
+
+    blocks = {}
+    for name, m in dense.named_modules():
+        if isinstance(m, nn.Linear):
+            blocks[name] = gguf_weights.Blocks(fmt, quant.quantize(m.weight.detach(), fmt),
+                                               fmt.upper())
+    return blocks
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gguf_mode_requantizes_4_bit_down_rows_to_q8_0(fmt):
+    """quantize_ffns in "gguf" mode on a model whose weights are a file's `fmt` blocks: gate and
+    up rows are the file's blocks, down rows q8_0 along d for 4-bit files (noted once), the
+    file's format for q8_0 ones; the model equals the fake-quantized reference and explain shows
+    the down rows' format."""
+    from picompile.passes import quantize as quantize_pass
+
+    dense = zoo.make("llama_silu", hidden=64, n_ff=96)
+    with torch.no_grad():  # the float model a GGUF file loads as: its blocks dequantized
+        for m in dense.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.copy_(_fake_quant(m.weight, fmt))
+    blocks = _file_blocks(dense, fmt)
+    ref = _fake_quant_model(dense, fmt, gguf=True)
+    cm = picompile.compile(copy.deepcopy(dense), quiet=True)
+    ffns = cm.ffns()
+    notes = quantize_pass.quantize_ffns(ffns, "gguf", blocks)
+    down = "q8_0" if fmt in FOUR_BIT else fmt
+    for name, ffn in ffns.items():
+        up = blocks[name.replace("sparse_ffn", "up_proj")].data
+        assert ffn.qformat == fmt and ffn.down_qformat == down
+        assert torch.equal(ffn.w_up, up if ffn.order is None else up[ffn.order])
+        assert ffn.kernel is not None and ffn.kernel.variant.down_dtype == down
+    requantized = [n for n in notes if "re-quantized to q8_0 along d" in n]
+    assert len(requantized) == (1 if fmt in FOUR_BIT else 0)
+    ids = torch.randint(0, zoo.VOCAB, (1, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(zoo.logits(cm, ids), zoo.logits(ref, ids), atol=2e-4, rtol=2e-4)
+        want = ref.generate(ids, max_new_tokens=6, do_sample=False)
+        got = cm.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, want)
+    cm.quant_notes = notes
+    text = picompile.explain(cm)
+    assert (f"FFN {fmt} (down q8_0) " in text) == (fmt in FOUR_BIT)
+    if requantized:
+        assert f"quantization: {requantized[0]}" in text
+    else:
+        assert f"FFN {fmt} " in text
 
 
 def test_quantized_plan_saves_and_loads(tmp_path):
@@ -96,8 +170,9 @@ def test_widths_off_the_block_size_stay_float_with_a_note():
 @pytest.mark.slow
 def test_gguf_file_tensors_are_kept_as_they_are():
     """SmolLM2's Q4_1 file: q/k/v/o, gate and up keep the file's blocks (q and k in the row
-    order transformers gives them), the tied LM head its Q8_0 embedding blocks; the compiled
-    model stays close to the float model transformers dequantized."""
+    order transformers gives them), the tied LM head its Q8_0 embedding blocks, down rows q8_0
+    along d; the compiled model equals the float model transformers dequantized with its down
+    projections through q8_0 along d."""
     import gguf
 
     from picompile import gguf_weights, models
@@ -116,12 +191,15 @@ def test_gguf_file_tensors_are_kept_as_they_are():
     torch.testing.assert_close(quant.dequantize(q.qweight, "q4_1", 576),
                                dense.model.layers[3].self_attn.q_proj.weight, atol=0, rtol=0)
     ffn = cm.ffns()["model.layers.3.mlp.sparse_ffn"]
-    assert ffn.qformat == "q4_1"
+    assert ffn.qformat == "q4_1" and ffn.down_qformat == "q8_0"
     torch.testing.assert_close(quant.dequantize(ffn.w_up.data, "q4_1", 576),
                                dense.model.layers[3].mlp.up_proj.weight, atol=0, rtol=0)
     assert gguf_weights.module_name("blk.3.ffn_up.weight") == "model.layers.3.mlp.up_proj"
     ids = torch.randint(0, 49152, (1, 12), generator=torch.Generator().manual_seed(0))
+    ref = _fake_quant_model(dense, "q4_1", gguf=True)
     with torch.no_grad():
-        a, b = zoo.logits(cm, ids), zoo.logits(dense, ids)
+        a, b, c = zoo.logits(cm, ids), zoo.logits(dense, ids), zoo.logits(ref, ids)
     assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.99
-    assert "FFN q4_1" in picompile.explain(cm)
+    torch.testing.assert_close(a, c, atol=2e-3 * float(c.abs().max()), rtol=1e-3)
+    text = picompile.explain(cm)
+    assert "FFN q4_1 (down q8_0)" in text and "re-quantized to q8_0 along d" in text

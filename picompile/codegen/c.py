@@ -1,6 +1,6 @@
 """C code generation for SparseFFN: one small shared library per block variant.
 
-A variant (`Variant`: weight dtype, gated / plain / dReLU, bias, activation) is baked into the
+A variant (`Variant`: weight formats, gated / plain / dReLU, bias, activation) is baked into the
 generated source as #defines, compiled once with the system C compiler (`$CC`, default `cc`)
 through the build cache (`picompile.codegen.cache`), and loaded with ctypes. `kernel_for(ffn)`
 binds a module's weights to that library and returns the callable `SparseFFN.forward` uses:
@@ -15,10 +15,15 @@ blocks the up and down rows of a neuron are only read when its gate fired for so
 Weight formats: float32 / float16 / bfloat16 elements (DTYPES), or GGUF's q8_0 / q4_0 / q4_1
 blocks (QFORMATS, picompile/quant.py): uint8 [n_ff, d / 32 * block bytes], each neuron's row its
 blocks of 32 weights along d, dequantized in registers (F16C for the scales, FMA into float32
-accumulators). The C code reaches every row through `row_bytes(d)` / `row_at`, and does its three
-per-row operations (dot with up to 8 tokens, axpy into the partial outputs, prefetch) through
-`row_dot` / `row_axpy` / `row_prefetch`, which pick the float or the quantized code. AVX2 + FMA
-(+ F16C) where the CPU has them, else portable scalar C (same source, see `build_flags`).
+accumulators). The gate and up rows share one format (`Variant.dtype`, PIC_WDTYPE), the down rows
+may have their own (`Variant.down_dtype`, PIC_DDTYPE: e.g. q4_1 gate / up with q8_0 down, as a
+GGUF file's 4-bit down projection re-quantized along d needs). The C code reaches every row
+through `row_bytes(F, d)` / `row_at`, and does its three per-row operations (dot with up to 8
+tokens, axpy into the partial outputs, prefetch) through `row_dot` / `row_axpy` /
+`row_prefetch`, which take the format F as a compile-time argument and pick the float or the
+quantized code; `gu_dot` (gate / up rows) and `down_axpy` (down rows) are their instances for
+the variant's two formats. AVX2 + FMA + F16C where the CPU has them, else portable scalar C
+(same source, see `build_flags`).
 """
 
 from __future__ import annotations
@@ -50,6 +55,12 @@ DTYPES = ("float32", "float16", "bfloat16")
 QFORMATS = tuple(quant.FORMATS)  # GGUF block formats: "q8_0", "q4_0", "q4_1" (picompile/quant.py)
 ACTS = ("relu", "silu", "gelu", "gelu_tanh")
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_FORMAT_MACROS = {"float32": "PIC_F32", "float16": "PIC_F16", "bfloat16": "PIC_BF16",
+                  "q8_0": "PIC_Q8_0", "q4_0": "PIC_Q4_0", "q4_1": "PIC_Q4_1"}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 Kernel = Callable[..., "tuple[torch.Tensor, int]"]
 
@@ -58,16 +69,20 @@ Kernel = Callable[..., "tuple[torch.Tensor, int]"]
 class Variant:
     """Everything about a block that changes the generated code."""
 
-    dtype: str  # weight format: "float32" | "float16" | "bfloat16" | "q8_0" | "q4_0" | "q4_1"
+    dtype: str  # gate / up format: "float32" | "float16" | "bfloat16" | "q8_0" | "q4_0" | "q4_1"
     gated: bool  # down(act(gate x) * up x); False: down(act(up x))
     drelu: bool  # gated with relu on the up branch too (implies gated)
     bias: bool  # the block has bias vectors (any of b_gate, b_up, b_down)
     act: str  # "relu" | "silu" | "gelu" | "gelu_tanh"
+    down_dtype: str | None = None  # w_down_t's format (same choices); None: dtype's
 
     def __post_init__(self):
-        if self.dtype not in DTYPES + QFORMATS:
-            raise ValueError(f"unsupported weight dtype {self.dtype!r} (C kernels take "
-                             f"{DTYPES + QFORMATS})")
+        if self.down_dtype is None:  # normalized: Variant(f, ...) == Variant(f, ..., down_dtype=f)
+            object.__setattr__(self, "down_dtype", self.dtype)
+        for what, fmt in (("weight dtype", self.dtype), ("down weight dtype", self.down_dtype)):
+            if fmt not in DTYPES + QFORMATS:
+                raise ValueError(f"unsupported {what} {fmt!r} (C kernels take "
+                                 f"{DTYPES + QFORMATS})")
         if self.act not in ACTS:
             raise ValueError(f"unsupported activation {self.act!r}")
         if self.drelu and not self.gated:
@@ -75,36 +90,54 @@ class Variant:
 
     @classmethod
     def of(cls, ffn) -> Variant:
-        """The variant of a SparseFFN module."""
+        """The variant of a SparseFFN module. Float blocks are read in w_up's dtype throughout
+        (the kernel converts the others); quantized ones: gate / up in `qformat`, down in
+        `down_qformat`, or w_down_t's own float dtype where that is None."""
+        qformat = getattr(ffn, "qformat", None)
+        dtype = qformat or _dtype_name(ffn.w_up.dtype)
+        down = dtype
+        if qformat is not None:
+            down = getattr(ffn, "down_qformat", None) or _dtype_name(ffn.w_down_t.dtype)
         return cls(
-            dtype=getattr(ffn, "qformat", None) or str(ffn.w_up.dtype).removeprefix("torch."),
+            dtype=dtype,
             gated=ffn.w_gate is not None,
             drelu=bool(ffn.drelu),
             bias=any(getattr(ffn, b) is not None for b in ("b_gate", "b_up", "b_down")),
             act=ffn.act,
+            down_dtype=down,
         )
 
     @property
     def quantized(self) -> bool:
-        """The weight rows are GGUF blocks (uint8), not float elements."""
+        """The gate and up rows are GGUF blocks (uint8), not float elements."""
         return self.dtype in QFORMATS
 
-    def row_bytes(self, d: int) -> int:
-        """Bytes of one weight row of d weights (a neuron's row of w_gate, w_up or w_down_t)."""
-        if self.quantized:
-            return quant.row_bytes(d, self.dtype)
-        return d * _TORCH_DTYPES[self.dtype].itemsize
+    def row_bytes(self, d: int, fmt: str | None = None) -> int:
+        """Bytes of one weight row of d weights in `fmt` (None: the gate / up format, a neuron's
+        row of w_gate or w_up; `down_dtype` for one of w_down_t)."""
+        fmt = fmt or self.dtype
+        if fmt in QFORMATS:
+            return quant.row_bytes(d, fmt)
+        return d * _TORCH_DTYPES[fmt].itemsize
 
     @property
     def name(self) -> str:
         kind = "drelu" if self.drelu else "gated" if self.gated else "plain"
-        return f"{kind}_{self.act}_{self.dtype}{'_bias' if self.bias else ''}"
+        down = f"_down_{self.down_dtype}" if self.down_dtype != self.dtype else ""
+        return f"{kind}_{self.act}_{self.dtype}{down}{'_bias' if self.bias else ''}"
+
+
+# (gate / up, down) format pairs besides the uniform ones that picompile makes: compile(gguf=)
+# keeps a file's 4-bit gate and up blocks and re-quantizes down along d to q8_0
+# (passes/quantize.py). Other pairs are built on first use.
+MIXED_FORMATS = (("q4_0", "q8_0"), ("q4_1", "q8_0"))
 
 
 def all_variants() -> list[Variant]:
+    formats = [(f, f) for f in DTYPES + QFORMATS] + list(MIXED_FORMATS)
     return [
-        Variant(dtype, gated, drelu, bias, act)
-        for dtype in DTYPES + QFORMATS
+        Variant(dtype, gated, drelu, bias, act, down_dtype=down)
+        for dtype, down in formats
         for gated, drelu in ((False, False), (True, False), (True, True))
         for bias in (False, True)
         for act in ACTS
@@ -122,12 +155,12 @@ _HEADER = """\
  * Exported:
  *   void ffn(const float* x,        [T, d] float32, row-major, contiguous
  *            int64_t T, int64_t d, int64_t n_ff,
- *            const wtype* w_gate,   [n_ff, d] one row per neuron (NULL for a plain block)
- *            const wtype* w_up,     [n_ff, d]
- *            const wtype* w_down_t, [n_ff, d] (down projection weight, transposed)
- *                                   quantized variants (q8_0, q4_0, q4_1): uint8
- *                                   [n_ff, row_bytes(d)], each row its d / 32 GGUF blocks
- *                                   (d a multiple of 32, which the caller checks)
+ *            const void* w_gate,    [n_ff, d] one row per neuron (NULL for a plain block)
+ *            const void* w_up,      [n_ff, d]                      gate and up: PIC_WDTYPE
+ *            const void* w_down_t,  [n_ff, d] (down projection weight, transposed): PIC_DDTYPE
+ *                                   float formats: [n_ff, d] elements; quantized (q8_0, q4_0,
+ *                                   q4_1): uint8 [n_ff, row_bytes(F, d)], each row its d / 32
+ *                                   GGUF blocks (d a multiple of 32, which the caller checks)
  *            const float* b_gate,   [n_ff] or NULL
  *            const float* b_up,     [n_ff] or NULL
  *            const float* b_down,   [d] or NULL
@@ -141,9 +174,9 @@ _HEADER = """\
  *   int predict(const float* x,     [T, d] float32: the block input
  *               int64_t T, int64_t d, int64_t r, int64_t n_ff,
  *               const etype* p1,    [r, d]      the predictor's layers (etype: this library's
- *               const float* pb1,   [r]          weight dtype, float16 in quantized libraries;
- *               const etype* p2t,   [r, n_ff]   picompile uses float16) p2t: the second
- *                                               layer's weight, transposed
+ *               const float* pb1,   [r]          gate / up dtype, float16 where those are
+ *               const etype* p2t,   [r, n_ff]   quantized; picompile uses float16) p2t: the
+ *                                               second layer's weight, transposed
  *               const float* pb2,   [n_ff]
  *               float tau,
  *               uint8_t* mask);     out [T, n_ff]: 1 where p2t^T relu(p1 x + pb1) + pb2 > tau
@@ -162,7 +195,8 @@ _HEADER = """\
 #define PIC_GELU 2
 #define PIC_GELU_TANH 3
 
-#define PIC_WDTYPE {wdtype}   /* weight dtype: {dtype} */
+#define PIC_WDTYPE {wdtype}   /* gate and up rows: {dtype} */
+#define PIC_DDTYPE {ddtype}   /* down rows: {down_dtype} */
 #define PIC_GATED {gated}     /* 1: h = act(gate x + b_gate) * (up x + b_up); 0: h = act(up x + b_up) */
 #define PIC_DRELU {drelu}     /* 1: relu on the up branch too */
 #define PIC_BIAS {bias}       /* 1: bias pointers may be non-NULL */
@@ -184,17 +218,22 @@ _BODY = r"""
 #include <omp.h>
 #endif
 
-#define PIC_QUANT (PIC_WDTYPE >= PIC_Q8_0) /* FFN rows in GGUF blocks */
-/* etype: the element type of the float matrices this library reads element by element: the FFN
- * weights of float variants, and predict's matrices (float16 in quantized libraries). */
-#if PIC_QUANT
+/* Weight formats are compile-time constants: every row operation below takes its format as a
+ * `const int F` argument and is always inlined, so each instance keeps only its format's code.
+ * Gate and up rows are in PIC_WDTYPE, down rows in PIC_DDTYPE (see gu_dot / down_axpy). */
+#define PIC_IS_QUANT(F) ((F) >= PIC_Q8_0) /* rows of GGUF blocks */
+#define PIC_QK 32                         /* weights per GGUF block */
+/* etype: the element type of predict's matrices: the gate / up dtype of float variants,
+ * float16 where gate and up are quantized. */
+#if PIC_IS_QUANT(PIC_WDTYPE)
 #define PIC_EDTYPE PIC_F16
 #else
 #define PIC_EDTYPE PIC_WDTYPE
 #endif
 
-/* F16C converts float16 weights and the quantized blocks' float16 scales. */
-#if defined(__AVX2__) && defined(__FMA__) && (PIC_EDTYPE != PIC_F16 || defined(__F16C__))
+/* AVX2 + FMA + F16C (F16C converts float16 weights and the quantized blocks' float16 scales;
+ * every AVX2 CPU has it, and build_flags enables the three together). */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define PIC_SIMD 1
 #else
@@ -233,63 +272,55 @@ PIC_INLINE float pic_f16(uint16_t h) {
     return f;
 }
 
-/* ---- float weights: element type and conversion to float32 (exact for all three dtypes) ---- */
-#if PIC_EDTYPE == PIC_F32
-typedef float etype;
-PIC_INLINE float w2f(etype v) { return v; }
-#elif PIC_EDTYPE == PIC_F16
-typedef uint16_t etype;
-PIC_INLINE float w2f(etype h) { return pic_f16(h); }
-#else
-typedef uint16_t etype;
-PIC_INLINE float w2f(etype b) {
+/* bfloat16 -> float32 (exact) */
+PIC_INLINE float pic_bf16(uint16_t b) {
     uint32_t bits = (uint32_t)b << 16;
     float f;
     memcpy(&f, &bits, 4);
     return f;
 }
+
+#if PIC_EDTYPE == PIC_F32
+typedef float etype;
+#else
+typedef uint16_t etype;
 #endif
 
-/* ---- FFN weight rows: wtype, and the bytes of one row ---- */
-#if PIC_QUANT
-typedef uint8_t wtype; /* a row is d / PIC_QK blocks of PIC_QBYTES bytes */
-#define PIC_QK 32      /* weights per block */
-#if PIC_WDTYPE == PIC_Q8_0
-#define PIC_QBYTES 34
-#elif PIC_WDTYPE == PIC_Q4_0
-#define PIC_QBYTES 18
-#else
-#define PIC_QBYTES 20
-#endif
-#else
-typedef etype wtype;
-#endif
+/* ---- rows and their bytes ---- */
 
-/* Bytes of one weight row of d weights (a neuron's row of w_gate, w_up or w_down_t): every row
- * address in the FFN goes through row_at with this stride. */
-PIC_INLINE int64_t row_bytes(int64_t d) {
-#if PIC_QUANT
-    return d / PIC_QK * PIC_QBYTES;
-#else
-    return d * (int64_t)sizeof(wtype);
-#endif
+/* Bytes of one element of a float format */
+PIC_INLINE int64_t pic_esize(const int F) { return F == PIC_F32 ? 4 : 2; }
+
+/* Bytes of one GGUF block of a quantized format:
+ * q8_0 f16 d, int8 q[32]; q4_0 f16 d, uint8 qs[16]; q4_1 f16 d, f16 m, uint8 qs[16] */
+PIC_INLINE int64_t pic_qbytes(const int F) { return F == PIC_Q8_0 ? 34 : F == PIC_Q4_0 ? 18 : 20; }
+
+/* Bytes of one weight row of d weights in format F (a neuron's row of w_gate, w_up or
+ * w_down_t): every row address in the FFN goes through row_at with this stride. */
+PIC_INLINE int64_t row_bytes(const int F, int64_t d) {
+    return PIC_IS_QUANT(F) ? d / PIC_QK * pic_qbytes(F) : d * pic_esize(F);
 }
 
-PIC_INLINE const wtype* row_at(const wtype* w, int64_t j, int64_t rb) {
-    return (const wtype*)((const char*)w + j * rb);
+PIC_INLINE const void* row_at(const void* w, int64_t j, int64_t rb) {
+    return (const char*)w + j * rb;
+}
+
+/* ---- float rows (float32 / float16 / bfloat16 elements) ---- */
+
+/* Element k of a float row, as float32 (exact for all three formats) */
+PIC_INLINE float w2f(const int F, const void* w, int64_t k) {
+    if (F == PIC_F32) return ((const float*)w)[k];
+    if (F == PIC_F16) return pic_f16(((const uint16_t*)w)[k]);
+    return pic_bf16(((const uint16_t*)w)[k]);
 }
 
 #if PIC_SIMD
-/* 8 consecutive weights as float32 */
-PIC_INLINE __m256 loadw8(const etype* p) {
-#if PIC_EDTYPE == PIC_F32
-    return _mm256_loadu_ps(p);
-#elif PIC_EDTYPE == PIC_F16
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
-#else
-    return _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-#endif
+/* Elements k .. k + 7 of a float row, as float32 */
+PIC_INLINE __m256 loadw8(const int F, const void* w, int64_t k) {
+    if (F == PIC_F32) return _mm256_loadu_ps((const float*)w + k);
+    const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)w + k));
+    if (F == PIC_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 PIC_INLINE float hsum8(__m256 v) {
@@ -321,7 +352,7 @@ PIC_INLINE float act_fn(float g) {
 #else
 #define PIC_PREFETCH(p) __builtin_prefetch((const void*)(p), 0, 3)
 #endif
-#define PIC_WPL (64 / (int)sizeof(etype)) /* float weights per 64-byte cache line */
+#define PIC_WPL (64 / (int)sizeof(etype)) /* predict's weights per 64-byte cache line */
 
 /* The first min(n, PIC_PF_BYTES) bytes at p. */
 PIC_INLINE void prefetch_bytes(const void* p, int64_t n) {
@@ -333,27 +364,30 @@ PIC_INLINE void prefetch_head(const etype* row, int64_t d) {
     prefetch_bytes(row, d * (int64_t)sizeof(etype));
 }
 
-/* res[n] = w[0:d] . xs[n][0:d] for n < N: one pass over the row w for all N tokens.
+/* res[n] = w[0:d] . xs[n][0:d] for n < N over a float row: one pass over it for all N tokens.
  * N tokens x U independent 8-float accumulators (N*U <= 8: all in registers); each main-loop
  * step covers SV vectors (whole cache lines, one prefetch per line). */
-PIC_INLINE void dot_n(const etype* w, const float* const* xs, int64_t d, float* res,
-                      const int N, const int U) {
+PIC_INLINE void fdot_n(const int F, const void* w, const float* const* xs, int64_t d, float* res,
+                       const int N, const int U) {
+    const char* wb = (const char*)w;
+    const int64_t es = pic_esize(F);
+    const int WPL = 64 / (int)es;             /* weights per cache line */
 #if PIC_SIMD
-    const int VPL = PIC_WPL / 8;              /* 8-float vectors per cache line of weights */
+    const int VPL = WPL / 8;                  /* 8-float vectors per cache line of weights */
     const int SV = U > VPL ? U : VPL;         /* vectors per step */
     __m256 acc[8];
     for (int i = 0; i < N * U; ++i) acc[i] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 8 * SV <= d; k += 8 * SV) {
-        for (int l = 0; l < SV / VPL; ++l) PIC_PREFETCH(w + k + l * PIC_WPL + PIC_PF_BYTES / sizeof(etype));
+        for (int l = 0; l < SV / VPL; ++l) PIC_PREFETCH(wb + (k + l * WPL) * es + PIC_PF_BYTES);
         for (int v = 0; v < SV; ++v) {
-            const __m256 wv = loadw8(w + k + 8 * v);
+            const __m256 wv = loadw8(F, w, k + 8 * v);
             for (int n = 0; n < N; ++n)
                 acc[n * U + v % U] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[n] + k + 8 * v), acc[n * U + v % U]);
         }
     }
     for (; k + 8 <= d; k += 8) {
-        const __m256 wv = loadw8(w + k);
+        const __m256 wv = loadw8(F, w, k);
         for (int n = 0; n < N; ++n)
             acc[n * U] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[n] + k), acc[n * U]);
     }
@@ -361,33 +395,37 @@ PIC_INLINE void dot_n(const etype* w, const float* const* xs, int64_t d, float* 
         __m256 s = acc[n * U];
         for (int u = 1; u < U; ++u) s = _mm256_add_ps(s, acc[n * U + u]);
         float r = hsum8(s);
-        for (int64_t kk = k; kk < d; ++kk) r += w2f(w[kk]) * xs[n][kk];
+        for (int64_t kk = k; kk < d; ++kk) r += w2f(F, w, kk) * xs[n][kk];
         res[n] = r;
     }
 #else
     float r[PIC_MAXTOK] = {0};
     (void)U;
     for (int64_t k = 0; k < d; ++k) {
-        if ((k & (PIC_WPL - 1)) == 0) PIC_PREFETCH(w + k + PIC_PF_BYTES / sizeof(etype));
-        const float wk = w2f(w[k]);
+        if ((k & (WPL - 1)) == 0) PIC_PREFETCH(wb + k * es + PIC_PF_BYTES);
+        const float wk = w2f(F, w, k);
         for (int n = 0; n < N; ++n) r[n] += wk * xs[n][k];
     }
     for (int n = 0; n < N; ++n) res[n] = r[n];
 #endif
 }
 
-/* ps[n][0:d] += hs[n] * w[0:d] for n < N: one pass over the row w for all N tokens. */
-PIC_INLINE void axpy_n(const etype* w, const float* hs, float* const* ps, int64_t d, const int N) {
+/* ps[n][0:d] += hs[n] * w[0:d] for n < N over a float row: one pass over it for all N tokens. */
+PIC_INLINE void faxpy_n(const int F, const void* w, const float* hs, float* const* ps, int64_t d,
+                        const int N) {
+    const char* wb = (const char*)w;
+    const int64_t es = pic_esize(F);
+    const int WPL = 64 / (int)es;
     int64_t k = 0;
 #if PIC_SIMD
-    const int VPL = PIC_WPL / 8;
+    const int VPL = WPL / 8;
     const int SV = VPL > 2 ? VPL : 2;
     __m256 hv[PIC_MAXTOK];
     for (int n = 0; n < N; ++n) hv[n] = _mm256_set1_ps(hs[n]);
     for (; k + 8 * SV <= d; k += 8 * SV) {
-        for (int l = 0; l < SV / VPL; ++l) PIC_PREFETCH(w + k + l * PIC_WPL + PIC_PF_BYTES / sizeof(etype));
+        for (int l = 0; l < SV / VPL; ++l) PIC_PREFETCH(wb + (k + l * WPL) * es + PIC_PF_BYTES);
         for (int v = 0; v < SV; ++v) {
-            const __m256 wv = loadw8(w + k + 8 * v);
+            const __m256 wv = loadw8(F, w, k + 8 * v);
             for (int n = 0; n < N; ++n) {
                 float* p = ps[n] + k + 8 * v;
                 _mm256_storeu_ps(p, _mm256_fmadd_ps(hv[n], wv, _mm256_loadu_ps(p)));
@@ -395,7 +433,7 @@ PIC_INLINE void axpy_n(const etype* w, const float* hs, float* const* ps, int64_
         }
     }
     for (; k + 8 <= d; k += 8) {
-        const __m256 wv = loadw8(w + k);
+        const __m256 wv = loadw8(F, w, k);
         for (int n = 0; n < N; ++n) {
             float* p = ps[n] + k;
             _mm256_storeu_ps(p, _mm256_fmadd_ps(hv[n], wv, _mm256_loadu_ps(p)));
@@ -404,52 +442,27 @@ PIC_INLINE void axpy_n(const etype* w, const float* hs, float* const* ps, int64_
 #endif
     for (; k < d; ++k) {
 #if !PIC_SIMD
-        if ((k & (PIC_WPL - 1)) == 0) PIC_PREFETCH(w + k + PIC_PF_BYTES / sizeof(etype));
+        if ((k & (WPL - 1)) == 0) PIC_PREFETCH(wb + k * es + PIC_PF_BYTES);
 #endif
-        const float wk = w2f(w[k]);
+        const float wk = w2f(F, w, k);
         for (int n = 0; n < N; ++n) ps[n][k] += hs[n] * wk;
     }
 }
 
-/* Dispatch on the token count so that every instance has compile-time N and U. */
-static void dot_rows(const etype* w, const float* const* xs, int n, int64_t d, float* res) {
-    switch (n) {
-    case 1: dot_n(w, xs, d, res, 1, 4); break;
-    case 2: dot_n(w, xs, d, res, 2, 4); break;
-    case 3: dot_n(w, xs, d, res, 3, 2); break;
-    case 4: dot_n(w, xs, d, res, 4, 2); break;
-    case 5: dot_n(w, xs, d, res, 5, 1); break;
-    case 6: dot_n(w, xs, d, res, 6, 1); break;
-    case 7: dot_n(w, xs, d, res, 7, 1); break;
-    default: dot_n(w, xs, d, res, 8, 1); break;
-    }
-}
-
-static void axpy_rows(const etype* w, const float* hs, float* const* ps, int n, int64_t d) {
-    switch (n) {
-    case 1: axpy_n(w, hs, ps, d, 1); break;
-    case 2: axpy_n(w, hs, ps, d, 2); break;
-    case 3: axpy_n(w, hs, ps, d, 3); break;
-    case 4: axpy_n(w, hs, ps, d, 4); break;
-    case 5: axpy_n(w, hs, ps, d, 5); break;
-    case 6: axpy_n(w, hs, ps, d, 6); break;
-    case 7: axpy_n(w, hs, ps, d, 7); break;
-    default: axpy_n(w, hs, ps, d, 8); break;
-    }
-}
-
-/* ---- quantized rows: the FFN's row operations on GGUF blocks, dequantized in registers ----
+/* ---- quantized rows: the row operations on GGUF blocks, dequantized in registers ----
  * A block is 32 weights along d: a float16 scale s (q4_1: and a float16 minimum m) and 32
  * integers q (q8_0: int8; q4_*: nibbles n, weight k in the low nibble of byte k for k < 16, in
  * the high nibble of byte k - 16 above). The dot product of a row with x sums, per block,
  *     q8_0: s * (q . x)      q4_0: s * (n . x) - 8 s * S      q4_1: s * (n . x) + m * S
  * with S the sum of x over the block (PIC_QSUMS: computed once per call, "block sums"), so the
  * integers go to float32 unshifted and the scale multiplies once per block. axpy dequantizes
- * (s * (n - 8), s * n + m) and FMAs each weight into the partial outputs. */
-#if PIC_QUANT
-#define PIC_QSUMS (PIC_SIMD && PIC_WDTYPE != PIC_Q8_0) /* dot products use block sums of x */
-#define PIC_QGROUP 4                                  /* blocks per step of the row loops */
-#define PIC_QLINES ((PIC_QGROUP * PIC_QBYTES + 63) / 64) /* prefetches per step: cover its bytes */
+ * (s * (n - 8), s * n + m) and FMAs each weight into the partial outputs. Only gate and up rows
+ * are dotted with x, so the block sums follow their format. */
+#define PIC_QSUMS (PIC_SIMD && (PIC_WDTYPE == PIC_Q4_0 || PIC_WDTYPE == PIC_Q4_1))
+#define PIC_QGROUP 4 /* blocks per step of the row loops */
+
+/* Prefetches per step of the row loops: cover its bytes */
+PIC_INLINE int pic_qlines(const int F) { return (int)((PIC_QGROUP * pic_qbytes(F) + 63) / 64); }
 
 #if PIC_SIMD
 /* The float16 scale at blk[0:2] (lane 0) and, for q4_1, the minimum at blk[2:4] (lane 1): one
@@ -462,17 +475,17 @@ PIC_INLINE __m128 qhead(const uint8_t* blk) {
 
 /* The 32 integers of a block as float32, in weight order, 8 per vector: q8_0 q; q4_0 / q4_1 the
  * nibbles n (minus 8 when `center`, q4_0: the integer weight). */
-PIC_INLINE void qvals(const uint8_t* blk, __m256 v[4], const int center) {
-#if PIC_WDTYPE == PIC_Q8_0
-    (void)center;
-    for (int i = 0; i < 4; ++i)
-        v[i] = _mm256_cvtepi32_ps(
-            _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 2 + 8 * i))));
-#else
+PIC_INLINE void qvals(const int F, const uint8_t* blk, __m256 v[4], const int center) {
+    if (F == PIC_Q8_0) {
+        for (int i = 0; i < 4; ++i)
+            v[i] = _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 2 + 8 * i))));
+        return;
+    }
     /* qs[16] in both 128-bit halves; spread qs[0..7] and qs[8..15] over the 32-bit lanes, one
      * byte each: the low nibbles are weights 0..15, the high ones 16..31. */
     const __m256i qs = _mm256_broadcastsi128_si256(
-        _mm_loadu_si128((const __m128i*)(blk + (PIC_WDTYPE == PIC_Q4_1 ? 4 : 2))));
+        _mm_loadu_si128((const __m128i*)(blk + (F == PIC_Q4_1 ? 4 : 2))));
     const __m256i lo8 = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
                                          4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
     const __m256i hi8 = _mm256_setr_epi8(8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1,
@@ -483,32 +496,25 @@ PIC_INLINE void qvals(const uint8_t* blk, __m256 v[4], const int center) {
     __m256i n[4] = {_mm256_and_si256(b0, m4), _mm256_and_si256(b1, m4),
                     _mm256_srli_epi32(b0, 4), _mm256_srli_epi32(b1, 4)};
     for (int i = 0; i < 4; ++i) {
-        if (PIC_WDTYPE == PIC_Q4_0 && center) n[i] = _mm256_sub_epi32(n[i], _mm256_set1_epi32(8));
+        if (F == PIC_Q4_0 && center) n[i] = _mm256_sub_epi32(n[i], _mm256_set1_epi32(8));
         v[i] = _mm256_cvtepi32_ps(n[i]);
     }
-#endif
 }
 
-/* One block of qdot_n: block b of the row for N tokens, into accumulator u of each token (and
- * the block-sum terms into corr). */
-PIC_INLINE void qdot_block(const uint8_t* w, int64_t b, const float* const* xs,
+/* One block of qdot_n: block b of the row for N tokens, into accumulator u of each token (and,
+ * q4_*, the block-sum terms into corr). */
+PIC_INLINE void qdot_block(const int F, const uint8_t* w, int64_t b, const float* const* xs,
                            const float* const* xss, __m256* acc, float* corr, const int N,
                            const int U, const int u) {
-    const uint8_t* blk = w + b * PIC_QBYTES;
+    const uint8_t* blk = w + b * pic_qbytes(F);
     __m256 v[4];
-    qvals(blk, v, 0);
+    qvals(F, blk, v, 0);
     const __m128 head = qhead(blk);
     const __m256 s = _mm256_broadcastss_ps(head);
-#if PIC_QSUMS
-#if PIC_WDTYPE == PIC_Q4_0
-    const float cs = _mm_cvtss_f32(head);                    /* s: times -8 at the end */
-#else
-    const float cs = _mm_cvtss_f32(_mm_movehdup_ps(head));  /* m */
-#endif
-    for (int n = 0; n < N; ++n) corr[n] = fmaf(cs, xss[n][b], corr[n]);
-#else
-    (void)xss; (void)corr;
-#endif
+    if (F != PIC_Q8_0) {  /* q4_0: s, times -8 at the end; q4_1: m */
+        const float cs = _mm_cvtss_f32(F == PIC_Q4_0 ? head : _mm_movehdup_ps(head));
+        for (int n = 0; n < N; ++n) corr[n] = fmaf(cs, xss[n][b], corr[n]);
+    }
     for (int n = 0; n < N; ++n) {
         const float* x = xs[n] + b * PIC_QK;
         __m256 q = _mm256_mul_ps(v[0], _mm256_loadu_ps(x));
@@ -520,31 +526,32 @@ PIC_INLINE void qdot_block(const uint8_t* w, int64_t b, const float* const* xs,
 }
 #else
 /* The 32 weights of a block, dequantized (the reference's arithmetic, in float32). */
-PIC_INLINE void qdeq32(const uint8_t* blk, float w[32]) {
+PIC_INLINE void qdeq32(const int F, const uint8_t* blk, float w[32]) {
     const float s = pic_f16((uint16_t)(blk[0] | blk[1] << 8));
-#if PIC_WDTYPE == PIC_Q8_0
-    for (int i = 0; i < 32; ++i) w[i] = s * (float)(int8_t)blk[2 + i];
-#elif PIC_WDTYPE == PIC_Q4_0
-    for (int i = 0; i < 16; ++i) {
-        w[i] = s * (float)((blk[2 + i] & 15) - 8);
-        w[i + 16] = s * (float)((blk[2 + i] >> 4) - 8);
+    if (F == PIC_Q8_0) {
+        for (int i = 0; i < 32; ++i) w[i] = s * (float)(int8_t)blk[2 + i];
+    } else if (F == PIC_Q4_0) {
+        for (int i = 0; i < 16; ++i) {
+            w[i] = s * (float)((blk[2 + i] & 15) - 8);
+            w[i + 16] = s * (float)((blk[2 + i] >> 4) - 8);
+        }
+    } else {
+        const float m = pic_f16((uint16_t)(blk[2] | blk[3] << 8));
+        for (int i = 0; i < 16; ++i) {
+            w[i] = s * (float)(blk[4 + i] & 15) + m;
+            w[i + 16] = s * (float)(blk[4 + i] >> 4) + m;
+        }
     }
-#else
-    const float m = pic_f16((uint16_t)(blk[2] | blk[3] << 8));
-    for (int i = 0; i < 16; ++i) {
-        w[i] = s * (float)(blk[4 + i] & 15) + m;
-        w[i + 16] = s * (float)(blk[4 + i] >> 4) + m;
-    }
-#endif
 }
 #endif
 
 /* res[n] = w . xs[n] for n < N over a quantized row of d weights: one pass over its blocks for
  * all N tokens, N tokens x U vector accumulators (N * U <= 8; consecutive blocks take turns).
- * xss[n]: token n's block sums (PIC_QSUMS). */
-PIC_INLINE void qdot_n(const wtype* w, const float* const* xs, const float* const* xss, int64_t d,
-                       float* res, const int N, const int U) {
-    const int64_t nb = d / PIC_QK;
+ * xss[n]: token n's block sums (q4_* with PIC_SIMD). */
+PIC_INLINE void qdot_n(const int F, const void* row, const float* const* xs,
+                       const float* const* xss, int64_t d, float* res, const int N, const int U) {
+    const uint8_t* w = (const uint8_t*)row;
+    const int64_t nb = d / PIC_QK, qb = pic_qbytes(F);
 #if PIC_SIMD
     __m256 acc[8];
     float corr[PIC_MAXTOK];
@@ -552,27 +559,24 @@ PIC_INLINE void qdot_n(const wtype* w, const float* const* xs, const float* cons
     for (int n = 0; n < N; ++n) corr[n] = 0.0f;
     int64_t b = 0;
     for (; b + PIC_QGROUP <= nb; b += PIC_QGROUP) {
-        for (int l = 0; l < PIC_QLINES; ++l) PIC_PREFETCH(w + b * PIC_QBYTES + PIC_PF_BYTES + 64 * l);
-        for (int k = 0; k < PIC_QGROUP; ++k) qdot_block(w, b + k, xs, xss, acc, corr, N, U, k % U);
+        for (int l = 0; l < pic_qlines(F); ++l) PIC_PREFETCH(w + b * qb + PIC_PF_BYTES + 64 * l);
+        for (int k = 0; k < PIC_QGROUP; ++k) qdot_block(F, w, b + k, xs, xss, acc, corr, N, U, k % U);
     }
-    for (; b < nb; ++b) qdot_block(w, b, xs, xss, acc, corr, N, U, 0);
+    for (; b < nb; ++b) qdot_block(F, w, b, xs, xss, acc, corr, N, U, 0);
     for (int n = 0; n < N; ++n) {
         __m256 t = acc[n * U];
         for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, acc[n * U + u]);
-#if PIC_WDTYPE == PIC_Q4_0
-        res[n] = hsum8(t) - 8.0f * corr[n];
-#else
-        res[n] = hsum8(t) + corr[n];
-#endif
+        res[n] = F == PIC_Q4_0 ? hsum8(t) - 8.0f * corr[n]
+               : F == PIC_Q4_1 ? hsum8(t) + corr[n] : hsum8(t);
     }
 #else
     float r[PIC_MAXTOK] = {0};
     float wb[32];
     (void)U; (void)xss;
     for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = w + b * PIC_QBYTES;
+        const uint8_t* blk = w + b * qb;
         PIC_PREFETCH(blk + PIC_PF_BYTES);
-        qdeq32(blk, wb);
+        qdeq32(F, blk, wb);
         for (int n = 0; n < N; ++n) {
             const float* x = xs[n] + b * PIC_QK;
             float t = 0.0f;
@@ -586,23 +590,20 @@ PIC_INLINE void qdot_n(const wtype* w, const float* const* xs, const float* cons
 
 #if PIC_SIMD
 /* One block of qaxpy_n. */
-PIC_INLINE void qaxpy_block(const uint8_t* w, int64_t b, const __m256* hv, float* const* ps,
-                            const int N) {
-    const uint8_t* blk = w + b * PIC_QBYTES;
+PIC_INLINE void qaxpy_block(const int F, const uint8_t* w, int64_t b, const __m256* hv,
+                            float* const* ps, const int N) {
+    const uint8_t* blk = w + b * pic_qbytes(F);
     __m256 v[4];
-    qvals(blk, v, 1);
+    qvals(F, blk, v, 1);
     const __m128 head = qhead(blk);
     const __m256 s = _mm256_broadcastss_ps(head);
-#if PIC_WDTYPE == PIC_Q4_1
-    const __m256 mn = _mm256_broadcastss_ps(_mm_movehdup_ps(head));
-    for (int i = 0; i < 4; ++i) v[i] = _mm256_fmadd_ps(s, v[i], mn); /* dequantized */
-#endif
+    if (F == PIC_Q4_1) {  /* dequantized: s * n + m */
+        const __m256 mn = _mm256_broadcastss_ps(_mm_movehdup_ps(head));
+        for (int i = 0; i < 4; ++i) v[i] = _mm256_fmadd_ps(s, v[i], mn);
+    }
     for (int n = 0; n < N; ++n) {
-#if PIC_WDTYPE == PIC_Q4_1
-        const __m256 c = hv[n];
-#else
-        const __m256 c = _mm256_mul_ps(hv[n], s); /* h * s: the block's integers scale by it */
-#endif
+        /* q8_0 / q4_0: h * s, the block's integers scale by it; q4_1: h */
+        const __m256 c = F == PIC_Q4_1 ? hv[n] : _mm256_mul_ps(hv[n], s);
         float* p = ps[n] + b * PIC_QK;
         for (int i = 0; i < 4; ++i)
             _mm256_storeu_ps(p + 8 * i, _mm256_fmadd_ps(c, v[i], _mm256_loadu_ps(p + 8 * i)));
@@ -611,23 +612,25 @@ PIC_INLINE void qaxpy_block(const uint8_t* w, int64_t b, const __m256* hv, float
 #endif
 
 /* ps[n] += hs[n] * w for n < N over a quantized row of d weights: one pass over its blocks. */
-PIC_INLINE void qaxpy_n(const wtype* w, const float* hs, float* const* ps, int64_t d, const int N) {
-    const int64_t nb = d / PIC_QK;
+PIC_INLINE void qaxpy_n(const int F, const void* row, const float* hs, float* const* ps,
+                        int64_t d, const int N) {
+    const uint8_t* w = (const uint8_t*)row;
+    const int64_t nb = d / PIC_QK, qb = pic_qbytes(F);
 #if PIC_SIMD
     __m256 hv[PIC_MAXTOK];
     for (int n = 0; n < N; ++n) hv[n] = _mm256_set1_ps(hs[n]);
     int64_t b = 0;
     for (; b + PIC_QGROUP <= nb; b += PIC_QGROUP) {
-        for (int l = 0; l < PIC_QLINES; ++l) PIC_PREFETCH(w + b * PIC_QBYTES + PIC_PF_BYTES + 64 * l);
-        for (int k = 0; k < PIC_QGROUP; ++k) qaxpy_block(w, b + k, hv, ps, N);
+        for (int l = 0; l < pic_qlines(F); ++l) PIC_PREFETCH(w + b * qb + PIC_PF_BYTES + 64 * l);
+        for (int k = 0; k < PIC_QGROUP; ++k) qaxpy_block(F, w, b + k, hv, ps, N);
     }
-    for (; b < nb; ++b) qaxpy_block(w, b, hv, ps, N);
+    for (; b < nb; ++b) qaxpy_block(F, w, b, hv, ps, N);
 #else
     float wb[32];
     for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = w + b * PIC_QBYTES;
+        const uint8_t* blk = w + b * qb;
         PIC_PREFETCH(blk + PIC_PF_BYTES);
-        qdeq32(blk, wb);
+        qdeq32(F, blk, wb);
         for (int n = 0; n < N; ++n) {
             float* p = ps[n] + b * PIC_QK;
             for (int i = 0; i < 32; ++i) p[i] += hs[n] * wb[i];
@@ -649,49 +652,71 @@ static void qblock_sums(const float* x, int64_t T, int64_t d, float* sums) {
         }
 }
 #endif
-#else
-#define PIC_QSUMS 0
-#endif /* PIC_QUANT */
 
-/* ---- the FFN's row operations, on one neuron's row of d weights (whatever its format) ---- */
-PIC_INLINE void row_prefetch(const wtype* row, int64_t d) { prefetch_bytes(row, row_bytes(d)); }
+/* ---- the row operations, on one row of d weights in format F, for nt <= 8 tokens ---- */
+PIC_INLINE void row_prefetch(const void* row, int64_t rb) { prefetch_bytes(row, rb); }
 
-/* res[n] = row . xs[n] for n < nt <= 8 (xss: the tokens' block sums, quantized variants) */
-static void row_dot(const wtype* w, const float* const* xs, const float* const* xss, int nt,
-                    int64_t d, float* res) {
-#if PIC_QUANT
-    switch (nt) {
-    case 1: qdot_n(w, xs, xss, d, res, 1, 4); break;
-    case 2: qdot_n(w, xs, xss, d, res, 2, 4); break;
-    case 3: qdot_n(w, xs, xss, d, res, 3, 2); break;
-    case 4: qdot_n(w, xs, xss, d, res, 4, 2); break;
-    case 5: qdot_n(w, xs, xss, d, res, 5, 1); break;
-    case 6: qdot_n(w, xs, xss, d, res, 6, 1); break;
-    case 7: qdot_n(w, xs, xss, d, res, 7, 1); break;
-    default: qdot_n(w, xs, xss, d, res, 8, 1); break;
-    }
-#else
-    (void)xss;
-    dot_rows(w, xs, nt, d, res);
-#endif
+PIC_INLINE void dot_n(const int F, const void* w, const float* const* xs, const float* const* xss,
+                      int64_t d, float* res, const int N, const int U) {
+    if (PIC_IS_QUANT(F)) qdot_n(F, w, xs, xss, d, res, N, U);
+    else fdot_n(F, w, xs, d, res, N, U);
 }
 
-/* ps[n] += hs[n] * row for n < nt <= 8 */
-static void row_axpy(const wtype* w, const float* hs, float* const* ps, int nt, int64_t d) {
-#if PIC_QUANT
+PIC_INLINE void axpy_n(const int F, const void* w, const float* hs, float* const* ps, int64_t d,
+                       const int N) {
+    if (PIC_IS_QUANT(F)) qaxpy_n(F, w, hs, ps, d, N);
+    else faxpy_n(F, w, hs, ps, d, N);
+}
+
+/* res[n] = row . xs[n] for n < nt (xss: the tokens' block sums, for q4_* rows). Dispatches on
+ * the token count so that every instance has compile-time N and U. */
+PIC_INLINE void row_dot(const int F, const void* w, const float* const* xs,
+                        const float* const* xss, int nt, int64_t d, float* res) {
     switch (nt) {
-    case 1: qaxpy_n(w, hs, ps, d, 1); break;
-    case 2: qaxpy_n(w, hs, ps, d, 2); break;
-    case 3: qaxpy_n(w, hs, ps, d, 3); break;
-    case 4: qaxpy_n(w, hs, ps, d, 4); break;
-    case 5: qaxpy_n(w, hs, ps, d, 5); break;
-    case 6: qaxpy_n(w, hs, ps, d, 6); break;
-    case 7: qaxpy_n(w, hs, ps, d, 7); break;
-    default: qaxpy_n(w, hs, ps, d, 8); break;
+    case 1: dot_n(F, w, xs, xss, d, res, 1, 4); break;
+    case 2: dot_n(F, w, xs, xss, d, res, 2, 4); break;
+    case 3: dot_n(F, w, xs, xss, d, res, 3, 2); break;
+    case 4: dot_n(F, w, xs, xss, d, res, 4, 2); break;
+    case 5: dot_n(F, w, xs, xss, d, res, 5, 1); break;
+    case 6: dot_n(F, w, xs, xss, d, res, 6, 1); break;
+    case 7: dot_n(F, w, xs, xss, d, res, 7, 1); break;
+    default: dot_n(F, w, xs, xss, d, res, 8, 1); break;
     }
-#else
-    axpy_rows(w, hs, ps, nt, d);
-#endif
+}
+
+/* ps[n] += hs[n] * row for n < nt */
+PIC_INLINE void row_axpy(const int F, const void* w, const float* hs, float* const* ps, int nt,
+                         int64_t d) {
+    switch (nt) {
+    case 1: axpy_n(F, w, hs, ps, d, 1); break;
+    case 2: axpy_n(F, w, hs, ps, d, 2); break;
+    case 3: axpy_n(F, w, hs, ps, d, 3); break;
+    case 4: axpy_n(F, w, hs, ps, d, 4); break;
+    case 5: axpy_n(F, w, hs, ps, d, 5); break;
+    case 6: axpy_n(F, w, hs, ps, d, 6); break;
+    case 7: axpy_n(F, w, hs, ps, d, 7); break;
+    default: axpy_n(F, w, hs, ps, d, 8); break;
+    }
+}
+
+/* The instances this library uses, one per matrix and its format: gate and up rows are only
+ * ever dotted with x, down rows only ever added into the outputs, and predict's matrices are
+ * etype. */
+static void gu_dot(const void* w, const float* const* xs, const float* const* xss, int nt,
+                   int64_t d, float* res) {
+    row_dot(PIC_WDTYPE, w, xs, xss, nt, d, res);
+}
+
+static void down_axpy(const void* w, const float* hs, float* const* ps, int nt, int64_t d) {
+    row_axpy(PIC_DDTYPE, w, hs, ps, nt, d);
+}
+
+static void pred_dot(const etype* w, const float* const* xs, int nt, int64_t d, float* res) {
+    row_dot(PIC_EDTYPE, w, xs, NULL, nt, d, res);
+}
+
+static void pred_axpy(const etype* w, const float* hs, float* const* ps, int nt, int64_t d) {
+    row_axpy(PIC_EDTYPE, w, hs, ps, nt, d);
 }
 
 /* A neuron that passed the first test: gated blocks, act(gate) != 0 for some token (its up and
@@ -708,11 +733,12 @@ typedef struct {
  * in order), then the up / down rows of only the neurons that fired, prefetching ahead. Returns
  * the number of active (token, neuron) pairs. */
 static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float* const* xs,
-                         const float* const* xss, int nt, int64_t d, const wtype* w_gate, const wtype* w_up,
-                         const wtype* w_down_t, const float* b_gate, const float* b_up,
-                         float threshold, float* const* ps) {
+                         const float* const* xss, int nt, int64_t d, const void* w_gate,
+                         const void* w_up, const void* w_down_t, const float* b_gate,
+                         const float* b_up, float threshold, float* const* ps) {
     int64_t total = 0;
-    const int64_t rb = row_bytes(d);
+    const int64_t rb = row_bytes(PIC_WDTYPE, d);  /* gate and up rows */
+    const int64_t rbd = row_bytes(PIC_DDTYPE, d); /* down rows */
     pic_fired f[PIC_BLOCK];
 #if !PIC_BIAS
     (void)b_gate; (void)b_up;
@@ -726,19 +752,19 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
 #if PIC_GATED && PIC_H_FIRST
         float gs[PIC_BLOCK][PIC_MAXTOK]; /* gate x of the block's neurons, read first */
         for (int64_t i = b0; i < b1; ++i)
-            row_dot(row_at(w_gate, idx ? (int64_t)idx[i] : i, rb), xs, xss, nt, d, gs[i - b0]);
+            gu_dot(row_at(w_gate, idx ? (int64_t)idx[i] : i, rb), xs, xss, nt, d, gs[i - b0]);
 #endif
         for (int64_t i = b0; i < b1; ++i) {
             const int64_t j = idx ? (int64_t)idx[i] : i;
             if (idx && i + 1 < hi) /* candidates are scattered: start the next one's first row */
-                row_prefetch(row_at(PIC_GATED ? w_gate : w_up, idx[i + 1], rb), d);
+                row_prefetch(row_at(PIC_GATED ? w_gate : w_up, idx[i + 1], rb), rb);
             pic_fired* fi = &f[nfired];
             float g[PIC_MAXTOK];
             fi->j = j;
             fi->nf = 0;
 #if PIC_GATED && !PIC_H_FIRST
             const float b = PIC_BIAS && b_gate ? b_gate[j] : 0.0f;
-            row_dot(row_at(w_gate, j, rb), xs, xss, nt, d, g);
+            gu_dot(row_at(w_gate, j, rb), xs, xss, nt, d, g);
             for (int n = 0; n < nt; ++n) {
                 const float a = act_fn(g[n] + b);
                 if (a != 0.0f) { fi->tok[fi->nf] = n; fi->a[fi->nf] = a; ++fi->nf; }
@@ -746,7 +772,7 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
 #elif PIC_GATED  /* the gate rows of the block were read above: now its up rows */
             const float b = PIC_BIAS && b_gate ? b_gate[j] : 0.0f;
             const float bu = PIC_BIAS && b_up ? b_up[j] : 0.0f;
-            row_dot(row_at(w_up, j, rb), xs, xss, nt, d, g);
+            gu_dot(row_at(w_up, j, rb), xs, xss, nt, d, g);
             for (int n = 0; n < nt; ++n) {
                 float uv = g[n] + bu;
 #if PIC_DRELU
@@ -757,7 +783,7 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
             }
 #else
             const float b = PIC_BIAS && b_up ? b_up[j] : 0.0f;
-            row_dot(row_at(w_up, j, rb), xs, xss, nt, d, g);
+            gu_dot(row_at(w_up, j, rb), xs, xss, nt, d, g);
             for (int n = 0; n < nt; ++n) {
                 const float h = act_fn(g[n] + b);
                 if (fabsf(h) > threshold) { fi->tok[fi->nf] = n; fi->a[fi->nf] = h; ++fi->nf; }
@@ -769,9 +795,9 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
             const int64_t j = f[q].j;
             if (q + 1 < nfired) { /* start the next fired neuron's rows on their way */
 #if PIC_GATED && !PIC_H_FIRST
-                row_prefetch(row_at(w_up, f[q + 1].j, rb), d);
+                row_prefetch(row_at(w_up, f[q + 1].j, rb), rb);
 #endif
-                row_prefetch(row_at(w_down_t, f[q + 1].j, rb), d);
+                row_prefetch(row_at(w_down_t, f[q + 1].j, rbd), rbd);
             }
             float hv[PIC_MAXTOK];  /* h of the active tokens */
             float* pa[PIC_MAXTOK]; /* their partial-output rows */
@@ -785,7 +811,7 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
                 xf[k] = xs[f[q].tok[k]];
                 xsf[k] = xss ? xss[f[q].tok[k]] : NULL;
             }
-            row_dot(row_at(w_up, j, rb), xf, xsf, f[q].nf, d, u);
+            gu_dot(row_at(w_up, j, rb), xf, xsf, f[q].nf, d, u);
             for (int k = 0; k < f[q].nf; ++k) {
                 float uv = u[k] + bu;
 #if PIC_DRELU
@@ -798,7 +824,7 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
             for (int k = 0; k < f[q].nf; ++k) { hv[k] = f[q].a[k]; pa[k] = ps[f[q].tok[k]]; }
             na = f[q].nf;
 #endif
-            if (na) row_axpy(row_at(w_down_t, j, rb), hv, pa, na, d);
+            if (na) down_axpy(row_at(w_down_t, j, rbd), hv, pa, na, d);
             total += na;
         }
     }
@@ -823,13 +849,13 @@ static int64_t mask_union(const uint8_t* mask, int64_t T, int64_t n_ff, int32_t*
 }
 
 static void ffn_candidates(const float* x, int64_t T, int64_t d, int64_t n_ff,
-                           const wtype* w_gate, const wtype* w_up, const wtype* w_down_t,
+                           const void* w_gate, const void* w_up, const void* w_down_t,
                            const float* b_gate, const float* b_up, const float* b_down,
                            const int32_t* idx, int64_t m, float threshold, float* out,
                            int64_t* n_active);
 
 void ffn(const float* x, int64_t T, int64_t d, int64_t n_ff,
-         const wtype* w_gate, const wtype* w_up, const wtype* w_down_t,
+         const void* w_gate, const void* w_up, const void* w_down_t,
          const float* b_gate, const float* b_up, const float* b_down,
          const int32_t* idx, int64_t m, const uint8_t* mask, float threshold, float* out,
          int64_t* n_active) {
@@ -875,7 +901,7 @@ int predict(const float* x, int64_t T, int64_t d, int64_t r, int64_t n_ff,
 #endif
             for (int64_t i = 0; i < r; ++i) {
                 float s[PIC_MAXTOK];
-                dot_rows(p1 + i * d, xs, nt, d, s);
+                pred_dot(p1 + i * d, xs, nt, d, s);
                 for (int n = 0; n < nt; ++n) {
                     const float v = s[n] + pb1[i];
                     z[(t0 + n) * r + i] = v > 0.0f ? v : 0.0f;
@@ -915,7 +941,7 @@ int predict(const float* x, int64_t T, int64_t d, int64_t r, int64_t n_ff,
                     if (q + 1 < nlive) prefetch_head(p2t + live[q + 1] * n_ff + j0, nj);
                     float zi[PIC_MAXTOK];
                     for (int n = 0; n < nt; ++n) zi[n] = z[(t0 + n) * r + i];
-                    axpy_rows(p2t + i * n_ff + j0, zi, ps, nt, nj);
+                    pred_axpy(p2t + i * n_ff + j0, zi, ps, nt, nj);
                 }
                 for (int n = 0; n < nt; ++n)
                     for (int64_t j = 0; j < nj; ++j) mask[(t0 + n) * n_ff + j0 + j] = ps[n][j] > tau;
@@ -928,7 +954,7 @@ int predict(const float* x, int64_t T, int64_t d, int64_t r, int64_t n_ff,
 }
 
 static void ffn_candidates(const float* x, int64_t T, int64_t d, int64_t n_ff,
-                           const wtype* w_gate, const wtype* w_up, const wtype* w_down_t,
+                           const void* w_gate, const void* w_up, const void* w_down_t,
                            const float* b_gate, const float* b_up, const float* b_down,
                            const int32_t* idx, int64_t m, float threshold, float* out,
                            int64_t* n_active) {
@@ -1018,9 +1044,10 @@ def source(v: Variant, tuning: dict[str, int] | None = None) -> str:
     extra = "".join(f"#define {k} {int(val)}\n" for k, val in (tuning or {}).items())
     return _HEADER.format(
         name=v.name,
-        wdtype={"float32": "PIC_F32", "float16": "PIC_F16", "bfloat16": "PIC_BF16",
-                "q8_0": "PIC_Q8_0", "q4_0": "PIC_Q4_0", "q4_1": "PIC_Q4_1"}[v.dtype],
+        wdtype=_FORMAT_MACROS[v.dtype],
         dtype=v.dtype,
+        ddtype=_FORMAT_MACROS[v.down_dtype],
+        down_dtype=v.down_dtype,
         gated=int(v.gated),
         drelu=int(v.drelu),
         bias=int(v.bias),
@@ -1367,33 +1394,33 @@ def kernel_for(ffn) -> Kernel | None:
 
 
 def _bind(lib: ctypes.CDLL, v: Variant, ffn) -> Kernel:
-    if v.quantized:  # uint8 row blocks, as they are
-        d = ffn.d_model
-        if d % quant.BLOCK:
-            raise ValueError(f"a {v.dtype} block needs d a multiple of {quant.BLOCK}, got {d}")
-
-        def weight(t):
-            if t is None:
-                return None
+    def weight(t, fmt):
+        """t as the C code reads it: uint8 row blocks as they are, float elements converted."""
+        if t is None:
+            return None
+        if fmt in QFORMATS:
             if t.dtype != torch.uint8:
-                raise ValueError(f"{v.dtype} weights are uint8 row blocks, got {t.dtype}")
+                raise ValueError(f"{fmt} weights are uint8 row blocks, got {t.dtype}")
             return t.detach().contiguous()
-    else:
-        wdt = _TORCH_DTYPES[v.dtype]
-
-        def weight(t):
-            return None if t is None else t.detach().to(wdt).contiguous()
+        return t.detach().to(_TORCH_DTYPES[fmt]).contiguous()
 
     # Kept referenced by the closure: the C code reads them through raw pointers.
-    w_gate, w_up, w_down_t = weight(ffn.w_gate), weight(ffn.w_up), weight(ffn.w_down_t)
+    w_gate, w_up = weight(ffn.w_gate, v.dtype), weight(ffn.w_up, v.dtype)
+    w_down_t = weight(ffn.w_down_t, v.down_dtype)
     n_ff = w_up.shape[0]
-    if not v.quantized:
-        d = w_up.shape[1]
-    row = (n_ff, v.row_bytes(d) // w_up.element_size())  # each weight's shape
-    if (w_up.shape != row or w_down_t.shape != row
-            or (w_gate is not None and w_gate.shape != row)):
-        raise ValueError(f"weight shapes disagree (want {row}): up {tuple(w_up.shape)}, "
-                         f"down_t {tuple(w_down_t.shape)}, gate {None if w_gate is None else tuple(w_gate.shape)}")
+    d = ffn.d_model if v.quantized else w_up.shape[1]
+    if (v.dtype in QFORMATS or v.down_dtype in QFORMATS) and d % quant.BLOCK:
+        raise ValueError(f"a {v.name} block needs d a multiple of {quant.BLOCK}, got {d}")
+
+    def shape(t, fmt):  # [n_ff, d] in fmt's elements
+        return (n_ff, v.row_bytes(d, fmt) // t.element_size())
+
+    want = shape(w_up, v.dtype)
+    if (w_up.shape != want or w_down_t.shape != shape(w_down_t, v.down_dtype)
+            or (w_gate is not None and w_gate.shape != want)):
+        raise ValueError(f"weight shapes disagree (d={d}, n_ff={n_ff}, {v.dtype} gate / up, "
+                         f"{v.down_dtype} down): up {tuple(w_up.shape)}, down_t "
+                         f"{tuple(w_down_t.shape)}, gate {None if w_gate is None else tuple(w_gate.shape)}")
     raw_biases = (ffn.b_gate, ffn.b_up, ffn.b_down)
     converted: dict = {}  # "biases": their float32 copies, made on first use
     ptrs = (_ptr(w_gate), _ptr(w_up), _ptr(w_down_t))

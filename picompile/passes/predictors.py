@@ -208,26 +208,27 @@ def decode_bytes(ffn, stats: PredictorStats) -> tuple[int, int]:
     rows only when it fires. Exact mode takes every neuron as a candidate, predicted mode the
     predicted ones; a block gains from its predictor when the first rows it skips outweigh the
     bytes of the predictor's kernel."""
-    first_rows, later_rows, row_bytes = _row_reads(ffn)
-    fired = stats.true_density * later_rows
+    first, later = _row_reads(ffn)
     predicted = (kernel_bytes(stats.rank, ffn.d_model, ffn.n_ff)
-                 + ffn.n_ff * (stats.predicted_density * first_rows + stats.recall * fired) * row_bytes)
+                 + ffn.n_ff * (stats.predicted_density * first + stats.recall * stats.true_density * later))
     return exact_decode_bytes(ffn, stats.true_density), round(predicted)
 
 
-def _row_reads(ffn) -> tuple[int, int, int]:
-    """(rows read per candidate neuron, further rows per firing neuron, bytes per row)."""
+def _row_reads(ffn) -> tuple[int, int]:
+    """(bytes read per candidate neuron, further bytes per firing neuron): the first rows are
+    gate / up rows (ffn.row_bytes each), the later ones up (gated ReLU) and down
+    (ffn.down_row_bytes: its own format)."""
     gated = ffn.w_gate is not None
-    first_rows = 2 if gated and ffn.act != "relu" else 1  # per candidate
-    later_rows = 2 if gated and ffn.act == "relu" else 1  # per firing neuron
-    return first_rows, later_rows, ffn.row_bytes
+    first_rows = 2 if gated and ffn.act != "relu" else 1  # gate / up rows per candidate
+    later_up = 1 if gated and ffn.act == "relu" else 0  # up rows per firing neuron, then down
+    return first_rows * ffn.row_bytes, later_up * ffn.row_bytes + ffn.down_row_bytes
 
 
 def exact_decode_bytes(ffn, density: float) -> int:
     """Weight bytes the C decode kernel reads per token for this block without a predictor,
     when `density` of its neurons fire (every neuron is a candidate): decode_bytes's exact."""
-    first_rows, later_rows, row_bytes = _row_reads(ffn)
-    return round(ffn.n_ff * (first_rows + density * later_rows) * row_bytes)
+    first, later = _row_reads(ffn)
+    return round(ffn.n_ff * (first + density * later))
 
 
 @torch.no_grad()

@@ -10,6 +10,15 @@ up and down rows, one neuron's row contiguous) and every linear layer the loweri
 DenseLinear (attention projections, the LM head: QuantLinear) whose input width is a multiple
 of the block size. Embeddings, norms and biases stay float (an embedding reads one row per
 token; biases are added in float32). What cannot be quantized stays float, named in the notes.
+
+Two kinds of weights get more bits than the format asks for (the notes say so):
+- with a 4-bit format (q4_0, q4_1) the LM head (the model's output embeddings) is q8_0, as
+  llama.cpp keeps its output layer at higher precision;
+- in "gguf" mode the FFN down rows of a block whose file tensors are 4-bit are q8_0: the file
+  blocks down_proj along n_ff, the kernels read a neuron's down row along d, so its blocks are
+  quantized again from the float weights, and a second 4-bit rounding along the other axis
+  costs far more than the file's own (SmolLM2's Q4_1 file, down in q4_1 along d: +7.8%
+  perplexity, where llama.cpp on the same file loses 0.5%).
 """
 
 from __future__ import annotations
@@ -19,14 +28,19 @@ from torch import nn
 from picompile import gguf_weights, quant
 from picompile.runtime.dense_linear import DenseLinear, QuantLinear
 
+FOUR_BIT = ("q4_0", "q4_1")
+HIGH_PRECISION = "q8_0"  # the LM head under a 4-bit format; re-quantized 4-bit down rows
+
 
 def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None) -> list[str]:
     """Quantize the FFN blocks to `fmt` in place (before their kernels are picked). With
     `file_blocks` (gguf_weights.read: fmt "gguf"), each block takes its up projection's format
     from the file, and the gate and up rows are the file's own blocks (in the block's neuron
-    order); the down rows, which the file stores along the other axis, are quantized again.
-    -> notes on the blocks that stay float, and why."""
+    order); the down rows, which the file stores along the other axis, are quantized again, to
+    q8_0 where the file's format is 4-bit (see the module doc).
+    -> notes on the blocks that stay float, and why, and on the down rows' format."""
     notes = []
+    requantized_down = 0  # blocks whose 4-bit down rows went to q8_0
     for name, ffn in ffns.items():
         why = quant.why_not_quantizable((ffn.n_ff, ffn.d_model))
         modules = {role: f"{ffn.block.module}.{attr}" if ffn.block.module else attr
@@ -39,7 +53,11 @@ def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None) -> list
         if why is not None:
             notes.append(f"{name}: stays {str(ffn.w_up.dtype).removeprefix('torch.')}: {why}")
             continue
-        ffn.quantize_(block_fmt)
+        down_fmt = block_fmt
+        if file_blocks is not None and block_fmt in FOUR_BIT:
+            down_fmt = HIGH_PRECISION
+            requantized_down += 1
+        ffn.quantize_(block_fmt, down_fmt)
         for role in ("gate", "up"):
             blocks = (file_blocks or {}).get(modules.get(role, ""))
             if blocks is None or blocks.data is None or blocks.fmt != block_fmt:
@@ -47,17 +65,24 @@ def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None) -> list
             gguf_weights.check_fits(blocks, ffn.n_ff, ffn.d_model, modules[role])
             rows = blocks.data if ffn.order is None else blocks.data[ffn.order]
             getattr(ffn, f"w_{role}").data.copy_(rows)
+    if requantized_down:
+        notes.append(f"FFN down rows of {requantized_down} 4-bit blocks re-quantized to "
+                     f"{HIGH_PRECISION} along d (the file blocks them along n_ff)")
     return notes
 
 
 def quantize_linears(model: nn.Module, fmt: str, file_blocks: dict | None = None,
                      ) -> tuple[dict[str, str], list[str]]:
     """Replace every DenseLinear under `model` whose width allows it with a QuantLinear of
-    `fmt` (after the lowering pass). With `file_blocks` (fmt "gguf"), each layer takes the file's
-    format and its own blocks; layers float in the file stay float. -> ({qualified name: kernel
-    path} of the replaced layers, notes on the layers that stay float, and why)."""
+    `fmt` (after the lowering pass; the LM head q8_0 where `fmt` is 4-bit, see the module doc).
+    With `file_blocks` (fmt "gguf"), each layer takes the file's format and its own blocks;
+    layers float in the file stay float. -> ({qualified name: kernel path} of the replaced
+    layers, notes on the layers that stay float, and why, and on the LM head's format)."""
     paths, notes = {}, []
     replaced: dict[int, QuantLinear] = {}  # a layer under several names is quantized once
+    head = None  # the LM head, when a 4-bit format keeps it at q8_0
+    if file_blocks is None and fmt in FOUR_BIT and hasattr(model, "get_output_embeddings"):
+        head = model.get_output_embeddings()
     for prefix, parent in list(model.named_modules()):
         for name, child in list(parent._modules.items()):
             if not isinstance(child, DenseLinear):
@@ -71,8 +96,12 @@ def quantize_linears(model: nn.Module, fmt: str, file_blocks: dict | None = None
                 notes.append(f"{qual}: stays float: {why}")
                 continue
             if id(child) not in replaced:
-                replaced[id(child)] = QuantLinear.from_linear(
-                    child, fmt if blocks is None else blocks.fmt)
+                layer_fmt = fmt if blocks is None else blocks.fmt
+                if child is head:
+                    layer_fmt = HIGH_PRECISION
+                    notes.append(f"{qual}: the LM head, {HIGH_PRECISION} (not {fmt}), as "
+                                 "llama.cpp keeps its output layer")
+                replaced[id(child)] = QuantLinear.from_linear(child, layer_fmt)
                 if blocks is not None and blocks.data is not None:
                     gguf_weights.check_fits(blocks, child.out_features, child.in_features, qual)
                     replaced[id(child)].qweight.copy_(blocks.data)

@@ -64,6 +64,7 @@ def _view(ffn: SparseFFN, rows: slice, device, with_down_bias: bool) -> SparseFF
         b_up=_rows(ffn.b_up, rows, device),
         b_down=ffn.b_down.detach().to(device, copy=True) if with_down_bias and ffn.b_down is not None else None,
         qformat=ffn.qformat,
+        down_qformat=ffn.down_qformat,
     )
     view.threshold = ffn.threshold
     return view
@@ -245,11 +246,11 @@ class HybridFFN:
         """Weight bytes the hot kernels read for `candidates` rows of which `active` fired (device
         tensors stay lazy): a first row per candidate (the gate, or up for plain blocks; gate
         and up for gated non-ReLU blocks), the other rows per firing neuron (up and down, or
-        down)."""
+        down; the down row in its own format)."""
         gated, relu = self.hot.w_gate is not None, self.hot.act == "relu"
         first, later = (2, 1) if gated and not relu else (1, 2) if gated else (1, 1)
-        row = self.hot.row_bytes
-        return (candidates * first + active * later) * row
+        row, down = self.hot.row_bytes, self.hot.down_row_bytes
+        return candidates * first * row + active * ((later - 1) * row + down)
 
     def _mark(self):
         return torch.cuda.Event(enable_timing=True) if self.cuda else None

@@ -16,9 +16,11 @@ of up and down are only read for neurons whose gate fired, which is what makes e
 
 Quantized blocks (`SparseFFN.quantize_`, `qformat` "q8_0" | "q4_0" | "q4_1") hold the three
 matrices as uint8 [n_ff, d / 32 * block bytes], each row its GGUF blocks of 32 weights along d
-(picompile/quant.py), so a neuron's row stays contiguous; biases stay float. The math is the same
-over the dequantized weights: the reference functions take `qformat` and dequantize the rows they
-use (quant.dequantize), the C kernels dequantize in registers.
+(picompile/quant.py), so a neuron's row stays contiguous; biases stay float. `qformat` is the
+format of the gate and up rows; the down rows may have their own, `down_qformat` (e.g. q4_1 gate
+and up with q8_0 down), or stay float (down_qformat None, w_down_t a float tensor). The math is
+the same over the dequantized weights: the reference functions take `qformat` / `down_qformat`
+and dequantize the rows they use (quant.dequantize), the C kernels dequantize in registers.
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ from picompile import quant
 from picompile.config import KERNEL_MAX_TOKENS, reference_forced
 from picompile.plan import BlockPlan
 from picompile.runtime.kernel_module import KernelModule
+
+
+def down_format(qformat: str | None, down_qformat: str | None,
+                w_down_t: torch.Tensor) -> str | None:
+    """The block format of w_down_t: `down_qformat` when given; else `qformat` where w_down_t is
+    uint8 row blocks (one format for all three matrices), None where it is float."""
+    if down_qformat is not None:
+        return down_qformat
+    return qformat if w_down_t.dtype == torch.uint8 else None
 
 
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -56,7 +67,7 @@ def down_input(
     drelu: bool = False,
     idx: torch.Tensor | None = None,  # [m] int candidate neurons, or None for all
     compute_dtype: torch.dtype = torch.float32,
-    qformat: str | None = None,  # the weight matrices are uint8 row blocks of this format
+    qformat: str | None = None,  # w_gate and w_up are uint8 row blocks of this format
 ) -> torch.Tensor:
     """h [T, m]: the down projection's input for the candidate neurons, before thresholding."""
     cd = compute_dtype
@@ -86,7 +97,8 @@ def ffn_reference(
     threshold: float = 0.0,
     idx: torch.Tensor | None = None,  # [m] int candidate neurons, or None for all
     compute_dtype: torch.dtype = torch.float32,
-    qformat: str | None = None,  # the weight matrices are uint8 row blocks of this format
+    qformat: str | None = None,  # w_gate and w_up are uint8 row blocks of this format
+    down_qformat: str | None = None,  # w_down_t's format (None: see down_format)
     **gate_and_act,  # w_gate, b_gate, b_up, act, drelu: as down_input takes them
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The plain-PyTorch reference of the block math above (quantized weights: over the
@@ -97,9 +109,10 @@ def ffn_reference(
                    **gate_and_act)  # [T, m]
     active = h.abs() > threshold  # [T, m]
     h = torch.where(active, h, torch.zeros((), dtype=compute_dtype))
+    down_qformat = down_format(qformat, down_qformat, w_down_t)
     w_down_t = w_down_t if idx is None else w_down_t.index_select(0, idx.long())
-    if qformat is not None:
-        w_down_t = quant.dequantize(w_down_t, qformat, x.shape[-1])
+    if down_qformat is not None:
+        w_down_t = quant.dequantize(w_down_t, down_qformat, x.shape[-1])
     out = h @ w_down_t.to(compute_dtype)  # [T, d]
     if b_down is not None:
         out = out + b_down.to(compute_dtype)
@@ -112,7 +125,8 @@ class SparseFFN(KernelModule):
     The fast path (a generated C kernel, later a CUDA kernel) is picked once, when the module is
     built; `forward_native` is the reference every kernel is tested against."""
 
-    qformat: str | None = None  # "q8_0" | "q4_0" | "q4_1": weights are uint8 row blocks
+    qformat: str | None = None  # "q8_0" | "q4_0" | "q4_1": gate / up weights are uint8 row blocks
+    down_qformat: str | None = None  # the same for w_down_t (None: float); see quantize_
 
     def __init__(
         self,
@@ -124,19 +138,36 @@ class SparseFFN(KernelModule):
         b_up: torch.Tensor | None = None,
         b_down: torch.Tensor | None = None,
         qformat: str | None = None,
+        down_qformat: str | None = None,
     ):
         """Weights [n_ff, d] float, or with `qformat` already quantized: uint8 row blocks
-        [n_ff, quant.row_bytes(d, qformat)] (see quantize_)."""
+        [n_ff, quant.row_bytes(d, qformat)] (see quantize_). w_down_t: in `down_qformat` when
+        given, else in `qformat` when it is uint8, else float [n_ff, d] (down_format)."""
         super().__init__()
+        down_qformat = down_format(qformat, down_qformat, w_down_t)
+        if qformat is None and (down_qformat is not None or w_down_t.dtype == torch.uint8):
+            raise ValueError("picompile: a quantized down projection (down_qformat) needs "
+                             "quantized gate and up rows (qformat)")
         if qformat is not None:
-            quant.format_of(qformat)
-            for t in (w_up, w_down_t, w_gate):
-                if t is not None and (t.dtype != torch.uint8 or t.dim() != 2
-                                      or t.shape[1] % quant.format_of(qformat).block_bytes):
-                    raise ValueError(f"{qformat} weights are uint8 [n_ff, d / {quant.BLOCK} * "
-                                     f"{quant.format_of(qformat).block_bytes}], got {t.dtype} "
-                                     f"{tuple(t.shape)}")
+            d = None  # the gate / up rows' width, which the down rows must match
+            for t, fmt in ((w_up, qformat), (w_gate, qformat), (w_down_t, down_qformat)):
+                if t is None:
+                    continue
+                if fmt is None:  # float down rows
+                    if not t.is_floating_point() or t.dim() != 2 or t.shape[1] != d:
+                        raise ValueError(f"float down weights are [n_ff, d={d}], got {t.dtype} "
+                                         f"{tuple(t.shape)}")
+                    continue
+                bb = quant.format_of(fmt).block_bytes
+                if t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] % bb:
+                    raise ValueError(f"{fmt} weights are uint8 [n_ff, d / {quant.BLOCK} * "
+                                     f"{bb}], got {t.dtype} {tuple(t.shape)}")
+                d = d or t.shape[1] // bb * quant.BLOCK
+                if t.shape[1] != quant.row_bytes(d, fmt):
+                    raise ValueError(f"{fmt} weights of d={d} are uint8 [n_ff, "
+                                     f"{quant.row_bytes(d, fmt)}], got {tuple(t.shape)}")
         self.qformat = qformat  # None: float weights
+        self.down_qformat = down_qformat  # None: float down rows
         self.block = block
         self.act = block.act
         self.drelu = block.kind == "drelu"
@@ -189,9 +220,19 @@ class SparseFFN(KernelModule):
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one neuron's row of one weight matrix (w_gate, w_up or w_down_t): what the
-        kernels read per row, quantized or not."""
+        """Bytes of one neuron's row of w_gate or w_up: what the kernels read per gate / up row,
+        quantized or not (down rows: down_row_bytes)."""
         return self.w_up.shape[1] * self.w_up.element_size()
+
+    @property
+    def down_row_bytes(self) -> int:
+        """Bytes of one neuron's row of w_down_t (in down_qformat, or its float dtype)."""
+        return self.w_down_t.shape[1] * self.w_down_t.element_size()
+
+    @property
+    def down_format(self) -> str:
+        """The down rows' format, for reports: down_qformat, or w_down_t's float dtype."""
+        return self.down_qformat or dtype_name(self.w_down_t.dtype)
 
     @property
     def float_dtype(self) -> torch.dtype:
@@ -200,32 +241,42 @@ class SparseFFN(KernelModule):
         return torch.float32 if self.qformat is not None else self.w_up.dtype
 
     @torch.no_grad()
-    def quantize_(self, fmt: str) -> SparseFFN:
+    def quantize_(self, fmt: str, down_fmt: str | None = None) -> SparseFFN:
         """Quantize the block in place to `fmt` ("q8_0" | "q4_0" | "q4_1", picompile/quant.py):
-        w_gate, w_up and w_down_t become uint8 row blocks [n_ff, d / 32 * block bytes] (GGUF's
-        blocks of 32 weights along d, one neuron's row contiguous), biases float32; the kernel is
-        selected again. A block already in `fmt` is left as it is; one in another format is
-        dequantized and quantized again. Raises ValueError when d is not a multiple of 32 (the
-        block must stay float), and for a block split across devices (distribute() runs after
-        quantizing). Predictors are untouched. Returns self."""
+        w_gate and w_up become uint8 row blocks [n_ff, d / 32 * block bytes] (GGUF's blocks of
+        32 weights along d, one neuron's row contiguous), and so does w_down_t in `down_fmt`
+        (None: `fmt`; a float dtype name, "float32" | "float16" | "bfloat16", keeps the down
+        rows float in that dtype); biases float32; the kernel is selected again. A matrix
+        already in its format is left as it is; one in another format is dequantized and
+        quantized again. Raises ValueError when d is not a multiple of 32 (the block must stay
+        float), and for a block split across devices (distribute() runs after quantizing).
+        Predictors are untouched. Returns self."""
         f = quant.format_of(fmt)
+        down_fmt = down_fmt or f.name
+        down_float = _FLOAT_DTYPES.get(down_fmt)
+        if down_float is None:
+            down_fmt = quant.format_of(down_fmt).name
         if self.hybrid is not None:
             raise ValueError("picompile: quantize a block before distribute(): this one already "
                              "runs split across the GPU and the CPU")
-        if self.qformat == fmt:
+        if self.qformat == f.name and self.down_format == down_fmt:
             return self
         d = self.d_model
         if d % quant.BLOCK:
             raise ValueError(f"picompile: cannot quantize this FFN block to {fmt}: its rows hold "
                              f"d={d} weights, not a multiple of {quant.BLOCK} (the {fmt} block "
                              "size); the block must stay float")
-        for name in ("w_gate", "w_up", "w_down_t"):
+        for name, have, want in (("w_gate", self.qformat, f.name), ("w_up", self.qformat, f.name),
+                                 ("w_down_t", self.down_qformat, down_fmt)):
             w = getattr(self, name)
-            if w is None:
+            if w is None or (have is not None and have == want):
                 continue
-            if self.qformat is not None:
-                w = quant.dequantize(w, self.qformat, d)
-            q = quant.quantize(w, f.name).to(w.device)
+            if have is not None:
+                w = quant.dequantize(w, have, d).to(w.device)
+            if want in _FLOAT_DTYPES:
+                q = w.detach().to(_FLOAT_DTYPES[want]).contiguous()
+            else:
+                q = quant.quantize(w, want).to(w.device)
             setattr(self, name, nn.Parameter(q, requires_grad=False))
         for name in ("b_gate", "b_up", "b_down"):
             b = getattr(self, name)
@@ -233,8 +284,15 @@ class SparseFFN(KernelModule):
                 setattr(self, name, nn.Parameter(b.detach().to(torch.float32).contiguous(),
                                                  requires_grad=False))
         self.qformat = f.name
+        self.down_qformat = None if down_float is not None else down_fmt
         self.select_kernel()
         return self
+
+    def _down_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """w_down_t [n_ff, d] as float `dtype` (quantized rows dequantized)."""
+        if self.down_qformat is not None:
+            return quant.dequantize(self.w_down_t, self.down_qformat, self.d_model).to(dtype)
+        return self.w_down_t.to(dtype)
 
     def select_kernel(self) -> str:
         """Pick the execution path once. Returns its name (for explain)."""
@@ -254,6 +312,11 @@ class SparseFFN(KernelModule):
                 "dtype or device cannot change afterwards. Compile the model again with the "
                 "dtype / device you want")
 
+    def __setstate__(self, state):
+        # pickled before down rows had a format of their own: one format for the three
+        state.setdefault("down_qformat", state.get("qformat"))
+        super().__setstate__(state)
+
     def __getstate__(self):
         if self.hybrid is not None and self.hybrid.cuda:
             raise TypeError("picompile: a model distributed across GPU and CPU cannot be pickled; "
@@ -262,7 +325,8 @@ class SparseFFN(KernelModule):
 
     def weights(self) -> dict:
         """The tensors in the keyword form ffn_reference and the kernels take (quantized
-        blocks: the uint8 row blocks, with their `qformat`; float blocks: qformat None)."""
+        blocks: the uint8 row blocks, with their `qformat` and `down_qformat`; float blocks and
+        float down rows: None)."""
         return dict(
             w_up=self.w_up,
             w_down_t=self.w_down_t,
@@ -271,6 +335,7 @@ class SparseFFN(KernelModule):
             b_up=self.b_up,
             b_down=self.b_down,
             qformat=self.qformat,
+            down_qformat=self.down_qformat,
         )
 
     def forward_native(
@@ -308,10 +373,7 @@ class SparseFFN(KernelModule):
             active = h.abs() > self.threshold
             if predicted is not None:
                 active &= predicted
-            w_down_t = self.w_down_t
-            if self.qformat is not None:
-                w_down_t = quant.dequantize(w_down_t, self.qformat, self.d_model)
-            out = torch.where(active, h, torch.zeros((), dtype=h.dtype)) @ w_down_t
+            out = torch.where(active, h, torch.zeros((), dtype=h.dtype)) @ self._down_weight(h.dtype)
             if self.b_down is not None:
                 out = out + self.b_down
             n_active = int(active.sum())
@@ -322,10 +384,15 @@ class SparseFFN(KernelModule):
         b = self.block
         mode = "exact" if self.threshold == 0 else f"threshold={self.threshold:.4g}"
         q = f", {self.qformat}" if self.qformat is not None else ""
+        if self.qformat is not None and self.down_format != self.qformat:
+            q += f" (down {self.down_format})"
         return f"{b.kind}, act={b.act}, d={self.d_model}, n_ff={self.n_ff}{q}, {mode}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+_FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
