@@ -44,7 +44,7 @@ from torch import nn
 from picompile.capture import check_no_kwargs
 from picompile.passes.predictors import Predictor
 from picompile.runtime.dense_linear import DenseLinear
-from picompile.runtime.sparse_ffn import SparseFFN, dtype_name
+from picompile.runtime.sparse_ffn import SparseFFN, down_format, dtype_name
 
 try:  # the `onnx` extra; `import picompile` works without it, export_onnx says what to install
     import onnx
@@ -430,8 +430,12 @@ class _GraphExport:
                            "none (dense)" if ffn.threshold == 0 else "below threshold",
                      hot_neurons=b.hot_neurons, cold_neurons=ffn.n_ff - b.hot_neurons,
                      neuron_order="hot first (permuted)" if ffn.order is not None else "original",
-                     weight_dtype=dtype_name(ffn.w_up.dtype),
-                     weight_layout="w_gate, w_up, w_down_t: [n_ff, d_model], one row per neuron",
+                     weight_dtype=ffn.qformat or dtype_name(ffn.w_up.dtype),
+                     down_weight_dtype=(down_format(ffn.qformat, ffn.down_qformat, ffn.w_down_t)
+                                        or dtype_name(ffn.w_down_t.dtype)),
+                     weight_layout="w_gate, w_up, w_down_t: [n_ff, d_model], one row per neuron"
+                                   + ("; quantized: uint8 GGUF blocks of 32 weights along d_model"
+                                      if ffn.qformat else ""),
                      linears=", ".join(f"{k}={v}" for k, v in b.linears.items()),
                      path=self.b.cm.paths.get(b.name, ""))
         if b.measured_sparsity is not None:

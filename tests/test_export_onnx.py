@@ -113,6 +113,17 @@ def test_bfloat16_weights_and_inputs_keep_their_dtype(tmp_path):
     np.testing.assert_array_equal(w_up, cm.ffns()["model.layers.0.mlp.sparse_ffn"].w_up.float().numpy())
 
 
+def test_quantized_blocks_say_their_formats_and_keep_their_blocks(tmp_path):
+    cm = picompile.compile(zoo.make("llama_relu", hidden=64, n_ff=96), quantize="q4_1", quiet=True)
+    exported = _export(cm, tmp_path)
+    node = _custom(exported)[0]
+    attrs = _attrs(node)
+    assert (attrs["weight_dtype"], attrs["down_weight_dtype"]) == (b"q4_1", b"q4_1")
+    assert b"GGUF blocks" in attrs["weight_layout"]
+    ffn = cm.ffns()["model.layers.0.mlp.sparse_ffn"]
+    np.testing.assert_array_equal(_initializer(exported, node.input[2]), ffn.w_up.numpy())
+
+
 def test_the_file_computes_what_the_rewritten_graphs_compute_with_a_threshold(tmp_path):
     ids = torch.randint(0, zoo.VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
     cm = picompile.compile(zoo.make("llama_silu"), sparsity=0.5, calibration=ids, quiet=True)

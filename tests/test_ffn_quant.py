@@ -44,6 +44,7 @@ from picompile.codegen import c
 from picompile.plan import BlockPlan
 from picompile.runtime.sparse_ffn import SparseFFN, activation, down_input, ffn_reference
 from tests import zoo
+from tests.test_decoder import _step_logits  # per-module vs decoder logits per step
 
 FORMATS = list(quant.FORMATS)  # q8_0, q4_0, q4_1
 # (gate / up, down) formats: the down rows in another format than the gate and up rows
@@ -678,24 +679,6 @@ def test_compiled_model_with_quantized_blocks_matches_its_reference(fmt, down, a
     assert float((got - float_logits).abs().max()) <= tol * float(float_logits.abs().max())
 
 
-@torch.no_grad()
-def _step_logits(cm, decoder, ids, prompt: int):
-    """(per-module, decoder) logits of each decode step after a prompt (as tests/test_decoder.py)."""
-    from transformers import StaticCache
-
-    n = ids.shape[1]
-    cache = StaticCache(config=cm.config, max_cache_len=n)
-    cm.model(ids[:, :prompt], past_key_values=cache, use_cache=True)
-    assert decoder.reserve(n)
-    decoder.load_cache(cache, prompt)
-    decoder.set_threads()
-    want, got = [], []
-    for pos in range(prompt, n):
-        tok = ids[:, pos]
-        want.append(cm.model(tok[:, None], past_key_values=cache, use_cache=True,
-                             position_ids=torch.tensor([[pos]])).logits[0, -1].float())
-        got.append(decoder.step(tok, pos)[0].clone())
-    return torch.stack(want), torch.stack(got)
 
 
 @pytest.mark.parametrize("fmt,down", [(f, f) for f in FORMATS] + [("q4_1", "q8_0")])
