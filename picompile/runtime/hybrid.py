@@ -12,10 +12,10 @@ Per block and step (SparseFFN.forward hands over when the block has a `hybrid`):
       3. it waits for the worker (the GIL released);
       4. the cold partial output goes back through the pinned buffer and is added on the device.
 
-So the CPU starts the moment x reaches it, and the launches of the GPU part overlap it. Each side is an
-ordinary SparseFFN over its rows (a "view"), so decode (the kernels over the predicted rows)
-and prefill (dense BLAS over each side's rows, masked) are the same code as the CPU-only
-runtime. With `device="cpu"` the CPU stands in for the GPU: every split and merge runs, which is
+So the CPU starts the moment x reaches it, and the launches of the GPU part overlap it. Each
+side is an ordinary SparseFFN over its rows (a "view"), so decode (the kernels over the predicted
+rows) and prefill (dense BLAS over each side's rows, masked, on the calling thread) are the same
+code as the CPU-only runtime. With `device="cpu"` the CPU stands in for the GPU: every split and merge runs, which is
 how CI tests this file.
 """
 
