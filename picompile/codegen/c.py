@@ -1349,11 +1349,12 @@ def why_no_kernel(block) -> str:
     return f"reference ({reason})" if reason else "reference (C kernel not selected)"
 
 
-def compile_all_variants(max_workers: int | None = None) -> dict[Variant, pathlib.Path]:
-    """Build every variant into the cache (in parallel); returns their library paths."""
+def compile_all_variants(max_workers: int | None = None, formats=None) -> dict[Variant, pathlib.Path]:
+    """Build every variant (whose gate / up format is in `formats`, if given) into the cache, in
+    parallel; returns their library paths."""
     from concurrent.futures import ThreadPoolExecutor
 
-    vs = all_variants()
+    vs = [v for v in all_variants() if formats is None or v.dtype in formats]
     with ThreadPoolExecutor(max_workers or os.cpu_count() or 2) as pool:
         return dict(zip(vs, pool.map(build, vs)))
 
