@@ -26,6 +26,16 @@ def _calibration(n=256, seed=0):
     return torch.randint(3, zoo.VOCAB, (4, n // 4), generator=torch.Generator().manual_seed(seed))
 
 
+def _compile_kw(how: str) -> dict:
+    """compile() arguments for each FFN mode: "exact", "threshold" (50%) or "predicted"."""
+    kw = dict(quiet=True)
+    if how == "threshold":
+        kw.update(sparsity=0.5, calibration=_calibration())
+    elif how == "predicted":
+        kw.update(mode="predicted", sparsity=0.5, calibration=_calibration(), predictors="all")
+    return kw
+
+
 def _model(arch, **sizes):
     model = zoo.make(arch, **sizes)
     with torch.no_grad():  # random biases, so that the decoder's bias pointers are exercised
@@ -58,12 +68,7 @@ def _step_logits(cm, decoder, ids, prompt: int):
 @pytest.mark.parametrize("how", ["exact", "threshold", "predicted"])
 def test_steps_equal_the_per_module_path(arch, how):
     model = _model(arch, layers=3)
-    kw = dict(quiet=True)
-    if how == "threshold":
-        kw.update(sparsity=0.5, calibration=_calibration())
-    elif how == "predicted":
-        kw.update(mode="predicted", sparsity=0.5, calibration=_calibration(), predictors="all")
-    cm = picompile.compile(model, **kw)
+    cm = picompile.compile(model, **_compile_kw(how))
     dec = cm.decoder()
     assert dec is not None, cm.decoder_reason
     assert "picompile decoder" in picompile.explain(cm)

@@ -44,7 +44,7 @@ from picompile.codegen import c
 from picompile.plan import BlockPlan
 from picompile.runtime.sparse_ffn import SparseFFN, activation, down_input, ffn_reference
 from tests import zoo
-from tests.test_decoder import _step_logits  # per-module vs decoder logits per step
+from tests.test_decoder import _compile_kw, _step_logits  # shared with the float decoder tests
 
 FORMATS = list(quant.FORMATS)  # q8_0, q4_0, q4_1
 # (gate / up, down) formats: the down rows in another format than the gate and up rows
@@ -646,10 +646,6 @@ def test_mixed_block_splits_pickles_and_keeps_its_formats():
 # ---------------------------------------------------------------------------------------------
 
 
-def _calibration(n=256, seed=0):
-    return torch.randint(3, zoo.VOCAB, (4, n // 4), generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.mark.parametrize("fmt,down", [(f, f) for f in FORMATS] + [("q4_0", "q8_0")])
 @pytest.mark.parametrize("arch", ["llama_silu", "tiny_plain_relu", "tiny_drelu"])
 def test_compiled_model_with_quantized_blocks_matches_its_reference(fmt, down, arch):
@@ -692,12 +688,7 @@ def test_decoder_runs_quantized_blocks(fmt, down, arch, how):
     # verification probe refuses it)
     sizes = dict(layers=3) if how == "predicted" else dict(hidden=64, n_ff=80, layers=2)
     model = zoo.make(arch, **sizes)
-    kw = dict(quiet=True)
-    if how == "threshold":
-        kw.update(sparsity=0.5, calibration=_calibration())
-    elif how == "predicted":
-        kw.update(mode="predicted", sparsity=0.5, calibration=_calibration(), predictors="all")
-    cm = picompile.compile(model, **kw)
+    cm = picompile.compile(model, **_compile_kw(how))
     before = cm.decoder()
     for ffn in cm.ffns().values():
         ffn.quantize_(fmt, down)

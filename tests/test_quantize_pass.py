@@ -54,6 +54,17 @@ def _fake_quant_model(dense: nn.Module, fmt: str, gguf: bool = False) -> nn.Modu
     return ref
 
 
+@torch.no_grad()
+def _assert_same_outputs(cm, ref) -> None:
+    """Prefill logits within float32 rounding of the reference, and the same greedy decode
+    (the kernels, through the whole-step decoder where it runs)."""
+    ids = torch.randint(0, zoo.VOCAB, (1, 7), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(zoo.logits(cm, ids), zoo.logits(ref, ids), atol=2e-4, rtol=2e-4)
+    want = ref.generate(ids, max_new_tokens=6, do_sample=False)
+    got = cm.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("arch", ["llama_relu", "llama_silu"])
 def test_quantized_model_equals_the_fake_quantized_float_model(fmt, arch):
@@ -69,13 +80,7 @@ def test_quantized_model_equals_the_fake_quantized_float_model(fmt, arch):
     assert isinstance(head, QuantLinear) and head.qformat == head_fmt
     assert len(linears) == 2 * 4 + 1  # q k v o x2, head
     assert all(m.qformat == fmt for m in linears if m is not head)
-    ids = torch.randint(0, zoo.VOCAB, (1, 7), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(zoo.logits(cm, ids), zoo.logits(ref, ids), atol=2e-4, rtol=2e-4)
-        # decode steps (the kernels, through the whole-step decoder where it runs)
-        want = ref.generate(ids, max_new_tokens=6, do_sample=False)
-        got = cm.generate(ids, max_new_tokens=6, do_sample=False)
-    assert torch.equal(got, want)
+    _assert_same_outputs(cm, ref)
     text = picompile.explain(cm)
     assert f"FFN {fmt} " in text and f"linear {fmt}" in text and "(down" not in text
     assert ("lm_head: the LM head, q8_0 (not " in text) == (fmt in FOUR_BIT)
@@ -121,12 +126,7 @@ def test_gguf_mode_requantizes_4_bit_down_rows_to_q8_0(fmt):
         assert ffn.kernel is not None and ffn.kernel.variant.down_dtype == down
     requantized = [n for n in notes if "re-quantized to q8_0 along d" in n]
     assert len(requantized) == (1 if fmt in FOUR_BIT else 0)
-    ids = torch.randint(0, zoo.VOCAB, (1, 7), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(zoo.logits(cm, ids), zoo.logits(ref, ids), atol=2e-4, rtol=2e-4)
-        want = ref.generate(ids, max_new_tokens=6, do_sample=False)
-        got = cm.generate(ids, max_new_tokens=6, do_sample=False)
-    assert torch.equal(got, want)
+    _assert_same_outputs(cm, ref)
     cm.quant_notes = notes
     text = picompile.explain(cm)
     assert (f"FFN {fmt} (down q8_0) " in text) == (fmt in FOUR_BIT)
