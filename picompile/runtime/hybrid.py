@@ -179,17 +179,20 @@ class HybridFFN:
             raise RuntimeError(f"picompile: the cold worker did not start (pi_cold_start {rc})")
         return stage
 
-    def _finish_cold(self, stage: _Staging, T: int) -> tuple[torch.Tensor, float, float]:
-        """Wait for the cold worker. -> (its output [T, d] float32 on the host, its wait for
-        the input in s, its kernel time in s)."""
-        worker = cold_worker.load()
-        n_active = worker.pi_cold_wait()  # ctypes releases the GIL while it blocks
+    def _finish_cold(self, stage: _Staging, T: int) -> torch.Tensor:
+        """Wait for the cold worker. -> its output [T, d] float32 on the host."""
+        n_active = cold_worker.load().pi_cold_wait()  # ctypes releases the GIL while it blocks
         if n_active < 0:
             raise RuntimeError(f"picompile: cold FFN part failed: {cold_worker.ERRORS.get(n_active, n_active)}")
         self.cold.active_pairs += n_active
+        return stage.out[:T]
+
+    @staticmethod
+    def _cold_seconds() -> tuple[float, float]:
+        """The last cold job's wait for its input and its kernel time, in s (for the timeline)."""
         ready_s, run_s = ctypes.c_double(), ctypes.c_double()
-        worker.pi_cold_last_seconds(ctypes.byref(ready_s), ctypes.byref(run_s))
-        return stage.out[:T], ready_s.value, run_s.value
+        cold_worker.load().pi_cold_last_seconds(ctypes.byref(ready_s), ctypes.byref(run_s))
+        return ready_s.value, run_s.value
 
     def __call__(self, x: torch.Tensor, predicted: torch.Tensor | None) -> torch.Tensor:
         """x [T, d] on the device, predicted [T, n_ff] bool or None -> out [T, d] float32."""
@@ -219,7 +222,9 @@ class HybridFFN:
                     hot_bytes = self._bytes_read(candidates, self.hot.active_pairs - active_before)
         finally:
             if stage is not None:  # 3. the cold part's result (waited for even on an error)
-                cold_out, cold_wait_s, cold_s = self._finish_cold(stage, T)
+                cold_out = self._finish_cold(stage, T)
+                if timing:
+                    cold_wait_s, cold_s = self._cold_seconds()
         if self.cold is not None:
             if stage is None:  # prefill, or no C kernel for the cold rows: on this thread
                 t_cold = time.perf_counter()
