@@ -14,6 +14,11 @@ Quantizing uses the `gguf` package's own reference (`gguf.quants`, the numpy por
 quantize_row_*_ref, maintained with llama.cpp), so picompile's blocks are bit for bit the ones
 llama.cpp makes. Dequantizing here is plain PyTorch: the reference every quantized kernel is
 tested against.
+
+The 4-bit formats' kernels take their input rounded to 8 bits per block of 32 (INT8_ACTIVATIONS,
+`round_activations`; picompile/kernels/q8_act.h), as llama.cpp's do: a 4-bit block dotted with
+float32 x is compute-bound on a CPU, with int8 x it is one integer multiply-add per weight. The
+reference applies the same rounding, so kernel and reference differ only in summation order.
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ FORMATS = {
     "q4_0": Format("q4_0", 18, "Q4_0"),
     "q4_1": Format("q4_1", 20, "Q4_1"),
 }
+
+
+# Formats whose kernels dot their rows with x rounded to int8 blocks (round_activations).
+INT8_ACTIVATIONS = frozenset({"q4_0", "q4_1"})
 
 
 def format_of(name: str) -> Format:
@@ -100,3 +109,24 @@ def dequantize(q: torch.Tensor, fmt: str, cols: int) -> torch.Tensor:
     else:  # q4_1
         w = d * _nibbles(blocks[..., 4:]) + _f16(blocks, 2)
     return w.reshape(rows, cols)
+
+
+def round_activations(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
+    """x [..., K] as a kernel for weights in `fmt` reads it: for INT8_ACTIVATIONS formats,
+    rounded to 8 bits per block of 32 along K and back to float32 (bit for bit what q8_act.h's
+    pq_quantize makes: d = max|x| / 127, q = round-half-even(x * (1 / d)), x' = d * q); for other
+    formats (and None) x unchanged. K must be a multiple of 32 for the rounding formats. Under
+    autograd the rounding passes gradients through unchanged (straight-through), as the float
+    weights' gradients would be."""
+    if fmt not in INT8_ACTIVATIONS:
+        return x
+    K = x.shape[-1]
+    if K % BLOCK:
+        raise ValueError(f"{fmt} kernels take inputs of a multiple of {BLOCK} features, got {K}")
+    xb = x.to(torch.float32).reshape(*x.shape[:-1], K // BLOCK, BLOCK)
+    d = xb.abs().amax(dim=-1, keepdim=True) / 127.0  # [..., K/32, 1]
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros((), dtype=torch.float32))
+    r = (torch.round(xb * inv) * d).reshape(x.shape)
+    if x.requires_grad and torch.is_grad_enabled():
+        return x + (r - x).detach()
+    return r

@@ -1,18 +1,20 @@
 """The dense kernel on block-quantized weights (picompile/kernels/dense.c, -DPI_WDTYPE=3|4|5 via
 picompile/codegen/dense.py's quant_kernel_for) against the reference, and QuantLinear.
 
-The reference is quant.dequantize (PyTorch) then the matmul in float64. Tolerance: the kernel
-rounds each weight once as it dequantizes (d * q, d * (q - 8) as the FMA d * q - 8 d, d * q + m
-as one FMA): for q8_0 and q4_0 these are exactly the reference's float32 weights, for q4_1 they
-differ from its two roundings by at most 2u (|d q| + |m|), u = 2^-24. It then accumulates K
-products in float32 in some order (vector lanes, partial sums, the bias last): at most
-(K + 2) u times the sum of the magnitudes. So
+The reference is quant.dequantize (PyTorch) then the matmul in float64, over x as the kernel
+reads it (quant.round_activations: the 4-bit formats round x to int8 blocks, bit for bit as the
+kernel does, so any difference there shows as an error far above the bound). Tolerance: q8_0
+rounds each weight once as it dequantizes (d * q, exactly the reference's float32 weight); the
+4-bit formats dot the integers exactly and round per block the scale product d * dx, the block
+term and the block-sum term (-8 d * sx, m * sx), and the reference rounds each x' = dx * q once.
+The sums of K products or block terms in float32 in some order (vector lanes, partial sums, the
+bias last) add at most (K + 2) u times the sum of the magnitudes, u = 2^-24. So
 
-    |kernel - exact| <= (K + 4) u * (|x| @ M.T + |b|)
+    |kernel - exact| <= (K + 4) u * (|x'| @ M.T + |b|)
 
-where M [O, K] >= |w| is |d| |q| (q8_0), |d| |nibble - 8| (q4_0) or |d| nibble + |m| (q4_1)
-per weight (`magnitude`); the float64 matmul over the reference's weights is exact to far below
-the bound.
+where M [O, K] bounds each term per weight (`magnitude`): |d| |q| (q8_0), |d| (nibble + 8)
+(q4_0: its nibble and -8 terms are summed apart) or |d| nibble + |m| (q4_1); the float64
+matmul over the reference's weights is exact to far below the bound.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def raw_blocks(gen: torch.Generator, O: int, K: int, fmt: str) -> torch.Tensor:
 
 
 def magnitude(q: torch.Tensor, fmt: str, K: int) -> torch.Tensor:
-    """M [O, K] >= |w|: |d| |q| (q8_0), |d| |nibble - 8| (q4_0), |d| nibble + |m| (q4_1), the
+    """M [O, K] >= |w|: |d| |q| (q8_0), |d| (nibble + 8) (q4_0), |d| nibble + |m| (q4_1), the
     size of each term the kernel adds (computed in float32: its rounding is covered by the
     bound's slack)."""
     O = q.shape[0]
@@ -77,7 +79,7 @@ def magnitude(q: torch.Tensor, fmt: str, K: int) -> torch.Tensor:
     else:
         qs = blocks[..., -16:]
         nib = torch.cat([qs & 15, qs >> 4], dim=-1).float()
-        m = f16(0) * (nib - 8).abs() if fmt == "q4_0" else f16(0) * nib + f16(2)
+        m = f16(0) * (nib + 8) if fmt == "q4_0" else f16(0) * nib + f16(2)
     return m.reshape(O, K)
 
 
@@ -88,7 +90,7 @@ def check(q: torch.Tensor, fmt: str, K: int, b: torch.Tensor | None, x: torch.Te
     out = kernel(x)
     assert out.dtype == torch.float32 and out.shape == (*x.shape[:-1], q.shape[0])
     W = quant.dequantize(q, fmt, K).double()
-    xd = x.double()
+    xd = quant.round_activations(x, fmt).double()
     bd = None if b is None else b.double()
     ref = F.linear(xd, W)
     bound = F.linear(xd.abs(), magnitude(q, fmt, K).double())
@@ -255,7 +257,8 @@ def test_quant_linear_module(fmt):
             _close(mod(x), mod.forward_native(x), x, mod)
         x = torch.randn(12, 96)  # prefill: the reference itself
         assert torch.equal(mod(x), mod.forward_native(x))
-        want = F.linear(x, quant.dequantize(mod.qweight, fmt, 96), lin.bias)
+        want = F.linear(quant.round_activations(x, fmt), quant.dequantize(mod.qweight, fmt, 96),
+                        lin.bias)
         torch.testing.assert_close(mod.forward_native(x), want)
         for dt in (torch.float16, torch.bfloat16):  # x's dtype in, x's dtype out
             x = torch.randn(2, 96).to(dt)

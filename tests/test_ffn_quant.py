@@ -5,11 +5,15 @@ a compiled model (per module and through the whole-step decoder).
 Two kinds of test data:
 
 - "exact" blocks, built directly as GGUF blocks: scales powers of two (2^-8 .. 2^-5), q4_1 minima
-  multiples of 2^-7, integers of the format's full range, x multiples of 1/8 in [-1, 1], biases
-  multiples of 1/16. Every dequantized weight is then a dyadic number of few bits, and every
-  product and partial sum of a gate / up dot product (d <= 320 terms below 4, in steps of 2^-11:
-  sums below 2^11, 22 bits) is exact in float32 whatever the order: the kernel's pre-activations (which sum per block
-  and scale once, and for q4_* subtract the block sums of x) equal the reference's bit for bit.
+  multiples of 2^-7, integers of the format's full range, biases multiples of 1/16; x multiples
+  of 1/8 in [-1, 1] (q8_0), or for the 4-bit formats, whose kernels round x to int8 blocks,
+  multiples of 2^-7 with each block's largest |x| = 127/128 (`exact_x`: the rounding's scale is
+  then 2^-7 and it changes nothing). Every dequantized weight is then a dyadic number of few
+  bits, and every product and partial sum of a gate / up dot product (d <= 320 terms, q8_0 below
+  4 in steps of 2^-11: sums below 2^11, 22 bits; 4-bit below 1 in steps of 2^-15: 24 bits) is
+  exact in float32 whatever the order: the kernel's pre-activations (which sum per block and
+  scale once, and for q4_* dot integers and subtract the block-sum terms) equal the reference's
+  bit for bit.
   So ReLU decisions and active counts compare exactly; for SiLU the threshold is put in a wide
   gap between the reference's |h| values, so that last-ulp differences between libm's expf and
   torch's cannot flip a neuron.
@@ -106,11 +110,22 @@ def dequantized_down(w_down_t: torch.Tensor, fmt: str, d: int) -> torch.Tensor:
     return (w_down_t if fmt in TORCH_DT else quant.dequantize(w_down_t, fmt, d)).double()
 
 
+def exact_x(gen, fmt: str, T: int, d: int) -> torch.Tensor:
+    """x [T, d] for exact_case: multiples of 1/8 in [-1, 1]; for the formats whose kernels round x
+    to int8 blocks, multiples of 2^-7 with each block's largest |x| exactly 127/128 (so the
+    rounding's scale is 2^-7 and it leaves x as it is)."""
+    if fmt not in quant.INT8_ACTIVATIONS:
+        return dyadic(gen, T, d, scale=8)
+    x = torch.randint(-127, 128, (T, d // 32, 32), generator=gen).float()
+    x[..., int(torch.randint(0, 32, (), generator=gen))] = 127.0
+    return x.reshape(T, d) / 128
+
+
 def exact_case(fmt: str, v: c.Variant, T: int, d: int, n_ff: int, seed: int):
     """(weights dict in the keyword form of SparseFFN / ffn_reference, x float32 [T, d]); the
     down rows in v.down_dtype."""
     gen = torch.Generator().manual_seed(seed)
-    x = dyadic(gen, T, d, scale=8)
+    x = exact_x(gen, fmt, T, d)
     w = dict(w_up=exact_blocks(gen, fmt, n_ff, d), w_down_t=exact_down(gen, v.down_dtype, n_ff, d),
              w_gate=exact_blocks(gen, fmt, n_ff, d) if v.gated else None,
              b_gate=dyadic(gen, n_ff, scale=16) if v.bias and v.gated else None,

@@ -4,7 +4,8 @@ float32 rounding); plans record the format; a GGUF file's own tensors are kept a
 
 The quantization's rules, which the fake-quantized reference models mirror: a 4-bit format
 quantizes the LM head to q8_0; in "gguf" mode the down rows of a 4-bit block are re-quantized
-along d to q8_0 (the file blocks them along n_ff).
+along d to q8_0 (the file blocks them along n_ff); a layer with 4-bit rows dotted with its input
+(q/k/v/o, gate, up) reads that input rounded to int8 blocks (quant.round_activations).
 """
 
 from __future__ import annotations
@@ -30,14 +31,27 @@ def _fake_quant(w: torch.Tensor, fmt: str) -> torch.Tensor:
     return quant.dequantize(quant.quantize(w, fmt), fmt, w.shape[1]).to(w.dtype)
 
 
+class _RoundedInput(nn.Module):
+    """A linear layer whose input is rounded as the 4-bit kernels round it."""
+
+    def __init__(self, linear: nn.Linear, fmt: str):
+        super().__init__()
+        self.linear, self.fmt = linear, fmt
+
+    def forward(self, x):
+        return self.linear(quant.round_activations(x, self.fmt).to(x.dtype))
+
+
 @torch.no_grad()
-def _fake_quant_model(dense: nn.Module, fmt: str, gguf: bool = False) -> nn.Module:
+def _fake_quant_model(dense: nn.Module, fmt: str, gguf: bool = False,
+                      ffn_only: bool = False) -> nn.Module:
     """The float model with what compile(quantize=fmt) quantizes quantized and dequantized:
     every nn.Linear, the down projection along its output dimension (the kernels' rows are
     neurons), the LM head untied from the embedding (which stays float), in q8_0 where fmt is
     4-bit. gguf=True: what compile(gguf=file) does to a model whose weights are the file's
     (`fmt` blocks) dequantized: every layer kept as the file has it, but the down projection
-    quantized again along its output dimension, to q8_0 where fmt is 4-bit."""
+    quantized again along its output dimension, to q8_0 where fmt is 4-bit. ffn_only: only the
+    FFN blocks run quantized kernels (the input rounding applies to gate and up alone)."""
     ref = copy.deepcopy(dense)
     head = ref.get_output_embeddings()
     for name, m in ref.named_modules():
@@ -51,6 +65,12 @@ def _fake_quant_model(dense: nn.Module, fmt: str, gguf: bool = False) -> nn.Modu
             else:
                 q = _fake_quant(w, "q8_0" if m is head and fmt in FOUR_BIT else fmt)
             m.weight = nn.Parameter(q.contiguous(), requires_grad=False)
+    if fmt in quant.INT8_ACTIVATIONS:  # rows dotted with the input: all but down and the head
+        for name, m in list(ref.named_modules()):
+            for child, lin in list(m.named_children()):
+                if isinstance(lin, nn.Linear) and lin is not head and child != "down_proj" \
+                        and (not ffn_only or child in ("gate_proj", "up_proj")):
+                    setattr(m, child, _RoundedInput(lin, fmt))
     return ref
 
 
@@ -114,7 +134,7 @@ def test_gguf_mode_requantizes_4_bit_down_rows_to_q8_0(fmt):
             if isinstance(m, nn.Linear):
                 m.weight.copy_(_fake_quant(m.weight, fmt))
     blocks = _file_blocks(dense, fmt)
-    ref = _fake_quant_model(dense, fmt, gguf=True)
+    ref = _fake_quant_model(dense, fmt, gguf=True, ffn_only=True)
     cm = picompile.compile(copy.deepcopy(dense), quiet=True)
     ffns = cm.ffns()
     notes = quantize_pass.quantize_ffns(ffns, "gguf", blocks)

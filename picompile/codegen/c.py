@@ -14,8 +14,9 @@ blocks the up and down rows of a neuron are only read when its gate fired for so
 
 Weight formats: float32 / float16 / bfloat16 elements (DTYPES), or GGUF's q8_0 / q4_0 / q4_1
 blocks (QFORMATS, picompile/quant.py): uint8 [n_ff, d / 32 * block bytes], each neuron's row its
-blocks of 32 weights along d, dequantized in registers (F16C for the scales, FMA into float32
-accumulators). The gate and up rows share one format (`Variant.dtype`, PIC_WDTYPE), the down rows
+blocks of 32 weights along d: q8_0 rows dequantized in registers (F16C for the scales, FMA into
+float32 accumulators), 4-bit gate / up rows dotted in integers with x rounded to int8 blocks
+(picompile/kernels/q8_act.h, spliced into the source). The gate and up rows share one format (`Variant.dtype`, PIC_WDTYPE), the down rows
 may have their own (`Variant.down_dtype`, PIC_DDTYPE: e.g. q4_1 gate / up with q8_0 down, as a
 GGUF file's 4-bit down projection re-quantized along d needs). The C code reaches every row
 through `row_bytes(F, d)` / `row_at`, and does its three per-row operations (dot with up to 8
@@ -34,6 +35,7 @@ import logging
 import os
 import pathlib
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -214,6 +216,7 @@ _BODY = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "q8_act.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -449,16 +452,17 @@ PIC_INLINE void faxpy_n(const int F, const void* w, const float* hs, float* cons
     }
 }
 
-/* ---- quantized rows: the row operations on GGUF blocks, dequantized in registers ----
+/* ---- quantized rows: the row operations on GGUF blocks ----
  * A block is 32 weights along d: a float16 scale s (q4_1: and a float16 minimum m) and 32
  * integers q (q8_0: int8; q4_*: nibbles n, weight k in the low nibble of byte k for k < 16, in
- * the high nibble of byte k - 16 above). The dot product of a row with x sums, per block,
- *     q8_0: s * (q . x)      q4_0: s * (n . x) - 8 s * S      q4_1: s * (n . x) + m * S
- * with S the sum of x over the block (PIC_QSUMS: computed once per call, "block sums"), so the
- * integers go to float32 unshifted and the scale multiplies once per block. axpy dequantizes
- * (s * (n - 8), s * n + m) and FMAs each weight into the partial outputs. Only gate and up rows
- * are dotted with x, so the block sums follow their format. */
-#define PIC_QSUMS (PIC_SIMD && (PIC_WDTYPE == PIC_Q4_0 || PIC_WDTYPE == PIC_Q4_1))
+ * the high nibble of byte k - 16 above). The dot product of a q8_0 row with x sums s * (q . x)
+ * per block, the integers converted to float32. A 4-bit row is dotted with x rounded to int8
+ * blocks (q8_act.h: x' = dx * qx, once per call) in integers:
+ *     q4_0: s * dx * (n . qx) - 8 s * sx      q4_1: s * dx * (n . qx) + m * sx
+ * with sx = dx * sum(qx). axpy dequantizes (s * q, s * (n - 8), s * n + m) and FMAs each weight
+ * into the partial outputs. Only gate and up rows are dotted with x, so the rounding of x
+ * follows their format. */
+#define PIC_QACT (PIC_WDTYPE == PIC_Q4_0 || PIC_WDTYPE == PIC_Q4_1) /* x rounded to int8 */
 #define PIC_QGROUP 4 /* blocks per step of the row loops */
 
 /* Prefetches per step of the row loops: cover its bytes */
@@ -504,17 +508,24 @@ PIC_INLINE void qvals(const int F, const uint8_t* blk, __m256 v[4], const int ce
 /* One block of qdot_n: block b of the row for N tokens, into accumulator u of each token (and,
  * q4_*, the block-sum terms into corr). */
 PIC_INLINE void qdot_block(const int F, const uint8_t* w, int64_t b, const float* const* xs,
-                           const float* const* xss, __m256* acc, float* corr, const int N,
+                           const pq_act* const* xa, __m256* acc, float* corr, const int N,
                            const int U, const int u) {
     const uint8_t* blk = w + b * pic_qbytes(F);
+    const __m128 head = qhead(blk);
+    if (F != PIC_Q8_0) {  /* integer dots with x rounded to int8 */
+        const __m256i nib = pq_nibbles(blk + (F == PIC_Q4_1 ? 4 : 2));
+        const float s = _mm_cvtss_f32(head);
+        const float cs = F == PIC_Q4_0 ? s : _mm_cvtss_f32(_mm_movehdup_ps(head)); /* q4_1: m */
+        for (int n = 0; n < N; ++n) {
+            acc[n * U + u] = _mm256_fmadd_ps(pq_dot8(nib, xa[n]->q + b * PIC_QK),
+                                             _mm256_set1_ps(s * xa[n]->d[b]), acc[n * U + u]);
+            corr[n] = fmaf(cs, xa[n]->s[b], corr[n]);
+        }
+        return;
+    }
     __m256 v[4];
     qvals(F, blk, v, 0);
-    const __m128 head = qhead(blk);
     const __m256 s = _mm256_broadcastss_ps(head);
-    if (F != PIC_Q8_0) {  /* q4_0: s, times -8 at the end; q4_1: m */
-        const float cs = _mm_cvtss_f32(F == PIC_Q4_0 ? head : _mm_movehdup_ps(head));
-        for (int n = 0; n < N; ++n) corr[n] = fmaf(cs, xss[n][b], corr[n]);
-    }
     for (int n = 0; n < N; ++n) {
         const float* x = xs[n] + b * PIC_QK;
         __m256 q = _mm256_mul_ps(v[0], _mm256_loadu_ps(x));
@@ -547,9 +558,9 @@ PIC_INLINE void qdeq32(const int F, const uint8_t* blk, float w[32]) {
 
 /* res[n] = w . xs[n] for n < N over a quantized row of d weights: one pass over its blocks for
  * all N tokens, N tokens x U vector accumulators (N * U <= 8; consecutive blocks take turns).
- * xss[n]: token n's block sums (q4_* with PIC_SIMD). */
+ * xa[n]: token n rounded to int8 blocks (read by 4-bit rows; q8_0 rows read xs). */
 PIC_INLINE void qdot_n(const int F, const void* row, const float* const* xs,
-                       const float* const* xss, int64_t d, float* res, const int N, const int U) {
+                       const pq_act* const* xa, int64_t d, float* res, const int N, const int U) {
     const uint8_t* w = (const uint8_t*)row;
     const int64_t nb = d / PIC_QK, qb = pic_qbytes(F);
 #if PIC_SIMD
@@ -560,9 +571,9 @@ PIC_INLINE void qdot_n(const int F, const void* row, const float* const* xs,
     int64_t b = 0;
     for (; b + PIC_QGROUP <= nb; b += PIC_QGROUP) {
         for (int l = 0; l < pic_qlines(F); ++l) PIC_PREFETCH(w + b * qb + PIC_PF_BYTES + 64 * l);
-        for (int k = 0; k < PIC_QGROUP; ++k) qdot_block(F, w, b + k, xs, xss, acc, corr, N, U, k % U);
+        for (int k = 0; k < PIC_QGROUP; ++k) qdot_block(F, w, b + k, xs, xa, acc, corr, N, U, k % U);
     }
-    for (; b < nb; ++b) qdot_block(F, w, b, xs, xss, acc, corr, N, U, 0);
+    for (; b < nb; ++b) qdot_block(F, w, b, xs, xa, acc, corr, N, U, 0);
     for (int n = 0; n < N; ++n) {
         __m256 t = acc[n * U];
         for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, acc[n * U + u]);
@@ -572,7 +583,22 @@ PIC_INLINE void qdot_n(const int F, const void* row, const float* const* xs,
 #else
     float r[PIC_MAXTOK] = {0};
     float wb[32];
-    (void)U; (void)xss;
+    (void)U;
+    if (F != PIC_Q8_0) {  /* integer dots with x rounded to int8, as the SIMD path */
+        float corr[PIC_MAXTOK] = {0};
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* blk = w + b * qb;
+            const float s = pic_f16((uint16_t)(blk[0] | blk[1] << 8));
+            const float cs = F == PIC_Q4_0 ? s : pic_f16((uint16_t)(blk[2] | blk[3] << 8));
+            for (int n = 0; n < N; ++n) {
+                r[n] += (float)pq_dot_scalar(blk + (F == PIC_Q4_1 ? 4 : 2), xa[n]->q + b * PIC_QK)
+                        * (s * xa[n]->d[b]);
+                corr[n] += cs * xa[n]->s[b];
+            }
+        }
+        for (int n = 0; n < N; ++n) res[n] = r[n] + (F == PIC_Q4_0 ? -8.0f : 1.0f) * corr[n];
+        return;
+    }
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = w + b * qb;
         PIC_PREFETCH(blk + PIC_PF_BYTES);
@@ -639,26 +665,12 @@ PIC_INLINE void qaxpy_n(const int F, const void* row, const float* hs, float* co
 #endif
 }
 
-#if PIC_QSUMS
-/* Block sums of x [T, d] into sums [T, d / PIC_QK]: what qdot_n's block-sum terms read. */
-static void qblock_sums(const float* x, int64_t T, int64_t d, float* sums) {
-    const int64_t nb = d / PIC_QK;
-    for (int64_t t = 0; t < T; ++t)
-        for (int64_t b = 0; b < nb; ++b) {
-            const float* xb = x + t * d + b * PIC_QK;
-            float a = 0.0f;
-            for (int i = 0; i < PIC_QK; ++i) a += xb[i];
-            sums[t * nb + b] = a;
-        }
-}
-#endif
-
 /* ---- the row operations, on one row of d weights in format F, for nt <= 8 tokens ---- */
 PIC_INLINE void row_prefetch(const void* row, int64_t rb) { prefetch_bytes(row, rb); }
 
-PIC_INLINE void dot_n(const int F, const void* w, const float* const* xs, const float* const* xss,
+PIC_INLINE void dot_n(const int F, const void* w, const float* const* xs, const pq_act* const* xa,
                       int64_t d, float* res, const int N, const int U) {
-    if (PIC_IS_QUANT(F)) qdot_n(F, w, xs, xss, d, res, N, U);
+    if (PIC_IS_QUANT(F)) qdot_n(F, w, xs, xa, d, res, N, U);
     else fdot_n(F, w, xs, d, res, N, U);
 }
 
@@ -668,19 +680,19 @@ PIC_INLINE void axpy_n(const int F, const void* w, const float* hs, float* const
     else faxpy_n(F, w, hs, ps, d, N);
 }
 
-/* res[n] = row . xs[n] for n < nt (xss: the tokens' block sums, for q4_* rows). Dispatches on
+/* res[n] = row . xs[n] for n < nt (xa: the tokens rounded to int8, for q4_* rows). Dispatches on
  * the token count so that every instance has compile-time N and U. */
 PIC_INLINE void row_dot(const int F, const void* w, const float* const* xs,
-                        const float* const* xss, int nt, int64_t d, float* res) {
+                        const pq_act* const* xa, int nt, int64_t d, float* res) {
     switch (nt) {
-    case 1: dot_n(F, w, xs, xss, d, res, 1, 4); break;
-    case 2: dot_n(F, w, xs, xss, d, res, 2, 4); break;
-    case 3: dot_n(F, w, xs, xss, d, res, 3, 2); break;
-    case 4: dot_n(F, w, xs, xss, d, res, 4, 2); break;
-    case 5: dot_n(F, w, xs, xss, d, res, 5, 1); break;
-    case 6: dot_n(F, w, xs, xss, d, res, 6, 1); break;
-    case 7: dot_n(F, w, xs, xss, d, res, 7, 1); break;
-    default: dot_n(F, w, xs, xss, d, res, 8, 1); break;
+    case 1: dot_n(F, w, xs, xa, d, res, 1, 4); break;
+    case 2: dot_n(F, w, xs, xa, d, res, 2, 4); break;
+    case 3: dot_n(F, w, xs, xa, d, res, 3, 2); break;
+    case 4: dot_n(F, w, xs, xa, d, res, 4, 2); break;
+    case 5: dot_n(F, w, xs, xa, d, res, 5, 1); break;
+    case 6: dot_n(F, w, xs, xa, d, res, 6, 1); break;
+    case 7: dot_n(F, w, xs, xa, d, res, 7, 1); break;
+    default: dot_n(F, w, xs, xa, d, res, 8, 1); break;
     }
 }
 
@@ -702,9 +714,9 @@ PIC_INLINE void row_axpy(const int F, const void* w, const float* hs, float* con
 /* The instances this library uses, one per matrix and its format: gate and up rows are only
  * ever dotted with x, down rows only ever added into the outputs, and predict's matrices are
  * etype. */
-static void gu_dot(const void* w, const float* const* xs, const float* const* xss, int nt,
+static void gu_dot(const void* w, const float* const* xs, const pq_act* const* xa, int nt,
                    int64_t d, float* res) {
-    row_dot(PIC_WDTYPE, w, xs, xss, nt, d, res);
+    row_dot(PIC_WDTYPE, w, xs, xa, nt, d, res);
 }
 
 static void down_axpy(const void* w, const float* hs, float* const* ps, int nt, int64_t d) {
@@ -733,7 +745,7 @@ typedef struct {
  * in order), then the up / down rows of only the neurons that fired, prefetching ahead. Returns
  * the number of active (token, neuron) pairs. */
 static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float* const* xs,
-                         const float* const* xss, int nt, int64_t d, const void* w_gate,
+                         const pq_act* const* xa, int nt, int64_t d, const void* w_gate,
                          const void* w_up, const void* w_down_t, const float* b_gate,
                          const float* b_up, float threshold, float* const* ps) {
     int64_t total = 0;
@@ -752,7 +764,7 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
 #if PIC_GATED && PIC_H_FIRST
         float gs[PIC_BLOCK][PIC_MAXTOK]; /* gate x of the block's neurons, read first */
         for (int64_t i = b0; i < b1; ++i)
-            gu_dot(row_at(w_gate, idx ? (int64_t)idx[i] : i, rb), xs, xss, nt, d, gs[i - b0]);
+            gu_dot(row_at(w_gate, idx ? (int64_t)idx[i] : i, rb), xs, xa, nt, d, gs[i - b0]);
 #endif
         for (int64_t i = b0; i < b1; ++i) {
             const int64_t j = idx ? (int64_t)idx[i] : i;
@@ -764,7 +776,7 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
             fi->nf = 0;
 #if PIC_GATED && !PIC_H_FIRST
             const float b = PIC_BIAS && b_gate ? b_gate[j] : 0.0f;
-            gu_dot(row_at(w_gate, j, rb), xs, xss, nt, d, g);
+            gu_dot(row_at(w_gate, j, rb), xs, xa, nt, d, g);
             for (int n = 0; n < nt; ++n) {
                 const float a = act_fn(g[n] + b);
                 if (a != 0.0f) { fi->tok[fi->nf] = n; fi->a[fi->nf] = a; ++fi->nf; }
@@ -772,7 +784,7 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
 #elif PIC_GATED  /* the gate rows of the block were read above: now its up rows */
             const float b = PIC_BIAS && b_gate ? b_gate[j] : 0.0f;
             const float bu = PIC_BIAS && b_up ? b_up[j] : 0.0f;
-            gu_dot(row_at(w_up, j, rb), xs, xss, nt, d, g);
+            gu_dot(row_at(w_up, j, rb), xs, xa, nt, d, g);
             for (int n = 0; n < nt; ++n) {
                 float uv = g[n] + bu;
 #if PIC_DRELU
@@ -783,7 +795,7 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
             }
 #else
             const float b = PIC_BIAS && b_up ? b_up[j] : 0.0f;
-            gu_dot(row_at(w_up, j, rb), xs, xss, nt, d, g);
+            gu_dot(row_at(w_up, j, rb), xs, xa, nt, d, g);
             for (int n = 0; n < nt; ++n) {
                 const float h = act_fn(g[n] + b);
                 if (fabsf(h) > threshold) { fi->tok[fi->nf] = n; fi->a[fi->nf] = h; ++fi->nf; }
@@ -804,14 +816,14 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
             int na = 0;
 #if PIC_GATED && !PIC_H_FIRST
             const float* xf[PIC_MAXTOK];
-            const float* xsf[PIC_MAXTOK];
+            const pq_act* xaf[PIC_MAXTOK];
             float u[PIC_MAXTOK];
             const float bu = PIC_BIAS && b_up ? b_up[j] : 0.0f;
             for (int k = 0; k < f[q].nf; ++k) {
                 xf[k] = xs[f[q].tok[k]];
-                xsf[k] = xss ? xss[f[q].tok[k]] : NULL;
+                xaf[k] = xa ? xa[f[q].tok[k]] : NULL;
             }
-            gu_dot(row_at(w_up, j, rb), xf, xsf, f[q].nf, d, u);
+            gu_dot(row_at(w_up, j, rb), xf, xaf, f[q].nf, d, u);
             for (int k = 0; k < f[q].nf; ++k) {
                 float uv = u[k] + bu;
 #if PIC_DRELU
@@ -980,11 +992,10 @@ static void ffn_candidates(const float* x, int64_t T, int64_t d, int64_t n_ff,
     size_t bytes = (size_t)(nch > 0 ? nch : 1) * (size_t)T * (size_t)dp * sizeof(float);
     float* part = (float*)aligned_alloc(64, (bytes + 63) & ~(size_t)63);
     if (!part) { *n_active = -1; return; }
-    float* sums = NULL; /* [T, d / 32] block sums of x (PIC_QSUMS) */
-#if PIC_QSUMS
-    sums = (float*)malloc((size_t)T * (size_t)(d / PIC_QK > 0 ? d / PIC_QK : 1) * sizeof(float));
-    if (!sums) { free(part); *n_active = -1; return; }
-    qblock_sums(x, T, d, sums);
+    pq_act* acts = NULL; /* [T] x rounded to int8 blocks (PIC_QACT) */
+#if PIC_QACT
+    acts = pq_quantize_rows(x, T, d);
+    if (!acts) { free(part); *n_active = -1; return; }
 #endif
     int64_t total = 0;
 #ifdef _OPENMP
@@ -992,7 +1003,7 @@ static void ffn_candidates(const float* x, int64_t T, int64_t d, int64_t n_ff,
 #endif
     {
         const float* xs[PIC_MAXTOK];
-        const float* xss[PIC_MAXTOK] = {NULL};
+        const pq_act* xa[PIC_MAXTOK] = {NULL};
         float* ps[PIC_MAXTOK];
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
@@ -1005,10 +1016,10 @@ static void ffn_candidates(const float* x, int64_t T, int64_t d, int64_t n_ff,
                 const int nt = (int)(T - t0 < PIC_MAXTOK ? T - t0 : PIC_MAXTOK);
                 for (int n = 0; n < nt; ++n) {
                     xs[n] = x + (t0 + n) * d;
-                    if (sums) xss[n] = sums + (t0 + n) * (d / 32);
+                    if (acts) xa[n] = acts + t0 + n;
                     ps[n] = mine + (t0 + n) * dp;
                 }
-                total += run_range(lo, hi, idx, xs, sums ? xss : NULL, nt, d, w_gate, w_up,
+                total += run_range(lo, hi, idx, xs, acts ? xa : NULL, nt, d, w_gate, w_up,
                                    w_down_t, b_gate, b_up, threshold, ps);
             }
         } /* implicit barrier: all partials complete */
@@ -1032,7 +1043,7 @@ static void ffn_candidates(const float* x, int64_t T, int64_t d, int64_t n_ff,
         }
     }
     free(part);
-    free(sums);
+    free(acts);
     *n_active = total;
 }
 """
@@ -1054,7 +1065,7 @@ def source(v: Variant, tuning: dict[str, int] | None = None) -> str:
         act_macro={"relu": "PIC_RELU", "silu": "PIC_SILU", "gelu": "PIC_GELU",
                    "gelu_tanh": "PIC_GELU_TANH"}[v.act],
         act=v.act,
-    ) + extra + _BODY
+    ) + extra + splice_headers(_BODY)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1174,10 +1185,19 @@ def build_with(cc: list[str], flags: list[str]) -> Callable[[pathlib.Path, pathl
 
 
 def package_source(name: str) -> str:
-    """The text of picompile/kernels/<name> (package data)."""
+    """The text of picompile/kernels/<name> (package data), its `#include "<header>.h"` lines of
+    kernels headers replaced by their text (splice_headers)."""
     import importlib.resources
 
-    return importlib.resources.files("picompile").joinpath("kernels", name).read_text()
+    return splice_headers(importlib.resources.files("picompile").joinpath("kernels", name).read_text())
+
+
+def splice_headers(text: str) -> str:
+    """`text` with each line `#include "<name>.h"` replaced by picompile/kernels/<name>.h: a
+    generated source is one self-contained file, so the build cache's key (a hash of it) covers
+    the headers it uses."""
+    return re.sub(r'^#include "(\w+\.h)"$', lambda m: package_source(m.group(1)), text,
+                  flags=re.MULTILINE)
 
 
 def load_package_library(name: str, symbols: dict[str, tuple[list, object]]) -> ctypes.CDLL:

@@ -33,7 +33,6 @@ Where AVX-512 is available its build runs AVX512_MIN_TOKENS_Q[fmt] tokens and mo
 from __future__ import annotations
 
 import ctypes
-import importlib.resources
 import logging
 import math
 import pathlib
@@ -53,6 +52,9 @@ QFORMATS = ("q8_0", "q4_0", "q4_1")  # picompile.quant's block formats: uint8 we
 VARIANTS = (*DTYPES, *QFORMATS)  # what one library is built for
 # PI_WDTYPE in dense.c
 _WDTYPE_CODE = {"float32": 0, "float16": 1, "bfloat16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5}
+# Formats whose dot products take x rounded to int8 (q8_act.h): VNNI's vpdpbusd where the AVX-512
+# build can have it.
+INT8_DOT_FORMATS = ("q4_0", "q4_1")
 MAX_TOKENS = 8  # tokens per pass over the weights (PI_MAXTOK in dense.c)
 AVX512_MIN_TOKENS = 3  # calls with fewer tokens run the AVX2 build (see above)
 # The same for the quantized formats: dequantizing makes the loop compute-bound, and the AVX-512
@@ -63,8 +65,8 @@ DenseKernel = Callable[[torch.Tensor], torch.Tensor]
 
 
 def source() -> str:
-    """The text of picompile/kernels/dense.c (package data)."""
-    return importlib.resources.files("picompile").joinpath("kernels/dense.c").read_text()
+    """The text of picompile/kernels/dense.c (package data, headers spliced in)."""
+    return c.package_source("dense.c")
 
 
 def avx512_available() -> bool:
@@ -82,6 +84,8 @@ def flags(variant: str, avx512: bool = False, tuning: dict[str, int] | None = No
     out = [*c.build_flags(), f"-DPI_WDTYPE={_WDTYPE_CODE[variant]}"]
     if avx512:
         out.append("-mavx512f")
+        if variant in INT8_DOT_FORMATS and {"avx512vl", "avx512bw", "avx512_vnni"} <= c.cpu_flags():
+            out += ["-mavx512vl", "-mavx512bw", "-mavx512vnni"]
     out += [f"-DPI_{k}={int(v)}" for k, v in sorted((tuning or {}).items())]
     return out
 

@@ -24,8 +24,10 @@
  *                                   or NULL for none
  *                 float* out);      [T, O] float32, row-major, contiguous; written fully
  *       out[t][o] = sum_k x[t][k] * W[o][k] (+ b[o]), accumulated in float32 (f16 / bf16
- *       weights convert to float32 exactly; a quantized block is dequantized in registers to
- *       float32, d * q (q8_0), d * (q - 8) (q4_0) or d * q + m (q4_1), one rounding per weight).
+ *       weights convert to float32 exactly; a q8_0 block is dequantized in registers to float32,
+ *       d * q). The 4-bit formats (q4_0: d * (q - 8), q4_1: d * q + m) take x rounded to 8 bits
+ *       per block of 32 (q8_act.h) and dot the integers exactly: out = W . round8(x) (+ b).
+ *       Out of memory for that rounded copy of x (T * K bytes): out is all NaN.
  *   void pi_set_num_threads(int n);  OpenMP threads for pi_dense (<= 0: the OpenMP default)
  *   const char* pi_dense_variant(void);  e.g. "float16 avx512", "q4_0 avx2" (format and ISA)
  *
@@ -35,8 +37,11 @@
  * all the tokens of a group: N tokens x U vector accumulators stay in registers.
  * Each output element depends only on its row, so results do not depend on the thread count.
  */
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include "q8_act.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -51,6 +56,7 @@
 #define PI_WDTYPE PI_F32
 #endif
 #define PI_QUANT (PI_WDTYPE >= PI_Q8_0) /* block-quantized weights (float32 bias) */
+#define PI_Q4 (PI_WDTYPE == PI_Q4_0 || PI_WDTYPE == PI_Q4_1) /* int8 activations (q8_act.h) */
 /* The vector paths convert float16 (weights, block scales) with F16C. */
 #define PI_NEEDS_F16C (PI_WDTYPE == PI_F16 || PI_QUANT)
 #ifndef PI_PF_BYTES
@@ -205,95 +211,107 @@ PI_INLINE float v_hsum(vf v) {
 #endif
 
 #if PI_QUANT
-/* ---- quantized blocks: the 32 weights of one block in float32 ---- */
-
 PI_INLINE uint16_t load_u16(const uint8_t* p) { /* a block's float16 (little-endian host) */
     uint16_t h;
     memcpy(&h, p, 2);
     return h;
 }
+#endif
+
+/* A token's row as the dot products read it: float32 x, or for the 4-bit formats x rounded to
+ * int8 blocks (q8_act.h). */
+#if PI_Q4
+typedef pq_act xin;
+#else
+typedef const float* xin;
+#endif
+
+#if PI_Q4
+/* ---- 4-bit blocks (q4_0 / q4_1) with int8 activations ---- */
+#define PI_Q4_SIGN (PI_WDTYPE == PI_Q4_0 ? -8.0f : 1.0f) /* the block-sum term: -8 dw s, + m s */
 
 #if PI_VW > 1
-/* The weights of a block are d * q (q8_0) or d * q + off (4-bit: off = -8 d for q4_0, exact, so
- * the product rounds once as d * (q - 8) does; off = m for q4_1): one FMA a vector. */
-PI_INLINE float block_off(const uint8_t* blk, float d) {
-#if PI_WDTYPE == PI_Q4_0
-    (void)blk;
-    return -8.0f * d;
-#else
-    (void)d;
-    return _cvtsh_ss(load_u16(blk + 2));
-#endif
+/* Block j of the row for N tokens: acc[n * U + u] += dw * d * (n . q); corr[n] += c * s (c: dw
+ * for q4_0, m for q4_1). */
+PI_INLINE void q4_block(const uint8_t* w, int64_t j, const xin* xs, __m256* acc, float* corr,
+                        const int N, const int U, const int u) {
+    const uint8_t* blk = w + j * PI_BLOCK_BYTES;
+    const __m256i nib = pq_nibbles(blk + PI_BLOCK_BYTES - 16);
+    const float dw = _cvtsh_ss(load_u16(blk));
+    const float c = PI_WDTYPE == PI_Q4_0 ? dw : _cvtsh_ss(load_u16(blk + 2));
+    for (int n = 0; n < N; ++n) {
+        acc[n * U + u] = _mm256_fmadd_ps(pq_dot8(nib, xs[n].q + j * PI_BLOCK),
+                                         _mm256_set1_ps(dw * xs[n].d[j]), acc[n * U + u]);
+        corr[n] = fmaf(c, xs[n].s[j], corr[n]);
+    }
 }
 #endif
+
+/* res[n] = w . xs[n] for n < N over one row of 4-bit blocks (K / 32 of them): the integer dot
+ * of each block (q8_act.h), scaled per block into N x U accumulators of 8 floats. */
+PI_INLINE void dot_n(const wtype* w, const xin* xs, int64_t K, float* res, const int N,
+                     const int U) {
+    const int64_t nb = K / PI_BLOCK;
+    float corr[PI_MAXTOK];
+    for (int n = 0; n < N; ++n) corr[n] = 0.0f;
+#if PI_VW > 1
+    __m256 acc[PI_MAXTOK];
+    for (int i = 0; i < N * U; ++i) acc[i] = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + U <= nb; j += U) {
+        if (PI_PF_BYTES > 0) PI_PREFETCH(w + j * PI_BLOCK_BYTES + PI_PF_BYTES);
+        for (int u = 0; u < U; ++u) q4_block(w, j + u, xs, acc, corr, N, U, u);
+    }
+    for (; j < nb; ++j) q4_block(w, j, xs, acc, corr, N, U, 0);
+    for (int n = 0; n < N; ++n) {
+        __m256 s = acc[n * U];
+        for (int u = 1; u < U; ++u) s = _mm256_add_ps(s, acc[n * U + u]);
+        res[n] = pq_hsum(s) + PI_Q4_SIGN * corr[n];
+    }
+#else
+    float r[PI_MAXTOK] = {0};
+    (void)U;
+    for (int64_t j = 0; j < nb; ++j) {
+        const uint8_t* blk = w + j * PI_BLOCK_BYTES;
+        const float dw = h2f(load_u16(blk));
+        const float c = PI_WDTYPE == PI_Q4_0 ? dw : h2f(load_u16(blk + 2));
+        for (int n = 0; n < N; ++n) {
+            r[n] += (float)pq_dot_scalar(blk + PI_BLOCK_BYTES - 16, xs[n].q + j * PI_BLOCK)
+                    * (dw * xs[n].d[j]);
+            corr[n] += c * xs[n].s[j];
+        }
+    }
+    for (int n = 0; n < N; ++n) res[n] = r[n] + PI_Q4_SIGN * corr[n];
+#endif
+}
+
+#elif PI_QUANT
+/* ---- q8_0 blocks, dequantized in registers ---- */
 
 #if PI_VW == 16
 /* wv[0..1] = the block's 32 weights, dequantized (AVX-512) */
 PI_INLINE void v_dequant(const uint8_t* blk, vf* wv) {
     const float d = _cvtsh_ss(load_u16(blk));
-#if PI_WDTYPE == PI_Q8_0
     for (int v = 0; v < 2; ++v)
         wv[v] = v_mul(v_set1(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                      _mm_loadu_si128((const __m128i*)(blk + 2 + 16 * v)))));
-#else
-    /* the block's 16 possible weights (nibble j = 0..15), then one lookup (vpermps) per 16
-       weights: it reads the low 4 bits of each index, the low nibble of the byte as it is and
-       the high one after a shift (measured faster than converting each nibble) */
-#if PI_WDTYPE == PI_Q4_0
-    const vf table = v_mul(v_set1(d), _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1,
-                                                     0, 1, 2, 3, 4, 5, 6, 7));  /* d (j - 8) */
-#else
-    const vf table = v_fma(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                           v_set1(d), v_set1(block_off(blk, d)));           /* d j + m */
-#endif
-    const __m512i qs = _mm512_cvtepu8_epi32(
-        _mm_loadu_si128((const __m128i*)(blk + PI_BLOCK_BYTES - 16)));  /* 16 bytes -> int32 */
-    wv[0] = _mm512_permutexvar_ps(qs, table);                           /* weights 0..15 */
-    wv[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(qs, 4), table);     /* weights 16..31 */
-#endif
 }
 #elif PI_VW == 8
 /* wv[0..3] = the block's 32 weights, dequantized (AVX2) */
 PI_INLINE void v_dequant(const uint8_t* blk, vf* wv) {
-    const float d = _cvtsh_ss(load_u16(blk));
-    const vf dv = v_set1(d);
-#if PI_WDTYPE == PI_Q8_0
+    const vf dv = v_set1(_cvtsh_ss(load_u16(blk)));
     for (int v = 0; v < 4; ++v)
         wv[v] = v_mul(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                               _mm_loadl_epi64((const __m128i*)(blk + 2 + 8 * v)))));
-#else
-    const vf off = v_set1(block_off(blk, d));
-    const uint8_t* qs = blk + PI_BLOCK_BYTES - 16;
-    for (int h = 0; h < 2; ++h) { /* bytes 8h..8h+7: weights 8h.. (low nibbles), 16+8h.. (high) */
-        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(qs + 8 * h)));
-        wv[h] = v_fma(_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15))), dv, off);
-        wv[2 + h] = v_fma(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), dv, off);
-    }
-#endif
 }
 #else
 /* wk[0..31] = the block's weights (scalar fallback) */
 PI_INLINE void dequant_block(const uint8_t* blk, float* wk) {
     const float d = h2f(load_u16(blk));
-#if PI_WDTYPE == PI_Q8_0
     for (int i = 0; i < PI_BLOCK; ++i) wk[i] = d * (float)(int8_t)blk[2 + i];
-#else
-    const uint8_t* qs = blk + PI_BLOCK_BYTES - 16;
-#if PI_WDTYPE == PI_Q4_0
-    const float off = -8.0f * d;
-#else
-    const float off = h2f(load_u16(blk + 2));
-#endif
-    for (int i = 0; i < 16; ++i) {
-        wk[i] = d * (float)(qs[i] & 15) + off;
-        wk[i + 16] = d * (float)(qs[i] >> 4) + off;
-    }
-#endif
 }
 #endif
-#endif /* PI_QUANT */
 
-#if PI_QUANT
 /* res[n] = w . xs[n][0:K] for n < N: one pass over the quantized row w for all N tokens.
  *   w    [K / 32 * PI_BLOCK_BYTES] one row's blocks
  *   xs   [N] pointers to the token rows, each [K] float32 (K a multiple of 32)
@@ -301,7 +319,7 @@ PI_INLINE void dequant_block(const uint8_t* blk, float* wk) {
  * Each block is dequantized once into registers (NV vectors) and used for all N tokens; N x U
  * accumulators (N * U <= 8) as in the float formats' dot_n below, each main-loop step SB whole
  * blocks (a multiple of U vectors); one prefetch PI_PF_BYTES ahead per step where > 0. */
-PI_INLINE void dot_n(const wtype* w, const float* const* xs, int64_t K, float* res,
+PI_INLINE void dot_n(const wtype* w, const xin* xs, int64_t K, float* res,
                      const int N, const int U) {
     const int64_t nb = K / PI_BLOCK;
 #if PI_VW > 1
@@ -357,7 +375,7 @@ PI_INLINE void dot_n(const wtype* w, const float* const* xs, int64_t K, float* r
  * N tokens x U accumulators of PI_VW floats (N * U <= 8); each main-loop step covers SV vectors,
  * whole cache lines of weights, one prefetch PI_PF_BYTES ahead per line where PI_PF_BYTES > 0
  * (the rows of a chunk are contiguous, so the prefetches run on into the next rows). */
-PI_INLINE void dot_n(const wtype* w, const float* const* xs, int64_t K, float* res,
+PI_INLINE void dot_n(const wtype* w, const xin* xs, int64_t K, float* res,
                      const int N, const int U) {
 #if PI_VW > 1
     const int VPL = PI_WPL / PI_VW;          /* vectors per cache line of weights (1..4) */
@@ -405,16 +423,26 @@ PI_INLINE void dot_n(const wtype* w, const float* const* xs, int64_t K, float* r
 #endif /* PI_QUANT */
 
 /* Rows [lo, hi) of W for one group of N tokens: out[t0 + n][o] for n < N, o in [lo, hi).
- *   x    [T, K] float32 (the group's rows start at x + t0 * K)
+ *   x    [T, K] float32 (the group's rows start at x + t0 * K); the 4-bit formats read
+ *   acts [T] instead (x rounded to int8 blocks, q8_act.h)
  *   W    [O, PI_ROW(K)], b [O] or NULL, out [T, O] float32
  * N and U are compile-time constants in every instance (rows_group dispatches). (Cutting K into
  * blocks that keep the token rows in L1 was measured no faster, up to K = 4096.) */
-PI_INLINE void rows_n(const float* x, int64_t t0, int64_t K, const wtype* W, int64_t O,
-                      const btype* b, float* out, int64_t lo, int64_t hi, const int N,
+PI_INLINE void rows_n(const float* x, const pq_act* acts, int64_t t0, int64_t K, const wtype* W,
+                      int64_t O, const btype* b, float* out, int64_t lo, int64_t hi, const int N,
                       const int U) {
-    const float* xs[PI_MAXTOK];
+    xin xs[PI_MAXTOK];
     float* os[PI_MAXTOK];
-    for (int n = 0; n < N; ++n) { xs[n] = x + (t0 + n) * K; os[n] = out + (t0 + n) * O; }
+    for (int n = 0; n < N; ++n) {
+#if PI_Q4
+        (void)x;
+        xs[n] = acts[t0 + n];
+#else
+        (void)acts;
+        xs[n] = x + (t0 + n) * K;
+#endif
+        os[n] = out + (t0 + n) * O;
+    }
     for (int64_t o = lo; o < hi; ++o) {
         float r[PI_MAXTOK];
         dot_n(W + o * PI_ROW(K), xs, K, r, N, U);
@@ -423,17 +451,18 @@ PI_INLINE void rows_n(const float* x, int64_t t0, int64_t K, const wtype* W, int
     }
 }
 
-static void rows_group(const float* x, int64_t t0, int nt, int64_t K, const wtype* W, int64_t O,
-                       const btype* b, float* out, int64_t lo, int64_t hi) {
+static void rows_group(const float* x, const pq_act* acts, int64_t t0, int nt, int64_t K,
+                       const wtype* W, int64_t O, const btype* b, float* out, int64_t lo,
+                       int64_t hi) {
     switch (nt) {
-    case 1: rows_n(x, t0, K, W, O, b, out, lo, hi, 1, 4); break;
-    case 2: rows_n(x, t0, K, W, O, b, out, lo, hi, 2, 4); break;
-    case 3: rows_n(x, t0, K, W, O, b, out, lo, hi, 3, 2); break;
-    case 4: rows_n(x, t0, K, W, O, b, out, lo, hi, 4, 2); break;
-    case 5: rows_n(x, t0, K, W, O, b, out, lo, hi, 5, 1); break;
-    case 6: rows_n(x, t0, K, W, O, b, out, lo, hi, 6, 1); break;
-    case 7: rows_n(x, t0, K, W, O, b, out, lo, hi, 7, 1); break;
-    default: rows_n(x, t0, K, W, O, b, out, lo, hi, 8, 1); break;
+    case 1: rows_n(x, acts, t0, K, W, O, b, out, lo, hi, 1, 4); break;
+    case 2: rows_n(x, acts, t0, K, W, O, b, out, lo, hi, 2, 4); break;
+    case 3: rows_n(x, acts, t0, K, W, O, b, out, lo, hi, 3, 2); break;
+    case 4: rows_n(x, acts, t0, K, W, O, b, out, lo, hi, 4, 2); break;
+    case 5: rows_n(x, acts, t0, K, W, O, b, out, lo, hi, 5, 1); break;
+    case 6: rows_n(x, acts, t0, K, W, O, b, out, lo, hi, 6, 1); break;
+    case 7: rows_n(x, acts, t0, K, W, O, b, out, lo, hi, 7, 1); break;
+    default: rows_n(x, acts, t0, K, W, O, b, out, lo, hi, 8, 1); break;
     }
 }
 
@@ -457,6 +486,14 @@ void pi_dense(const float* x, int64_t T, int64_t K, const wtype* W, int64_t O, c
     int64_t rows = (int64_t)PI_CHUNK_BYTES / row_bytes;
     rows = rows < 16 ? 16 : rows & ~(int64_t)15;
     const int64_t nch = (O + rows - 1) / rows;
+    pq_act* acts = NULL;
+#if PI_Q4
+    acts = pq_quantize_rows(x, T, K);
+    if (!acts) { /* loud, not silently wrong */
+        for (int64_t i = 0; i < T * O; ++i) out[i] = NAN;
+        return;
+    }
+#endif
     int nthr = 1;
 #ifdef _OPENMP
     nthr = pi_threads > 0 ? pi_threads : omp_get_max_threads();
@@ -477,7 +514,8 @@ void pi_dense(const float* x, int64_t T, int64_t K, const wtype* W, int64_t O, c
 #endif
         for (int64_t c = 0; c < nch; ++c) {
             const int64_t lo = c * rows, hi = lo + rows < O ? lo + rows : O;
-            rows_group(x, t0, nt, K, W, O, b, out, lo, hi);
+            rows_group(x, acts, t0, nt, K, W, O, b, out, lo, hi);
         }
     }
+    free(acts);
 }

@@ -136,7 +136,10 @@ class QuantLinear(KernelModule):
     """A linear layer whose weight is block-quantized (picompile.quant: GGUF's q8_0 / q4_0 /
     q4_1), run by the dense C kernel's quantized build at decode.
 
-        y = x @ dequantize(qweight).T + bias        x [..., K] -> y [..., O], in x's dtype
+        y = x' @ dequantize(qweight).T + bias       x [..., K] -> y [..., O], in x's dtype
+
+    x' = quant.round_activations(x, format): x rounded to int8 blocks for the 4-bit formats (their
+    kernel dots integers), x itself for q8_0.
 
     `qweight` (a buffer, so state_dict holds it) is uint8 [O, K / 32 * block_bytes], GGUF's
     blocks as they are; `bias` a float32 Parameter or None. No float copy of the weight is kept:
@@ -243,8 +246,12 @@ class QuantLinear(KernelModule):
         return quant.dequantize(self.qweight, self.qformat, self.in_features)
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] -> [..., O] in x's dtype: dequantize, then F.linear (the reference)."""
+        """x [..., K] -> [..., O] in x's dtype: dequantize, then F.linear (the reference; the
+        4-bit formats' x rounded to int8 blocks first, quant.round_activations)."""
+        from picompile import quant
+
         w = self.dequantized_weight().to(x.dtype)
+        x = quant.round_activations(x, self.qformat).to(x.dtype)
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

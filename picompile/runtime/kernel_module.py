@@ -6,15 +6,32 @@ A bound kernel reads its tensors through raw pointers taken when `select_kernel(
   kernel again for the new tensors, or `_check_movable` refuses the change;
 - pickling (torch.save of a model) leaves the kernel, a ctypes closure, out and selects it again
   on unpickling.
-Subclasses set `self.kernel` and `self._selected = True` in their `select_kernel()`."""
+Subclasses set `self.kernel` and `self._selected = True` in their `select_kernel()`. Each
+setting of `kernel` gets a new `kernel_generation` (unique in the process): what holds the
+kernel's pointers elsewhere (the whole-step decoder) compares it, not id(kernel), which a new
+kernel object may reuse."""
 
 from __future__ import annotations
 
+import itertools
+
 from torch import nn
+
+_generations = itertools.count(1)
 
 
 class KernelModule(nn.Module):
-    kernel = None  # the bound kernel, or None (the reference path)
+    kernel_generation = 0  # changes whenever `kernel` is set
+
+    @property
+    def kernel(self):
+        """The bound kernel, or None (the reference path)."""
+        return self.__dict__.get("_kernel")
+
+    @kernel.setter
+    def kernel(self, value) -> None:
+        self.__dict__["_kernel"] = value
+        self.__dict__["kernel_generation"] = next(_generations)
 
     def select_kernel(self) -> str:  # pragma: no cover - every subclass defines it
         raise NotImplementedError
@@ -34,7 +51,7 @@ class KernelModule(nn.Module):
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["kernel"] = None
+        state["_kernel"] = None
         state["_had_kernel"] = self._was_selected()
         return state
 

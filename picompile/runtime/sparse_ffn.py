@@ -20,7 +20,9 @@ matrices as uint8 [n_ff, d / 32 * block bytes], each row its GGUF blocks of 32 w
 format of the gate and up rows; the down rows may have their own, `down_qformat` (e.g. q4_1 gate
 and up with q8_0 down), or stay float (down_qformat None, w_down_t a float tensor). The math is
 the same over the dequantized weights: the reference functions take `qformat` / `down_qformat`
-and dequantize the rows they use (quant.dequantize), the C kernels dequantize in registers.
+and dequantize the rows they use (quant.dequantize), the C kernels dequantize in registers. 4-bit
+gate and up rows are dotted with x rounded to int8 blocks (quant.round_activations), in the
+reference as in the kernels.
 """
 
 from __future__ import annotations
@@ -69,9 +71,10 @@ def down_input(
     compute_dtype: torch.dtype = torch.float32,
     qformat: str | None = None,  # w_gate and w_up are uint8 row blocks of this format
 ) -> torch.Tensor:
-    """h [T, m]: the down projection's input for the candidate neurons, before thresholding."""
+    """h [T, m]: the down projection's input for the candidate neurons, before thresholding
+    (4-bit gate / up rows: dotted with x rounded to int8 blocks, quant.round_activations)."""
     cd = compute_dtype
-    x = x.to(cd)
+    x = quant.round_activations(x, qformat).to(cd)
 
     def rows(t):
         if t is None:
