@@ -41,6 +41,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from picompile import quant
 from picompile.capture import check_no_kwargs
 from picompile.passes.predictors import Predictor
 from picompile.runtime.dense_linear import DenseLinear
@@ -435,7 +436,10 @@ class _GraphExport:
                                         or dtype_name(ffn.w_down_t.dtype)),
                      weight_layout="w_gate, w_up, w_down_t: [n_ff, d_model], one row per neuron"
                                    + ("; quantized: uint8 GGUF blocks of 32 weights along d_model"
-                                      if ffn.qformat else ""),
+                                      if ffn.qformat else "")
+                                   + ("; gate and up rows dotted with x rounded to int8 per block "
+                                      "of 32 (d = max|x| / 127, round half to even)"
+                                      if ffn.qformat in quant.INT8_ACTIVATIONS else ""),
                      linears=", ".join(f"{k}={v}" for k, v in b.linears.items()),
                      path=self.b.cm.paths.get(b.name, ""))
         if b.measured_sparsity is not None:

@@ -3,8 +3,8 @@ the float model whose weights went through the same quantization (the kernels ad
 float32 rounding); plans record the format; a GGUF file's own tensors are kept as they are.
 
 The quantization's rules, which the fake-quantized reference models mirror: a 4-bit format
-quantizes the LM head to q8_0; in "gguf" mode the down rows of a 4-bit block are re-quantized
-along d to q8_0 (the file blocks them along n_ff); a layer with 4-bit rows dotted with its input
+quantizes the LM head and the FFN down rows (along d) to q8_0 (in "gguf" mode the file's 4-bit
+down_proj, blocked along n_ff, is re-quantized); a layer with 4-bit rows dotted with its input
 (q/k/v/o, gate, up) reads that input rounded to int8 blocks (quant.round_activations).
 """
 
@@ -47,8 +47,8 @@ def _fake_quant_model(dense: nn.Module, fmt: str, gguf: bool = False,
                       ffn_only: bool = False) -> nn.Module:
     """The float model with what compile(quantize=fmt) quantizes quantized and dequantized:
     every nn.Linear, the down projection along its output dimension (the kernels' rows are
-    neurons), the LM head untied from the embedding (which stays float), in q8_0 where fmt is
-    4-bit. gguf=True: what compile(gguf=file) does to a model whose weights are the file's
+    neurons), the LM head untied from the embedding (which stays float), both in q8_0 where fmt
+    is 4-bit. gguf=True: what compile(gguf=file) does to a model whose weights are the file's
     (`fmt` blocks) dequantized: every layer kept as the file has it, but the down projection
     quantized again along its output dimension, to q8_0 where fmt is 4-bit. ffn_only: only the
     FFN blocks run quantized kernels (the input rounding applies to gate and up alone)."""
@@ -58,7 +58,7 @@ def _fake_quant_model(dense: nn.Module, fmt: str, gguf: bool = False,
         if isinstance(m, nn.Linear):
             w = m.weight
             if name.endswith("down_proj"):
-                down = "q8_0" if gguf and fmt in FOUR_BIT else fmt
+                down = "q8_0" if fmt in FOUR_BIT else fmt
                 q = _fake_quant(w.t().contiguous(), down).t()
             elif gguf:
                 continue  # the file's own blocks: the model holds their values already
@@ -94,15 +94,17 @@ def test_quantized_model_equals_the_fake_quantized_float_model(fmt, arch):
     ffns = [m for m in cm.model.modules() if isinstance(m, SparseFFN)]
     linears = [m for m in cm.model.modules() if isinstance(m, QuantLinear)]
     assert ffns and all(f.qformat == fmt and f.w_up.dtype == torch.uint8 for f in ffns)
-    assert all(f.down_qformat == fmt for f in ffns)  # one format for the three matrices
+    high = "q8_0" if fmt in FOUR_BIT else fmt  # the down rows and the LM head
+    assert all(f.down_qformat == high for f in ffns)
     head = cm.model.get_output_embeddings()
-    head_fmt = "q8_0" if fmt in FOUR_BIT else fmt
+    head_fmt = high
     assert isinstance(head, QuantLinear) and head.qformat == head_fmt
     assert len(linears) == 2 * 4 + 1  # q k v o x2, head
     assert all(m.qformat == fmt for m in linears if m is not head)
     _assert_same_outputs(cm, ref)
     text = picompile.explain(cm)
-    assert f"FFN {fmt} " in text and f"linear {fmt}" in text and "(down" not in text
+    assert f"FFN {fmt} " in text and f"linear {fmt}" in text
+    assert ("(down q8_0)" in text) == (fmt in FOUR_BIT)
     assert ("lm_head: the LM head, q8_0 (not " in text) == (fmt in FOUR_BIT)
 
 

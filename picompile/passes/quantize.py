@@ -14,11 +14,12 @@ token; biases are added in float32). What cannot be quantized stays float, named
 Two kinds of weights get more bits than the format asks for (the notes say so):
 - with a 4-bit format (q4_0, q4_1) the LM head (the model's output embeddings) is q8_0, as
   llama.cpp keeps its output layer at higher precision;
-- in "gguf" mode the FFN down rows of a block whose file tensors are 4-bit are q8_0: the file
-  blocks down_proj along n_ff, the kernels read a neuron's down row along d, so its blocks are
-  quantized again from the float weights, and a second 4-bit rounding along the other axis
-  costs far more than the file's own (SmolLM2's Q4_1 file, down in q4_1 along d: +7.8%
-  perplexity, where llama.cpp on the same file loses 0.5%).
+- the FFN down rows of a 4-bit block are q8_0: the kernels read a neuron's down row along d
+  (down_proj's input dimension is n_ff, which is what llama.cpp blocks), and 4-bit blocks along
+  d cost far more than along n_ff (SmolLM2's Q4_1 file with its down rows in q4_1 along d:
+  +7.8% perplexity, where llama.cpp on the same file loses 0.5%; its float weights at q4_0
+  everywhere: +29.5%, with q8_0 down rows +16.9%, llama.cpp's Q4_0 +23.8%; BENCHMARKS.md). In
+  "gguf" mode that means the file's 4-bit down_proj is quantized again from its float values.
 """
 
 from __future__ import annotations
@@ -29,15 +30,15 @@ from picompile import gguf_weights, quant
 from picompile.runtime.dense_linear import DenseLinear, QuantLinear
 
 FOUR_BIT = ("q4_0", "q4_1")
-HIGH_PRECISION = "q8_0"  # the LM head under a 4-bit format; re-quantized 4-bit down rows
+HIGH_PRECISION = "q8_0"  # the LM head and the FFN down rows under a 4-bit format
 
 
 def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None) -> list[str]:
     """Quantize the FFN blocks to `fmt` in place (before their kernels are picked). With
     `file_blocks` (gguf_weights.read: fmt "gguf"), each block takes its up projection's format
     from the file, and the gate and up rows are the file's own blocks (in the block's neuron
-    order); the down rows, which the file stores along the other axis, are quantized again, to
-    q8_0 where the file's format is 4-bit (see the module doc).
+    order); the down rows, which the file stores along the other axis, are quantized again.
+    Down rows of a 4-bit block are q8_0 (see the module doc).
     -> notes on the blocks that stay float, and why, and on the down rows' format."""
     notes = []
     requantized_down = 0  # blocks whose 4-bit down rows went to q8_0
@@ -54,7 +55,7 @@ def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None) -> list
             notes.append(f"{name}: stays {str(ffn.w_up.dtype).removeprefix('torch.')}: {why}")
             continue
         down_fmt = block_fmt
-        if file_blocks is not None and block_fmt in FOUR_BIT:
+        if block_fmt in FOUR_BIT:
             down_fmt = HIGH_PRECISION
             requantized_down += 1
         ffn.quantize_(block_fmt, down_fmt)
@@ -66,8 +67,10 @@ def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None) -> list
             rows = blocks.data if ffn.order is None else blocks.data[ffn.order]
             getattr(ffn, f"w_{role}").data.copy_(rows)
     if requantized_down:
-        notes.append(f"FFN down rows of {requantized_down} 4-bit blocks re-quantized to "
-                     f"{HIGH_PRECISION} along d (the file blocks them along n_ff)")
+        how = ("re-quantized to", " (the file blocks them along n_ff)") if file_blocks is not None \
+            else ("in", " (4-bit blocks along d lose far more than along n_ff)")
+        notes.append(f"FFN down rows of {requantized_down} 4-bit blocks {how[0]} "
+                     f"{HIGH_PRECISION} along d{how[1]}")
     return notes
 
 
