@@ -16,7 +16,7 @@ llama.cpp makes. Dequantizing here is plain PyTorch: the reference every quantiz
 tested against.
 
 The 4-bit formats' kernels take their input rounded to 8 bits per block of 32 (INT8_ACTIVATIONS,
-`round_activations`; picompile/kernels/q8_act.h), as llama.cpp's do: a 4-bit block dotted with
+`round_activations`; picompile/kernels/qblocks.h), as llama.cpp's do: a 4-bit block dotted with
 float32 x is compute-bound on a CPU, with int8 x it is one integer multiply-add per weight. The
 reference applies the same rounding, so kernel and reference differ only in summation order.
 """
@@ -113,7 +113,7 @@ def dequantize(q: torch.Tensor, fmt: str, cols: int) -> torch.Tensor:
 
 def round_activations(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
     """x [..., K] as a kernel for weights in `fmt` reads it: for INT8_ACTIVATIONS formats,
-    rounded to 8 bits per block of 32 along K and back to float32 (bit for bit what q8_act.h's
+    rounded to 8 bits per block of 32 along K and back to float32 (bit for bit what qblocks.h's
     pq_quantize makes: d = max|x| / 127, q = round-half-even(x * (1 / d)), x' = d * q); for other
     formats (and None) x unchanged. K must be a multiple of 32 for the rounding formats. Under
     autograd the rounding passes gradients through unchanged (straight-through), as the float

@@ -58,7 +58,7 @@ def test_bad_input_is_refused_clearly():
 @given(rows=st.integers(1, 5), blocks=st.integers(1, 6), seed=st.integers(0, 2**16),
        scale=st.sampled_from([1e-30, 1e-3, 1.0, 300.0]))
 def test_round_activations(rows, blocks, seed, scale):
-    """The 4-bit formats' kernels read x rounded to int8 blocks (q8_act.h); the reference
+    """The 4-bit formats' kernels read x rounded to int8 blocks (qblocks.h); the reference
     rounds the same way. Against an independent numpy float32 version: d = max|x| / 127,
     q = rint(x * (1 / d)) (half to even), x' = q * d; within half a step of x."""
     K = blocks * quant.BLOCK

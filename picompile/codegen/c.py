@@ -16,9 +16,9 @@ Weight formats: float32 / float16 / bfloat16 elements (DTYPES), or GGUF's q8_0 /
 blocks (QFORMATS, picompile/quant.py): uint8 [n_ff, d / 32 * block bytes], each neuron's row its
 blocks of 32 weights along d: q8_0 rows dequantized in registers (F16C for the scales, FMA into
 float32 accumulators), 4-bit gate / up rows dotted in integers with x rounded to int8 blocks
-(picompile/kernels/q8_act.h, spliced into the source). The gate and up rows share one format (`Variant.dtype`, PIC_WDTYPE), the down rows
-may have their own (`Variant.down_dtype`, PIC_DDTYPE: e.g. q4_1 gate / up with q8_0 down, as a
-GGUF file's 4-bit down projection re-quantized along d needs). The C code reaches every row
+(picompile/kernels/qblocks.h, spliced into the source). The gate and up rows share one format
+(`Variant.dtype`, PIC_WDTYPE), the down rows may have their own (`Variant.down_dtype`,
+PIC_DDTYPE: e.g. q4_1 gate / up with q8_0 down, as the 4-bit formats' down rows are). The C code reaches every row
 through `row_bytes(F, d)` / `row_at`, and does its three per-row operations (dot with up to 8
 tokens, axpy into the partial outputs, prefetch) through `row_dot` / `row_axpy` /
 `row_prefetch`, which take the format F as a compile-time argument and pick the float or the
@@ -216,7 +216,7 @@ _BODY = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include "q8_act.h"
+#include "qblocks.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -256,25 +256,6 @@ _BODY = r"""
 #define PIC_CHUNKS 16           /* chunks of candidate neurons, each with a partial output */
 #define PIC_PARTIAL_MAX_BYTES ((int64_t)64 << 20) /* cap on the partial outputs */
 
-/* float16 -> float32 (exact), portable */
-PIC_INLINE float pic_f16(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (mant << 13);          /* inf, nan */
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112u) << 23) | (mant << 13);  /* normal: rebias 15 -> 127 */
-    } else if (mant == 0) {
-        bits = sign;                                         /* +-0 */
-    } else {                                                 /* subnormal: normalize */
-        exp = 113;
-        while (!(mant & 0x400u)) { mant <<= 1; exp--; }
-        bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 /* bfloat16 -> float32 (exact) */
 PIC_INLINE float pic_bf16(uint16_t b) {
     uint32_t bits = (uint32_t)b << 16;
@@ -313,7 +294,7 @@ PIC_INLINE const void* row_at(const void* w, int64_t j, int64_t rb) {
 /* Element k of a float row, as float32 (exact for all three formats) */
 PIC_INLINE float w2f(const int F, const void* w, int64_t k) {
     if (F == PIC_F32) return ((const float*)w)[k];
-    if (F == PIC_F16) return pic_f16(((const uint16_t*)w)[k]);
+    if (F == PIC_F16) return pq_f16(((const uint16_t*)w)[k]);
     return pic_bf16(((const uint16_t*)w)[k]);
 }
 
@@ -326,12 +307,6 @@ PIC_INLINE __m256 loadw8(const int F, const void* w, int64_t k) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-PIC_INLINE float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 #endif
 
 /* ---- activation ---- */
@@ -397,7 +372,7 @@ PIC_INLINE void fdot_n(const int F, const void* w, const float* const* xs, int64
     for (int n = 0; n < N; ++n) {
         __m256 s = acc[n * U];
         for (int u = 1; u < U; ++u) s = _mm256_add_ps(s, acc[n * U + u]);
-        float r = hsum8(s);
+        float r = pq_hsum(s);
         for (int64_t kk = k; kk < d; ++kk) r += w2f(F, w, kk) * xs[n][kk];
         res[n] = r;
     }
@@ -457,7 +432,7 @@ PIC_INLINE void faxpy_n(const int F, const void* w, const float* hs, float* cons
  * integers q (q8_0: int8; q4_*: nibbles n, weight k in the low nibble of byte k for k < 16, in
  * the high nibble of byte k - 16 above). The dot product of a q8_0 row with x sums s * (q . x)
  * per block, the integers converted to float32. A 4-bit row is dotted with x rounded to int8
- * blocks (q8_act.h: x' = dx * qx, once per call) in integers:
+ * blocks (qblocks.h: x' = dx * qx, once per call) in integers:
  *     q4_0: s * dx * (n . qx) - 8 s * sx      q4_1: s * dx * (n . qx) + m * sx
  * with sx = dx * sum(qx). axpy dequantizes (s * q, s * (n - 8), s * n + m) and FMAs each weight
  * into the partial outputs. Only gate and up rows are dotted with x, so the rounding of x
@@ -505,27 +480,13 @@ PIC_INLINE void qvals(const int F, const uint8_t* blk, __m256 v[4], const int ce
     }
 }
 
-/* One block of qdot_n: block b of the row for N tokens, into accumulator u of each token (and,
- * q4_*, the block-sum terms into corr). */
+/* One block of qdot_n (q8_0): block b of the row for N tokens, into accumulator u of each. */
 PIC_INLINE void qdot_block(const int F, const uint8_t* w, int64_t b, const float* const* xs,
-                           const pq_act* const* xa, __m256* acc, float* corr, const int N,
-                           const int U, const int u) {
+                           __m256* acc, const int N, const int U, const int u) {
     const uint8_t* blk = w + b * pic_qbytes(F);
-    const __m128 head = qhead(blk);
-    if (F != PIC_Q8_0) {  /* integer dots with x rounded to int8 */
-        const __m256i nib = pq_nibbles(blk + (F == PIC_Q4_1 ? 4 : 2));
-        const float s = _mm_cvtss_f32(head);
-        const float cs = F == PIC_Q4_0 ? s : _mm_cvtss_f32(_mm_movehdup_ps(head)); /* q4_1: m */
-        for (int n = 0; n < N; ++n) {
-            acc[n * U + u] = _mm256_fmadd_ps(pq_dot8(nib, xa[n]->q + b * PIC_QK),
-                                             _mm256_set1_ps(s * xa[n]->d[b]), acc[n * U + u]);
-            corr[n] = fmaf(cs, xa[n]->s[b], corr[n]);
-        }
-        return;
-    }
     __m256 v[4];
     qvals(F, blk, v, 0);
-    const __m256 s = _mm256_broadcastss_ps(head);
+    const __m256 s = _mm256_broadcastss_ps(qhead(blk));
     for (int n = 0; n < N; ++n) {
         const float* x = xs[n] + b * PIC_QK;
         __m256 q = _mm256_mul_ps(v[0], _mm256_loadu_ps(x));
@@ -538,7 +499,7 @@ PIC_INLINE void qdot_block(const int F, const uint8_t* w, int64_t b, const float
 #else
 /* The 32 weights of a block, dequantized (the reference's arithmetic, in float32). */
 PIC_INLINE void qdeq32(const int F, const uint8_t* blk, float w[32]) {
-    const float s = pic_f16((uint16_t)(blk[0] | blk[1] << 8));
+    const float s = pq_f16((uint16_t)(blk[0] | blk[1] << 8));
     if (F == PIC_Q8_0) {
         for (int i = 0; i < 32; ++i) w[i] = s * (float)(int8_t)blk[2 + i];
     } else if (F == PIC_Q4_0) {
@@ -547,7 +508,7 @@ PIC_INLINE void qdeq32(const int F, const uint8_t* blk, float w[32]) {
             w[i + 16] = s * (float)((blk[2 + i] >> 4) - 8);
         }
     } else {
-        const float m = pic_f16((uint16_t)(blk[2] | blk[3] << 8));
+        const float m = pq_f16((uint16_t)(blk[2] | blk[3] << 8));
         for (int i = 0; i < 16; ++i) {
             w[i] = s * (float)(blk[4 + i] & 15) + m;
             w[i + 16] = s * (float)(blk[4 + i] >> 4) + m;
@@ -563,42 +524,28 @@ PIC_INLINE void qdot_n(const int F, const void* row, const float* const* xs,
                        const pq_act* const* xa, int64_t d, float* res, const int N, const int U) {
     const uint8_t* w = (const uint8_t*)row;
     const int64_t nb = d / PIC_QK, qb = pic_qbytes(F);
+    if (F != PIC_Q8_0) {  /* 4-bit: integer dots with x rounded to int8 (qblocks.h) */
+        pq_q4_dot(w, F == PIC_Q4_1, nb, xa, res, N, U, PIC_PF_BYTES);
+        return;
+    }
 #if PIC_SIMD
     __m256 acc[8];
-    float corr[PIC_MAXTOK];
     for (int i = 0; i < N * U; ++i) acc[i] = _mm256_setzero_ps();
-    for (int n = 0; n < N; ++n) corr[n] = 0.0f;
     int64_t b = 0;
     for (; b + PIC_QGROUP <= nb; b += PIC_QGROUP) {
         for (int l = 0; l < pic_qlines(F); ++l) PIC_PREFETCH(w + b * qb + PIC_PF_BYTES + 64 * l);
-        for (int k = 0; k < PIC_QGROUP; ++k) qdot_block(F, w, b + k, xs, xa, acc, corr, N, U, k % U);
+        for (int k = 0; k < PIC_QGROUP; ++k) qdot_block(F, w, b + k, xs, acc, N, U, k % U);
     }
-    for (; b < nb; ++b) qdot_block(F, w, b, xs, xa, acc, corr, N, U, 0);
+    for (; b < nb; ++b) qdot_block(F, w, b, xs, acc, N, U, 0);
     for (int n = 0; n < N; ++n) {
         __m256 t = acc[n * U];
         for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, acc[n * U + u]);
-        res[n] = F == PIC_Q4_0 ? hsum8(t) - 8.0f * corr[n]
-               : F == PIC_Q4_1 ? hsum8(t) + corr[n] : hsum8(t);
+        res[n] = pq_hsum(t);
     }
 #else
     float r[PIC_MAXTOK] = {0};
     float wb[32];
-    (void)U;
-    if (F != PIC_Q8_0) {  /* integer dots with x rounded to int8, as the SIMD path */
-        float corr[PIC_MAXTOK] = {0};
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t* blk = w + b * qb;
-            const float s = pic_f16((uint16_t)(blk[0] | blk[1] << 8));
-            const float cs = F == PIC_Q4_0 ? s : pic_f16((uint16_t)(blk[2] | blk[3] << 8));
-            for (int n = 0; n < N; ++n) {
-                r[n] += (float)pq_dot_scalar(blk + (F == PIC_Q4_1 ? 4 : 2), xa[n]->q + b * PIC_QK)
-                        * (s * xa[n]->d[b]);
-                corr[n] += cs * xa[n]->s[b];
-            }
-        }
-        for (int n = 0; n < N; ++n) res[n] = r[n] + (F == PIC_Q4_0 ? -8.0f : 1.0f) * corr[n];
-        return;
-    }
+    (void)U; (void)xa;
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = w + b * qb;
         PIC_PREFETCH(blk + PIC_PF_BYTES);

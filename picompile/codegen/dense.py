@@ -52,7 +52,7 @@ QFORMATS = ("q8_0", "q4_0", "q4_1")  # picompile.quant's block formats: uint8 we
 VARIANTS = (*DTYPES, *QFORMATS)  # what one library is built for
 # PI_WDTYPE in dense.c
 _WDTYPE_CODE = {"float32": 0, "float16": 1, "bfloat16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5}
-# Formats whose dot products take x rounded to int8 (q8_act.h): VNNI's vpdpbusd where the AVX-512
+# Formats whose dot products take x rounded to int8 (qblocks.h): VNNI's vpdpbusd where the AVX-512
 # build can have it.
 INT8_DOT_FORMATS = ("q4_0", "q4_1")
 MAX_TOKENS = 8  # tokens per pass over the weights (PI_MAXTOK in dense.c)

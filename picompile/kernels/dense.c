@@ -26,7 +26,7 @@
  *       out[t][o] = sum_k x[t][k] * W[o][k] (+ b[o]), accumulated in float32 (f16 / bf16
  *       weights convert to float32 exactly; a q8_0 block is dequantized in registers to float32,
  *       d * q). The 4-bit formats (q4_0: d * (q - 8), q4_1: d * q + m) take x rounded to 8 bits
- *       per block of 32 (q8_act.h) and dot the integers exactly: out = W . round8(x) (+ b).
+ *       per block of 32 (qblocks.h) and dot the integers exactly: out = W . round8(x) (+ b).
  *       Out of memory for that rounded copy of x (T * K bytes): out is all NaN.
  *   void pi_set_num_threads(int n);  OpenMP threads for pi_dense (<= 0: the OpenMP default)
  *   const char* pi_dense_variant(void);  e.g. "float16 avx512", "q4_0 avx2" (format and ISA)
@@ -41,7 +41,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include "q8_act.h"
+#if defined(PI_SCALAR) && PI_SCALAR
+#define PQ_SCALAR 1             /* qblocks.h's scalar paths too */
+#endif
+#include "qblocks.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -56,7 +59,7 @@
 #define PI_WDTYPE PI_F32
 #endif
 #define PI_QUANT (PI_WDTYPE >= PI_Q8_0) /* block-quantized weights (float32 bias) */
-#define PI_Q4 (PI_WDTYPE == PI_Q4_0 || PI_WDTYPE == PI_Q4_1) /* int8 activations (q8_act.h) */
+#define PI_Q4 (PI_WDTYPE == PI_Q4_0 || PI_WDTYPE == PI_Q4_1) /* int8 activations (qblocks.h) */
 /* The vector paths convert float16 (weights, block scales) with F16C. */
 #define PI_NEEDS_F16C (PI_WDTYPE == PI_F16 || PI_QUANT)
 #ifndef PI_PF_BYTES
@@ -90,25 +93,6 @@
 #define PI_ISA "scalar"
 #endif
 
-/* float16 -> float32, exact, in software (the scalar paths) */
-PI_INLINE float h2f(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (mant << 13);          /* inf, nan */
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112u) << 23) | (mant << 13);  /* normal: rebias 15 -> 127 */
-    } else if (mant == 0) {
-        bits = sign;                                         /* +-0 */
-    } else {                                                 /* subnormal: normalize */
-        exp = 113;
-        while (!(mant & 0x400u)) { mant <<= 1; exp--; }
-        bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 /* ---- weight element type (wtype), bias type (btype) and their exact conversion to float32;
  *      PI_ROW(K): wtype elements of one weight row ---- */
 #if PI_WDTYPE == PI_F32
@@ -118,7 +102,7 @@ PI_INLINE float w2f(wtype v) { return v; }
 #elif PI_WDTYPE == PI_F16
 typedef uint16_t wtype;
 #define PI_DTYPE "float16"
-PI_INLINE float w2f(wtype h) { return h2f(h); }
+PI_INLINE float w2f(wtype h) { return pq_f16(h); }
 #elif PI_WDTYPE == PI_BF16
 typedef uint16_t wtype;
 #define PI_DTYPE "bfloat16"
@@ -219,70 +203,18 @@ PI_INLINE uint16_t load_u16(const uint8_t* p) { /* a block's float16 (little-end
 #endif
 
 /* A token's row as the dot products read it: float32 x, or for the 4-bit formats x rounded to
- * int8 blocks (q8_act.h). */
+ * int8 blocks (qblocks.h). */
 #if PI_Q4
-typedef pq_act xin;
+typedef const pq_act* xin;
 #else
 typedef const float* xin;
 #endif
 
 #if PI_Q4
-/* ---- 4-bit blocks (q4_0 / q4_1) with int8 activations ---- */
-#define PI_Q4_SIGN (PI_WDTYPE == PI_Q4_0 ? -8.0f : 1.0f) /* the block-sum term: -8 dw s, + m s */
-
-#if PI_VW > 1
-/* Block j of the row for N tokens: acc[n * U + u] += dw * d * (n . q); corr[n] += c * s (c: dw
- * for q4_0, m for q4_1). */
-PI_INLINE void q4_block(const uint8_t* w, int64_t j, const xin* xs, __m256* acc, float* corr,
-                        const int N, const int U, const int u) {
-    const uint8_t* blk = w + j * PI_BLOCK_BYTES;
-    const __m256i nib = pq_nibbles(blk + PI_BLOCK_BYTES - 16);
-    const float dw = _cvtsh_ss(load_u16(blk));
-    const float c = PI_WDTYPE == PI_Q4_0 ? dw : _cvtsh_ss(load_u16(blk + 2));
-    for (int n = 0; n < N; ++n) {
-        acc[n * U + u] = _mm256_fmadd_ps(pq_dot8(nib, xs[n].q + j * PI_BLOCK),
-                                         _mm256_set1_ps(dw * xs[n].d[j]), acc[n * U + u]);
-        corr[n] = fmaf(c, xs[n].s[j], corr[n]);
-    }
-}
-#endif
-
-/* res[n] = w . xs[n] for n < N over one row of 4-bit blocks (K / 32 of them): the integer dot
- * of each block (q8_act.h), scaled per block into N x U accumulators of 8 floats. */
+/* res[n] = w . xs[n] for n < N over one row of 4-bit blocks: qblocks.h's integer dot */
 PI_INLINE void dot_n(const wtype* w, const xin* xs, int64_t K, float* res, const int N,
                      const int U) {
-    const int64_t nb = K / PI_BLOCK;
-    float corr[PI_MAXTOK];
-    for (int n = 0; n < N; ++n) corr[n] = 0.0f;
-#if PI_VW > 1
-    __m256 acc[PI_MAXTOK];
-    for (int i = 0; i < N * U; ++i) acc[i] = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + U <= nb; j += U) {
-        if (PI_PF_BYTES > 0) PI_PREFETCH(w + j * PI_BLOCK_BYTES + PI_PF_BYTES);
-        for (int u = 0; u < U; ++u) q4_block(w, j + u, xs, acc, corr, N, U, u);
-    }
-    for (; j < nb; ++j) q4_block(w, j, xs, acc, corr, N, U, 0);
-    for (int n = 0; n < N; ++n) {
-        __m256 s = acc[n * U];
-        for (int u = 1; u < U; ++u) s = _mm256_add_ps(s, acc[n * U + u]);
-        res[n] = pq_hsum(s) + PI_Q4_SIGN * corr[n];
-    }
-#else
-    float r[PI_MAXTOK] = {0};
-    (void)U;
-    for (int64_t j = 0; j < nb; ++j) {
-        const uint8_t* blk = w + j * PI_BLOCK_BYTES;
-        const float dw = h2f(load_u16(blk));
-        const float c = PI_WDTYPE == PI_Q4_0 ? dw : h2f(load_u16(blk + 2));
-        for (int n = 0; n < N; ++n) {
-            r[n] += (float)pq_dot_scalar(blk + PI_BLOCK_BYTES - 16, xs[n].q + j * PI_BLOCK)
-                    * (dw * xs[n].d[j]);
-            corr[n] += c * xs[n].s[j];
-        }
-    }
-    for (int n = 0; n < N; ++n) res[n] = r[n] + PI_Q4_SIGN * corr[n];
-#endif
+    pq_q4_dot(w, PI_WDTYPE == PI_Q4_1, K / PI_BLOCK, xs, res, N, U, PI_PF_BYTES);
 }
 
 #elif PI_QUANT
@@ -307,7 +239,7 @@ PI_INLINE void v_dequant(const uint8_t* blk, vf* wv) {
 #else
 /* wk[0..31] = the block's weights (scalar fallback) */
 PI_INLINE void dequant_block(const uint8_t* blk, float* wk) {
-    const float d = h2f(load_u16(blk));
+    const float d = pq_f16(load_u16(blk));
     for (int i = 0; i < PI_BLOCK; ++i) wk[i] = d * (float)(int8_t)blk[2 + i];
 }
 #endif
@@ -424,7 +356,7 @@ PI_INLINE void dot_n(const wtype* w, const xin* xs, int64_t K, float* res,
 
 /* Rows [lo, hi) of W for one group of N tokens: out[t0 + n][o] for n < N, o in [lo, hi).
  *   x    [T, K] float32 (the group's rows start at x + t0 * K); the 4-bit formats read
- *   acts [T] instead (x rounded to int8 blocks, q8_act.h)
+ *   acts [T] instead (x rounded to int8 blocks, qblocks.h)
  *   W    [O, PI_ROW(K)], b [O] or NULL, out [T, O] float32
  * N and U are compile-time constants in every instance (rows_group dispatches). (Cutting K into
  * blocks that keep the token rows in L1 was measured no faster, up to K = 4096.) */
@@ -436,7 +368,7 @@ PI_INLINE void rows_n(const float* x, const pq_act* acts, int64_t t0, int64_t K,
     for (int n = 0; n < N; ++n) {
 #if PI_Q4
         (void)x;
-        xs[n] = acts[t0 + n];
+        xs[n] = acts + t0 + n;
 #else
         (void)acts;
         xs[n] = x + (t0 + n) * K;

@@ -1,8 +1,9 @@
-/* picompile: activations quantized to 8 bits per block of 32, and the integer dot product of a
- * 4-bit weight block (q4_0 / q4_1) with them.
+/* picompile: GGUF block helpers shared by the CPU kernels (dense.c and the generated FFN source):
+ * float16 -> float32, activations rounded to 8 bits per block of 32, and the dot product of a row
+ * of 4-bit blocks (q4_0 / q4_1) with them in integers.
  *
- * Spliced into dense.c and the generated FFN source (picompile.codegen.c.package_source inlines
- * `#include "q8_act.h"`), so a kernel's cache key covers it. llama.cpp's scheme: a 4-bit block
+ * Spliced into both sources (picompile.codegen.c.package_source inlines `#include "qblocks.h"`),
+ * so a kernel's cache key covers it. The int8 activations are llama.cpp's scheme: a 4-bit block
  * dotted with float32 x costs more instructions per weight than two cores can issue at memory
  * speed (BENCHMARKS.md, session 6); with x as int8 it is one widening of the nibbles and one
  * integer multiply-add per token. The reference (picompile.quant.round_activations) rounds x the
@@ -14,17 +15,44 @@
  * A 4-bit block (scale dw; q4_0 weight dw * (n - 8), q4_1 dw * n + m) dotted with that block:
  *     q4_0: dw * d[b] * (n . q) - 8 * dw * s[b]        q4_1: dw * d[b] * (n . q) + m * s[b]
  * n . q (nibbles 0..15 times int8) is exact in int32.
+ *
+ * SIMD: AVX2 + FMA + F16C (VNNI's vpdpbusd where AVX512_VNNI and AVX512VL are enabled), unless
+ * PQ_SCALAR is defined before the #include; the rounding of x is the same either way.
  */
-#ifndef PICOMPILE_Q8_ACT_H
-#define PICOMPILE_Q8_ACT_H
+#ifndef PICOMPILE_QBLOCKS_H
+#define PICOMPILE_QBLOCKS_H
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#if defined(__AVX2__)
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(PQ_SCALAR)
 #include <immintrin.h>
+#define PQ_SIMD 1
+#else
+#define PQ_SIMD 0
 #endif
+#define PQ_INLINE static inline __attribute__((always_inline))
 
 #define PQ_QK 32 /* values per block */
+
+/* float16 -> float32, exact, in software (the scalar paths) */
+PQ_INLINE float pq_f16(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);          /* inf, nan */
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (mant << 13);  /* normal: rebias 15 -> 127 */
+    } else if (mant == 0) {
+        bits = sign;                                         /* +-0 */
+    } else {                                                 /* subnormal: normalize */
+        exp = 113;
+        while (!(mant & 0x400u)) { mant <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 
 /* One token's quantized row: q [K] int8, d [K / 32] block scales, s [K / 32] d * sum(q). */
 typedef struct {
@@ -39,7 +67,7 @@ static void pq_quantize(const float* x, int64_t K, int8_t* q, float* d, float* s
     for (int64_t b = 0; b < K / PQ_QK; ++b) {
         const float* xb = x + b * PQ_QK;
         int8_t* qb = q + b * PQ_QK;
-#if defined(__AVX2__)
+#if PQ_SIMD
         const __m256 sign = _mm256_set1_ps(-0.0f);
         __m256 v[4], mx = _mm256_setzero_ps();
         for (int i = 0; i < 4; ++i) {
@@ -59,7 +87,7 @@ static void pq_quantize(const float* x, int64_t K, int8_t* q, float* d, float* s
 #endif
         const float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
         int32_t sum = 0;
-#if defined(__AVX2__)
+#if PQ_SIMD
         const __m256 iv = _mm256_set1_ps(inv);
         __m256i qi[4];
         for (int i = 0; i < 4; ++i)
@@ -106,22 +134,22 @@ static pq_act* pq_quantize_rows(const float* x, int64_t T, int64_t K) {
 
 /* n . q over one block: the 32 nibbles of qs [16] (weight i: the low nibble of qs[i] for i < 16,
  * the high nibble of qs[i - 16] above) times q [32] int8, exact. */
-static inline int32_t pq_dot_scalar(const uint8_t* qs, const int8_t* q) {
+PQ_INLINE int32_t pq_dot_scalar(const uint8_t* qs, const int8_t* q) {
     int32_t t = 0;
     for (int i = 0; i < 16; ++i) t += (qs[i] & 15) * q[i] + (qs[i] >> 4) * q[i + 16];
     return t;
 }
 
-#if defined(__AVX2__)
+#if PQ_SIMD
 /* The 32 nibbles of qs [16] as unsigned bytes, in weight order. */
-static inline __attribute__((always_inline)) __m256i pq_nibbles(const uint8_t* qs) {
+PQ_INLINE __m256i pq_nibbles(const uint8_t* qs) {
     const __m128i b = _mm_loadu_si128((const __m128i*)qs);
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(15));
 }
 
 /* 8 partial sums of n[i] * q[i] (n unsigned <= 15, q int8) as float32; their total is n . q.
  * (maddubs cannot saturate: two products are at most 2 * 15 * 128.) */
-static inline __attribute__((always_inline)) __m256 pq_dot8(__m256i n, const int8_t* q) {
+PQ_INLINE __m256 pq_dot8(__m256i n, const int8_t* q) {
     const __m256i qv = _mm256_loadu_si256((const __m256i*)q);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), n, qv));
@@ -130,11 +158,70 @@ static inline __attribute__((always_inline)) __m256 pq_dot8(__m256i n, const int
 #endif
 }
 
-static inline __attribute__((always_inline)) float pq_hsum(__m256 v) {
+PQ_INLINE float pq_hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+
+/* Block j of a 4-bit row against N tokens: acc[n * U + u] += dw * d * (n . q) (8 lanes),
+ * corr[n] += c * s (c: dw for q4_0, m for q4_1). */
+PQ_INLINE void pq_q4_block(const uint8_t* blk, const int q4_1, int64_t j, const pq_act* const* xa,
+                           __m256* acc, float* corr, const int N, const int U, const int u) {
+    int32_t head;
+    memcpy(&head, blk, 4); /* dw, and for q4_1 m: one conversion */
+    const __m128 h = _mm_cvtph_ps(_mm_cvtsi32_si128(head));
+    const float dw = _mm_cvtss_f32(h), c = q4_1 ? _mm_cvtss_f32(_mm_movehdup_ps(h)) : dw;
+    const __m256i nib = pq_nibbles(blk + (q4_1 ? 4 : 2));
+    for (int n = 0; n < N; ++n) {
+        acc[n * U + u] = _mm256_fmadd_ps(pq_dot8(nib, xa[n]->q + j * PQ_QK),
+                                         _mm256_set1_ps(dw * xa[n]->d[j]), acc[n * U + u]);
+        corr[n] = fmaf(c, xa[n]->s[j], corr[n]);
+    }
+}
 #endif
-#endif /* PICOMPILE_Q8_ACT_H */
+
+/* res[n] = row . x'[n] for n < N (N <= 8) over one row of nb 4-bit blocks (q4_1: 20-byte blocks
+ * f16 dw, f16 m, qs[16]; q4_0: 18-byte blocks f16 dw, qs[16]), x'[n] = xa[n] rounded. N x U
+ * accumulators of 8 floats (N * U <= 8; consecutive blocks take turns); with pf > 0 one
+ * prefetch pf bytes ahead per 64 bytes of a step's blocks. */
+PQ_INLINE void pq_q4_dot(const uint8_t* row, const int q4_1, int64_t nb, const pq_act* const* xa,
+                         float* res, const int N, const int U, const int pf) {
+    const int64_t bb = q4_1 ? 20 : 18;
+    const float sign = q4_1 ? 1.0f : -8.0f; /* the block-sum term: + m s, -8 dw s */
+    float corr[8];
+    for (int n = 0; n < N; ++n) corr[n] = 0.0f;
+#if PQ_SIMD
+    __m256 acc[8];
+    for (int i = 0; i < N * U; ++i) acc[i] = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + U <= nb; j += U) {
+        if (pf > 0)
+            for (int64_t l = 0; l < (U * bb + 63) / 64; ++l)
+                _mm_prefetch((const char*)(row + j * bb + pf + 64 * l), _MM_HINT_T0);
+        for (int u = 0; u < U; ++u) pq_q4_block(row + (j + u) * bb, q4_1, j + u, xa, acc, corr, N, U, u);
+    }
+    for (; j < nb; ++j) pq_q4_block(row + j * bb, q4_1, j, xa, acc, corr, N, U, 0);
+    for (int n = 0; n < N; ++n) {
+        __m256 t = acc[n * U];
+        for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, acc[n * U + u]);
+        res[n] = pq_hsum(t) + sign * corr[n];
+    }
+#else
+    float r[8] = {0};
+    (void)U;
+    for (int64_t j = 0; j < nb; ++j) {
+        const uint8_t* blk = row + j * bb;
+        if (pf > 0) __builtin_prefetch(blk + pf, 0, 3);
+        const float dw = pq_f16((uint16_t)(blk[0] | blk[1] << 8));
+        const float c = q4_1 ? pq_f16((uint16_t)(blk[2] | blk[3] << 8)) : dw;
+        for (int n = 0; n < N; ++n) {
+            r[n] += (float)pq_dot_scalar(blk + (q4_1 ? 4 : 2), xa[n]->q + j * PQ_QK) * (dw * xa[n]->d[j]);
+            corr[n] += c * xa[n]->s[j];
+        }
+    }
+    for (int n = 0; n < N; ++n) res[n] = r[n] + sign * corr[n];
+#endif
+}
+#endif /* PICOMPILE_QBLOCKS_H */
