@@ -1,0 +1,787 @@
+/* picompile sparse FFN kernel: the body of every variant's source.
+ * picompile/codegen/c.py's `source(variant)` puts the variant's #defines (PIC_WDTYPE, PIC_DDTYPE,
+ * PIC_GATED, PIC_DRELU, PIC_BIAS, PIC_ACT, ...) and the exported functions' documentation in front
+ * of this file and splices qblocks.h in; the result is built once per variant (build cache keyed
+ * by its hash). This file does not compile on its own.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "qblocks.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* Weight formats are compile-time constants: every row operation below takes its format as a
+ * `const int F` argument and is always inlined, so each instance keeps only its format's code.
+ * Gate and up rows are in PIC_WDTYPE, down rows in PIC_DDTYPE (see gu_dot / down_axpy). */
+#define PIC_IS_QUANT(F) ((F) >= PIC_Q8_0) /* rows of GGUF blocks */
+#define PIC_QK 32                         /* weights per GGUF block */
+/* etype: the element type of predict's matrices: the gate / up dtype of float variants,
+ * float16 where gate and up are quantized. */
+#if PIC_IS_QUANT(PIC_WDTYPE)
+#define PIC_EDTYPE PIC_F16
+#else
+#define PIC_EDTYPE PIC_WDTYPE
+#endif
+
+/* AVX2 + FMA + F16C (F16C converts float16 weights and the quantized blocks' float16 scales;
+ * every AVX2 CPU has it, and build_flags enables the three together). */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PIC_SIMD 1
+#else
+#define PIC_SIMD 0
+#endif
+
+#define PIC_INLINE static inline __attribute__((always_inline))
+#define PIC_MAXTOK 8            /* tokens handled together per weight row */
+#define PIC_PARALLEL_MIN 32768  /* below this many multiply-adds (m * d * T) run one thread */
+#ifndef PIC_BLOCK
+#define PIC_BLOCK 64            /* neurons whose first projection is computed before the rest */
+#endif
+#ifndef PIC_PF_BYTES
+#define PIC_PF_BYTES 2048       /* software prefetch distance in a weight row */
+#endif
+#define PIC_PRED_ACC 8192       /* partial logits per pass of the predictor's second layer (32 KiB) */
+#define PIC_CHUNKS 16           /* chunks of candidate neurons, each with a partial output */
+#define PIC_PARTIAL_MAX_BYTES ((int64_t)64 << 20) /* cap on the partial outputs */
+
+/* bfloat16 -> float32 (exact) */
+PIC_INLINE float pic_bf16(uint16_t b) {
+    uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+#if PIC_EDTYPE == PIC_F32
+typedef float etype;
+#else
+typedef uint16_t etype;
+#endif
+
+/* ---- rows and their bytes ---- */
+
+/* Bytes of one element of a float format */
+PIC_INLINE int64_t pic_esize(const int F) { return F == PIC_F32 ? 4 : 2; }
+
+/* Bytes of one GGUF block of a quantized format:
+ * q8_0 f16 d, int8 q[32]; q4_0 f16 d, uint8 qs[16]; q4_1 f16 d, f16 m, uint8 qs[16] */
+PIC_INLINE int64_t pic_qbytes(const int F) { return F == PIC_Q8_0 ? 34 : F == PIC_Q4_0 ? 18 : 20; }
+
+/* Bytes of one weight row of d weights in format F (a neuron's row of w_gate, w_up or
+ * w_down_t): every row address in the FFN goes through row_at with this stride. */
+PIC_INLINE int64_t row_bytes(const int F, int64_t d) {
+    return PIC_IS_QUANT(F) ? d / PIC_QK * pic_qbytes(F) : d * pic_esize(F);
+}
+
+PIC_INLINE const void* row_at(const void* w, int64_t j, int64_t rb) {
+    return (const char*)w + j * rb;
+}
+
+/* ---- float rows (float32 / float16 / bfloat16 elements) ---- */
+
+/* Element k of a float row, as float32 (exact for all three formats) */
+PIC_INLINE float w2f(const int F, const void* w, int64_t k) {
+    if (F == PIC_F32) return ((const float*)w)[k];
+    if (F == PIC_F16) return pq_f16(((const uint16_t*)w)[k]);
+    return pic_bf16(((const uint16_t*)w)[k]);
+}
+
+#if PIC_SIMD
+/* Elements k .. k + 7 of a float row, as float32 */
+PIC_INLINE __m256 loadw8(const int F, const void* w, int64_t k) {
+    if (F == PIC_F32) return _mm256_loadu_ps((const float*)w + k);
+    const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)w + k));
+    if (F == PIC_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+#endif
+
+/* ---- activation ---- */
+PIC_INLINE float act_fn(float g) {
+#if PIC_ACT == PIC_RELU
+    return g > 0.0f ? g : 0.0f;
+#elif PIC_ACT == PIC_SILU
+    return g / (1.0f + expf(-g));
+#elif PIC_ACT == PIC_GELU
+    return 0.5f * g * (1.0f + erff(g * 0.70710678118654752f));
+#else
+    return 0.5f * g * (1.0f + tanhf(0.79788456080286536f * (g + 0.044715f * g * g * g)));
+#endif
+}
+
+/* Software prefetch: PIC_PF_BYTES ahead of the current position in a weight row (this also runs
+ * past a 4 KiB page boundary, where hardware stream prefetchers stop), and the head of the next
+ * active neuron's rows while the current one is processed. */
+#if PIC_SIMD
+#define PIC_PREFETCH(p) _mm_prefetch((const char*)(p), _MM_HINT_T0)
+#else
+#define PIC_PREFETCH(p) __builtin_prefetch((const void*)(p), 0, 3)
+#endif
+#define PIC_WPL (64 / (int)sizeof(etype)) /* predict's weights per 64-byte cache line */
+
+/* The first min(n, PIC_PF_BYTES) bytes at p. */
+PIC_INLINE void prefetch_bytes(const void* p, int64_t n) {
+    if (n > PIC_PF_BYTES) n = PIC_PF_BYTES;
+    for (int64_t k = 0; k < n; k += 64) PIC_PREFETCH((const char*)p + k);
+}
+
+PIC_INLINE void prefetch_head(const etype* row, int64_t d) {
+    prefetch_bytes(row, d * (int64_t)sizeof(etype));
+}
+
+/* res[n] = w[0:d] . xs[n][0:d] for n < N over a float row: one pass over it for all N tokens.
+ * N tokens x U independent 8-float accumulators (N*U <= 8: all in registers); each main-loop
+ * step covers SV vectors (whole cache lines, one prefetch per line). */
+PIC_INLINE void fdot_n(const int F, const void* w, const float* const* xs, int64_t d, float* res,
+                       const int N, const int U) {
+    const char* wb = (const char*)w;
+    const int64_t es = pic_esize(F);
+    const int WPL = 64 / (int)es;             /* weights per cache line */
+#if PIC_SIMD
+    const int VPL = WPL / 8;                  /* 8-float vectors per cache line of weights */
+    const int SV = U > VPL ? U : VPL;         /* vectors per step */
+    __m256 acc[8];
+    for (int i = 0; i < N * U; ++i) acc[i] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 * SV <= d; k += 8 * SV) {
+        for (int l = 0; l < SV / VPL; ++l) PIC_PREFETCH(wb + (k + l * WPL) * es + PIC_PF_BYTES);
+        for (int v = 0; v < SV; ++v) {
+            const __m256 wv = loadw8(F, w, k + 8 * v);
+            for (int n = 0; n < N; ++n)
+                acc[n * U + v % U] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[n] + k + 8 * v), acc[n * U + v % U]);
+        }
+    }
+    for (; k + 8 <= d; k += 8) {
+        const __m256 wv = loadw8(F, w, k);
+        for (int n = 0; n < N; ++n)
+            acc[n * U] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[n] + k), acc[n * U]);
+    }
+    for (int n = 0; n < N; ++n) {
+        __m256 s = acc[n * U];
+        for (int u = 1; u < U; ++u) s = _mm256_add_ps(s, acc[n * U + u]);
+        float r = pq_hsum(s);
+        for (int64_t kk = k; kk < d; ++kk) r += w2f(F, w, kk) * xs[n][kk];
+        res[n] = r;
+    }
+#else
+    float r[PIC_MAXTOK] = {0};
+    (void)U;
+    for (int64_t k = 0; k < d; ++k) {
+        if ((k & (WPL - 1)) == 0) PIC_PREFETCH(wb + k * es + PIC_PF_BYTES);
+        const float wk = w2f(F, w, k);
+        for (int n = 0; n < N; ++n) r[n] += wk * xs[n][k];
+    }
+    for (int n = 0; n < N; ++n) res[n] = r[n];
+#endif
+}
+
+/* ps[n][0:d] += hs[n] * w[0:d] for n < N over a float row: one pass over it for all N tokens. */
+PIC_INLINE void faxpy_n(const int F, const void* w, const float* hs, float* const* ps, int64_t d,
+                        const int N) {
+    const char* wb = (const char*)w;
+    const int64_t es = pic_esize(F);
+    const int WPL = 64 / (int)es;
+    int64_t k = 0;
+#if PIC_SIMD
+    const int VPL = WPL / 8;
+    const int SV = VPL > 2 ? VPL : 2;
+    __m256 hv[PIC_MAXTOK];
+    for (int n = 0; n < N; ++n) hv[n] = _mm256_set1_ps(hs[n]);
+    for (; k + 8 * SV <= d; k += 8 * SV) {
+        for (int l = 0; l < SV / VPL; ++l) PIC_PREFETCH(wb + (k + l * WPL) * es + PIC_PF_BYTES);
+        for (int v = 0; v < SV; ++v) {
+            const __m256 wv = loadw8(F, w, k + 8 * v);
+            for (int n = 0; n < N; ++n) {
+                float* p = ps[n] + k + 8 * v;
+                _mm256_storeu_ps(p, _mm256_fmadd_ps(hv[n], wv, _mm256_loadu_ps(p)));
+            }
+        }
+    }
+    for (; k + 8 <= d; k += 8) {
+        const __m256 wv = loadw8(F, w, k);
+        for (int n = 0; n < N; ++n) {
+            float* p = ps[n] + k;
+            _mm256_storeu_ps(p, _mm256_fmadd_ps(hv[n], wv, _mm256_loadu_ps(p)));
+        }
+    }
+#endif
+    for (; k < d; ++k) {
+#if !PIC_SIMD
+        if ((k & (WPL - 1)) == 0) PIC_PREFETCH(wb + k * es + PIC_PF_BYTES);
+#endif
+        const float wk = w2f(F, w, k);
+        for (int n = 0; n < N; ++n) ps[n][k] += hs[n] * wk;
+    }
+}
+
+/* ---- quantized rows: the row operations on GGUF blocks ----
+ * A block is 32 weights along d: a float16 scale s (q4_1: and a float16 minimum m) and 32
+ * integers q (q8_0: int8; q4_*: nibbles n, weight k in the low nibble of byte k for k < 16, in
+ * the high nibble of byte k - 16 above). The dot product of a q8_0 row with x sums s * (q . x)
+ * per block, the integers converted to float32. A 4-bit row is dotted with x rounded to int8
+ * blocks (qblocks.h: x' = dx * qx, once per call) in integers:
+ *     q4_0: s * dx * (n . qx) - 8 s * sx      q4_1: s * dx * (n . qx) + m * sx
+ * with sx = dx * sum(qx). axpy dequantizes (s * q, s * (n - 8), s * n + m) and FMAs each weight
+ * into the partial outputs. Only gate and up rows are dotted with x, so the rounding of x
+ * follows their format. */
+#define PIC_QACT (PIC_WDTYPE == PIC_Q4_0 || PIC_WDTYPE == PIC_Q4_1) /* x rounded to int8 */
+#define PIC_QGROUP 4 /* blocks per step of the row loops */
+
+/* Prefetches per step of the row loops: cover its bytes */
+PIC_INLINE int pic_qlines(const int F) { return (int)((PIC_QGROUP * pic_qbytes(F) + 63) / 64); }
+
+#if PIC_SIMD
+/* The float16 scale at blk[0:2] (lane 0) and, for q4_1, the minimum at blk[2:4] (lane 1): one
+ * 4-byte load (inside every block) and one conversion. */
+PIC_INLINE __m128 qhead(const uint8_t* blk) {
+    int32_t v;
+    memcpy(&v, blk, 4);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(v));
+}
+
+/* The 32 integers of a block as float32, in weight order, 8 per vector: q8_0 q; q4_0 / q4_1 the
+ * nibbles n (minus 8 when `center`, q4_0: the integer weight). */
+PIC_INLINE void qvals(const int F, const uint8_t* blk, __m256 v[4], const int center) {
+    if (F == PIC_Q8_0) {
+        for (int i = 0; i < 4; ++i)
+            v[i] = _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 2 + 8 * i))));
+        return;
+    }
+    /* qs[16] in both 128-bit halves; spread qs[0..7] and qs[8..15] over the 32-bit lanes, one
+     * byte each: the low nibbles are weights 0..15, the high ones 16..31. */
+    const __m256i qs = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128((const __m128i*)(blk + (F == PIC_Q4_1 ? 4 : 2))));
+    const __m256i lo8 = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                         4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+    const __m256i hi8 = _mm256_setr_epi8(8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1,
+                                         12, -1, -1, -1, 13, -1, -1, -1, 14, -1, -1, -1, 15, -1, -1, -1);
+    const __m256i b0 = _mm256_shuffle_epi8(qs, lo8); /* bytes 0..7, one per lane */
+    const __m256i b1 = _mm256_shuffle_epi8(qs, hi8); /* bytes 8..15 */
+    const __m256i m4 = _mm256_set1_epi32(15);
+    __m256i n[4] = {_mm256_and_si256(b0, m4), _mm256_and_si256(b1, m4),
+                    _mm256_srli_epi32(b0, 4), _mm256_srli_epi32(b1, 4)};
+    for (int i = 0; i < 4; ++i) {
+        if (F == PIC_Q4_0 && center) n[i] = _mm256_sub_epi32(n[i], _mm256_set1_epi32(8));
+        v[i] = _mm256_cvtepi32_ps(n[i]);
+    }
+}
+
+/* One block of qdot_n (q8_0): block b of the row for N tokens, into accumulator u of each. */
+PIC_INLINE void qdot_block(const int F, const uint8_t* w, int64_t b, const float* const* xs,
+                           __m256* acc, const int N, const int U, const int u) {
+    const uint8_t* blk = w + b * pic_qbytes(F);
+    __m256 v[4];
+    qvals(F, blk, v, 0);
+    const __m256 s = _mm256_broadcastss_ps(qhead(blk));
+    for (int n = 0; n < N; ++n) {
+        const float* x = xs[n] + b * PIC_QK;
+        __m256 q = _mm256_mul_ps(v[0], _mm256_loadu_ps(x));
+        q = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(x + 8), q);
+        q = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(x + 16), q);
+        q = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(x + 24), q);
+        acc[n * U + u] = _mm256_fmadd_ps(s, q, acc[n * U + u]);
+    }
+}
+#else
+/* The 32 weights of a block, dequantized (the reference's arithmetic, in float32). */
+PIC_INLINE void qdeq32(const int F, const uint8_t* blk, float w[32]) {
+    const float s = pq_f16((uint16_t)(blk[0] | blk[1] << 8));
+    if (F == PIC_Q8_0) {
+        for (int i = 0; i < 32; ++i) w[i] = s * (float)(int8_t)blk[2 + i];
+    } else if (F == PIC_Q4_0) {
+        for (int i = 0; i < 16; ++i) {
+            w[i] = s * (float)((blk[2 + i] & 15) - 8);
+            w[i + 16] = s * (float)((blk[2 + i] >> 4) - 8);
+        }
+    } else {
+        const float m = pq_f16((uint16_t)(blk[2] | blk[3] << 8));
+        for (int i = 0; i < 16; ++i) {
+            w[i] = s * (float)(blk[4 + i] & 15) + m;
+            w[i + 16] = s * (float)(blk[4 + i] >> 4) + m;
+        }
+    }
+}
+#endif
+
+/* res[n] = w . xs[n] for n < N over a quantized row of d weights: one pass over its blocks for
+ * all N tokens, N tokens x U vector accumulators (N * U <= 8; consecutive blocks take turns).
+ * xa[n]: token n rounded to int8 blocks (read by 4-bit rows; q8_0 rows read xs). */
+PIC_INLINE void qdot_n(const int F, const void* row, const float* const* xs,
+                       const pq_act* const* xa, int64_t d, float* res, const int N, const int U) {
+    const uint8_t* w = (const uint8_t*)row;
+    const int64_t nb = d / PIC_QK, qb = pic_qbytes(F);
+    if (F != PIC_Q8_0) {  /* 4-bit: integer dots with x rounded to int8 (qblocks.h) */
+        pq_q4_dot(w, F == PIC_Q4_1, nb, xa, res, N, U, PIC_PF_BYTES);
+        return;
+    }
+#if PIC_SIMD
+    __m256 acc[8];
+    for (int i = 0; i < N * U; ++i) acc[i] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + PIC_QGROUP <= nb; b += PIC_QGROUP) {
+        for (int l = 0; l < pic_qlines(F); ++l) PIC_PREFETCH(w + b * qb + PIC_PF_BYTES + 64 * l);
+        for (int k = 0; k < PIC_QGROUP; ++k) qdot_block(F, w, b + k, xs, acc, N, U, k % U);
+    }
+    for (; b < nb; ++b) qdot_block(F, w, b, xs, acc, N, U, 0);
+    for (int n = 0; n < N; ++n) {
+        __m256 t = acc[n * U];
+        for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, acc[n * U + u]);
+        res[n] = pq_hsum(t);
+    }
+#else
+    float r[PIC_MAXTOK] = {0};
+    float wb[32];
+    (void)U; (void)xa;
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = w + b * qb;
+        PIC_PREFETCH(blk + PIC_PF_BYTES);
+        qdeq32(F, blk, wb);
+        for (int n = 0; n < N; ++n) {
+            const float* x = xs[n] + b * PIC_QK;
+            float t = 0.0f;
+            for (int i = 0; i < 32; ++i) t += wb[i] * x[i];
+            r[n] += t;
+        }
+    }
+    for (int n = 0; n < N; ++n) res[n] = r[n];
+#endif
+}
+
+#if PIC_SIMD
+/* One block of qaxpy_n. */
+PIC_INLINE void qaxpy_block(const int F, const uint8_t* w, int64_t b, const __m256* hv,
+                            float* const* ps, const int N) {
+    const uint8_t* blk = w + b * pic_qbytes(F);
+    __m256 v[4];
+    qvals(F, blk, v, 1);
+    const __m128 head = qhead(blk);
+    const __m256 s = _mm256_broadcastss_ps(head);
+    if (F == PIC_Q4_1) {  /* dequantized: s * n + m */
+        const __m256 mn = _mm256_broadcastss_ps(_mm_movehdup_ps(head));
+        for (int i = 0; i < 4; ++i) v[i] = _mm256_fmadd_ps(s, v[i], mn);
+    }
+    for (int n = 0; n < N; ++n) {
+        /* q8_0 / q4_0: h * s, the block's integers scale by it; q4_1: h */
+        const __m256 c = F == PIC_Q4_1 ? hv[n] : _mm256_mul_ps(hv[n], s);
+        float* p = ps[n] + b * PIC_QK;
+        for (int i = 0; i < 4; ++i)
+            _mm256_storeu_ps(p + 8 * i, _mm256_fmadd_ps(c, v[i], _mm256_loadu_ps(p + 8 * i)));
+    }
+}
+#endif
+
+/* ps[n] += hs[n] * w for n < N over a quantized row of d weights: one pass over its blocks. */
+PIC_INLINE void qaxpy_n(const int F, const void* row, const float* hs, float* const* ps,
+                        int64_t d, const int N) {
+    const uint8_t* w = (const uint8_t*)row;
+    const int64_t nb = d / PIC_QK, qb = pic_qbytes(F);
+#if PIC_SIMD
+    __m256 hv[PIC_MAXTOK];
+    for (int n = 0; n < N; ++n) hv[n] = _mm256_set1_ps(hs[n]);
+    int64_t b = 0;
+    for (; b + PIC_QGROUP <= nb; b += PIC_QGROUP) {
+        for (int l = 0; l < pic_qlines(F); ++l) PIC_PREFETCH(w + b * qb + PIC_PF_BYTES + 64 * l);
+        for (int k = 0; k < PIC_QGROUP; ++k) qaxpy_block(F, w, b + k, hv, ps, N);
+    }
+    for (; b < nb; ++b) qaxpy_block(F, w, b, hv, ps, N);
+#else
+    float wb[32];
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = w + b * qb;
+        PIC_PREFETCH(blk + PIC_PF_BYTES);
+        qdeq32(F, blk, wb);
+        for (int n = 0; n < N; ++n) {
+            float* p = ps[n] + b * PIC_QK;
+            for (int i = 0; i < 32; ++i) p[i] += hs[n] * wb[i];
+        }
+    }
+#endif
+}
+
+/* ---- the row operations, on one row of d weights in format F, for nt <= 8 tokens ---- */
+PIC_INLINE void row_prefetch(const void* row, int64_t rb) { prefetch_bytes(row, rb); }
+
+PIC_INLINE void dot_n(const int F, const void* w, const float* const* xs, const pq_act* const* xa,
+                      int64_t d, float* res, const int N, const int U) {
+    if (PIC_IS_QUANT(F)) qdot_n(F, w, xs, xa, d, res, N, U);
+    else fdot_n(F, w, xs, d, res, N, U);
+}
+
+PIC_INLINE void axpy_n(const int F, const void* w, const float* hs, float* const* ps, int64_t d,
+                       const int N) {
+    if (PIC_IS_QUANT(F)) qaxpy_n(F, w, hs, ps, d, N);
+    else faxpy_n(F, w, hs, ps, d, N);
+}
+
+/* res[n] = row . xs[n] for n < nt (xa: the tokens rounded to int8, for q4_* rows). Dispatches on
+ * the token count so that every instance has compile-time N and U. */
+PIC_INLINE void row_dot(const int F, const void* w, const float* const* xs,
+                        const pq_act* const* xa, int nt, int64_t d, float* res) {
+    switch (nt) {
+    case 1: dot_n(F, w, xs, xa, d, res, 1, 4); break;
+    case 2: dot_n(F, w, xs, xa, d, res, 2, 4); break;
+    case 3: dot_n(F, w, xs, xa, d, res, 3, 2); break;
+    case 4: dot_n(F, w, xs, xa, d, res, 4, 2); break;
+    case 5: dot_n(F, w, xs, xa, d, res, 5, 1); break;
+    case 6: dot_n(F, w, xs, xa, d, res, 6, 1); break;
+    case 7: dot_n(F, w, xs, xa, d, res, 7, 1); break;
+    default: dot_n(F, w, xs, xa, d, res, 8, 1); break;
+    }
+}
+
+/* ps[n] += hs[n] * row for n < nt */
+PIC_INLINE void row_axpy(const int F, const void* w, const float* hs, float* const* ps, int nt,
+                         int64_t d) {
+    switch (nt) {
+    case 1: axpy_n(F, w, hs, ps, d, 1); break;
+    case 2: axpy_n(F, w, hs, ps, d, 2); break;
+    case 3: axpy_n(F, w, hs, ps, d, 3); break;
+    case 4: axpy_n(F, w, hs, ps, d, 4); break;
+    case 5: axpy_n(F, w, hs, ps, d, 5); break;
+    case 6: axpy_n(F, w, hs, ps, d, 6); break;
+    case 7: axpy_n(F, w, hs, ps, d, 7); break;
+    default: axpy_n(F, w, hs, ps, d, 8); break;
+    }
+}
+
+/* The instances this library uses, one per matrix and its format: gate and up rows are only
+ * ever dotted with x, down rows only ever added into the outputs, and predict's matrices are
+ * etype. */
+static void gu_dot(const void* w, const float* const* xs, const pq_act* const* xa, int nt,
+                   int64_t d, float* res) {
+    row_dot(PIC_WDTYPE, w, xs, xa, nt, d, res);
+}
+
+static void down_axpy(const void* w, const float* hs, float* const* ps, int nt, int64_t d) {
+    row_axpy(PIC_DDTYPE, w, hs, ps, nt, d);
+}
+
+static void pred_dot(const etype* w, const float* const* xs, int nt, int64_t d, float* res) {
+    row_dot(PIC_EDTYPE, w, xs, NULL, nt, d, res);
+}
+
+static void pred_axpy(const etype* w, const float* hs, float* const* ps, int nt, int64_t d) {
+    row_axpy(PIC_EDTYPE, w, hs, ps, nt, d);
+}
+
+/* A neuron that passed the first test: gated blocks, act(gate) != 0 for some token (its up and
+ * down rows are needed); plain blocks, |h| > threshold for some token (its down row is needed). */
+typedef struct {
+    int64_t j;              /* neuron */
+    int nf;                 /* tokens that passed */
+    int tok[PIC_MAXTOK];    /* which (index into the token group) */
+    float a[PIC_MAXTOK];    /* gated: act(gate); plain: h */
+} pic_fired;
+
+/* Candidates [lo, hi) for one group of nt <= 8 tokens (rows xs, partial outputs ps), in blocks of
+ * PIC_BLOCK neurons: first the first projection of every neuron of the block (gate rows stream
+ * in order), then the up / down rows of only the neurons that fired, prefetching ahead. Returns
+ * the number of active (token, neuron) pairs. */
+static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float* const* xs,
+                         const pq_act* const* xa, int nt, int64_t d, const void* w_gate,
+                         const void* w_up, const void* w_down_t, const float* b_gate,
+                         const float* b_up, float threshold, float* const* ps) {
+    int64_t total = 0;
+    const int64_t rb = row_bytes(PIC_WDTYPE, d);  /* gate and up rows */
+    const int64_t rbd = row_bytes(PIC_DDTYPE, d); /* down rows */
+    pic_fired f[PIC_BLOCK];
+#if !PIC_BIAS
+    (void)b_gate; (void)b_up;
+#endif
+#if !PIC_GATED
+    (void)w_gate; (void)b_gate;
+#endif
+    for (int64_t b0 = lo; b0 < hi; b0 += PIC_BLOCK) {
+        const int64_t b1 = b0 + PIC_BLOCK < hi ? b0 + PIC_BLOCK : hi;
+        int nfired = 0;
+#if PIC_GATED && PIC_H_FIRST
+        float gs[PIC_BLOCK][PIC_MAXTOK]; /* gate x of the block's neurons, read first */
+        for (int64_t i = b0; i < b1; ++i)
+            gu_dot(row_at(w_gate, idx ? (int64_t)idx[i] : i, rb), xs, xa, nt, d, gs[i - b0]);
+#endif
+        for (int64_t i = b0; i < b1; ++i) {
+            const int64_t j = idx ? (int64_t)idx[i] : i;
+            if (idx && i + 1 < hi) /* candidates are scattered: start the next one's first row */
+                row_prefetch(row_at(PIC_GATED ? w_gate : w_up, idx[i + 1], rb), rb);
+            pic_fired* fi = &f[nfired];
+            float g[PIC_MAXTOK];
+            fi->j = j;
+            fi->nf = 0;
+#if PIC_GATED && !PIC_H_FIRST
+            const float b = PIC_BIAS && b_gate ? b_gate[j] : 0.0f;
+            gu_dot(row_at(w_gate, j, rb), xs, xa, nt, d, g);
+            for (int n = 0; n < nt; ++n) {
+                const float a = act_fn(g[n] + b);
+                if (a != 0.0f) { fi->tok[fi->nf] = n; fi->a[fi->nf] = a; ++fi->nf; }
+            }
+#elif PIC_GATED  /* the gate rows of the block were read above: now its up rows */
+            const float b = PIC_BIAS && b_gate ? b_gate[j] : 0.0f;
+            const float bu = PIC_BIAS && b_up ? b_up[j] : 0.0f;
+            gu_dot(row_at(w_up, j, rb), xs, xa, nt, d, g);
+            for (int n = 0; n < nt; ++n) {
+                float uv = g[n] + bu;
+#if PIC_DRELU
+                uv = uv > 0.0f ? uv : 0.0f;
+#endif
+                const float h = act_fn(gs[i - b0][n] + b) * uv;
+                if (fabsf(h) > threshold) { fi->tok[fi->nf] = n; fi->a[fi->nf] = h; ++fi->nf; }
+            }
+#else
+            const float b = PIC_BIAS && b_up ? b_up[j] : 0.0f;
+            gu_dot(row_at(w_up, j, rb), xs, xa, nt, d, g);
+            for (int n = 0; n < nt; ++n) {
+                const float h = act_fn(g[n] + b);
+                if (fabsf(h) > threshold) { fi->tok[fi->nf] = n; fi->a[fi->nf] = h; ++fi->nf; }
+            }
+#endif
+            nfired += fi->nf > 0;
+        }
+        for (int q = 0; q < nfired; ++q) {
+            const int64_t j = f[q].j;
+            if (q + 1 < nfired) { /* start the next fired neuron's rows on their way */
+#if PIC_GATED && !PIC_H_FIRST
+                row_prefetch(row_at(w_up, f[q + 1].j, rb), rb);
+#endif
+                row_prefetch(row_at(w_down_t, f[q + 1].j, rbd), rbd);
+            }
+            float hv[PIC_MAXTOK];  /* h of the active tokens */
+            float* pa[PIC_MAXTOK]; /* their partial-output rows */
+            int na = 0;
+#if PIC_GATED && !PIC_H_FIRST
+            const float* xf[PIC_MAXTOK];
+            const pq_act* xaf[PIC_MAXTOK];
+            float u[PIC_MAXTOK];
+            const float bu = PIC_BIAS && b_up ? b_up[j] : 0.0f;
+            for (int k = 0; k < f[q].nf; ++k) {
+                xf[k] = xs[f[q].tok[k]];
+                xaf[k] = xa ? xa[f[q].tok[k]] : NULL;
+            }
+            gu_dot(row_at(w_up, j, rb), xf, xaf, f[q].nf, d, u);
+            for (int k = 0; k < f[q].nf; ++k) {
+                float uv = u[k] + bu;
+#if PIC_DRELU
+                uv = uv > 0.0f ? uv : 0.0f;
+#endif
+                const float h = f[q].a[k] * uv;
+                if (fabsf(h) > threshold) { hv[na] = h; pa[na] = ps[f[q].tok[k]]; ++na; }
+            }
+#else
+            for (int k = 0; k < f[q].nf; ++k) { hv[k] = f[q].a[k]; pa[k] = ps[f[q].tok[k]]; }
+            na = f[q].nf;
+#endif
+            if (na) down_axpy(row_at(w_down_t, j, rbd), hv, pa, na, d);
+            total += na;
+        }
+    }
+    return total;
+}
+
+static int pic_threads = 0;
+
+void pic_set_num_threads(int n) { pic_threads = n; }
+
+const char* pic_variant(void) { return PIC_VARIANT; }
+
+/* The neurons set in any of the T rows of mask [T, n_ff], ascending, into idx; their count. */
+static int64_t mask_union(const uint8_t* mask, int64_t T, int64_t n_ff, int32_t* idx) {
+    int64_t m = 0;
+    for (int64_t j = 0; j < n_ff; ++j) {
+        uint8_t any = 0;
+        for (int64_t t = 0; t < T; ++t) any |= mask[t * n_ff + j];
+        if (any) idx[m++] = (int32_t)j;
+    }
+    return m;
+}
+
+static void ffn_candidates(const float* x, int64_t T, int64_t d, int64_t n_ff,
+                           const void* w_gate, const void* w_up, const void* w_down_t,
+                           const float* b_gate, const float* b_up, const float* b_down,
+                           const int32_t* idx, int64_t m, float threshold, float* out,
+                           int64_t* n_active);
+
+void ffn(const float* x, int64_t T, int64_t d, int64_t n_ff,
+         const void* w_gate, const void* w_up, const void* w_down_t,
+         const float* b_gate, const float* b_up, const float* b_down,
+         const int32_t* idx, int64_t m, const uint8_t* mask, float threshold, float* out,
+         int64_t* n_active) {
+    if (idx || !mask) {
+        ffn_candidates(x, T, d, n_ff, w_gate, w_up, w_down_t, b_gate, b_up, b_down, idx, m,
+                       threshold, out, n_active);
+        return;
+    }
+    int32_t* predicted = (int32_t*)malloc((size_t)(n_ff > 0 ? n_ff : 1) * sizeof(int32_t));
+    if (!predicted) { *n_active = -1; return; }
+    m = T > 0 ? mask_union(mask, T, n_ff, predicted) : 0;
+    ffn_candidates(x, T, d, n_ff, w_gate, w_up, w_down_t, b_gate, b_up, b_down, predicted, m,
+                   threshold, out, n_active);
+    free(predicted);
+}
+
+int predict(const float* x, int64_t T, int64_t d, int64_t r, int64_t n_ff,
+            const etype* p1, const float* pb1, const etype* p2t, const float* pb2,
+            float tau, uint8_t* mask) {
+    if (T <= 0) return 0;
+    const size_t rr = (size_t)(r > 0 ? r : 1);
+    float* z = (float*)malloc((size_t)T * rr * sizeof(float)); /* [T, r] */
+    int32_t* live = (int32_t*)malloc(rr * sizeof(int32_t));    /* rows of p2t some token needs */
+    if (!z || !live) { free(z); free(live); return -1; }
+    int nthr = 1;
+#ifdef _OPENMP
+    nthr = pic_threads > 0 ? pic_threads : omp_get_max_threads();
+#endif
+    for (int64_t t0 = 0; t0 < T; t0 += PIC_MAXTOK) {
+        const int nt = (int)(T - t0 < PIC_MAXTOK ? T - t0 : PIC_MAXTOK);
+        const float* xs[PIC_MAXTOK];
+        for (int n = 0; n < nt; ++n) xs[n] = x + (t0 + n) * d;
+        int64_t nlive = 0;
+        const int par = (double)r * (double)(d + n_ff) * nt >= PIC_PARALLEL_MIN;
+        (void)par;
+#ifdef _OPENMP
+#pragma omp parallel if(par) num_threads(nthr)
+#endif
+        {
+            /* z = relu(p1 x + pb1): threads split the rows of p1 */
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+            for (int64_t i = 0; i < r; ++i) {
+                float s[PIC_MAXTOK];
+                pred_dot(p1 + i * d, xs, nt, d, s);
+                for (int n = 0; n < nt; ++n) {
+                    const float v = s[n] + pb1[i];
+                    z[(t0 + n) * r + i] = v > 0.0f ? v : 0.0f;
+                }
+            }
+            /* (barrier) the rows i where relu left z nonzero for some token: about half */
+#ifdef _OPENMP
+#pragma omp single
+#endif
+            for (int64_t i = 0; i < r; ++i) {
+                int any = 0;
+                for (int n = 0; n < nt; ++n) any |= z[(t0 + n) * r + i] != 0.0f;
+                if (any) live[nlive++] = (int32_t)i;
+            }
+            /* (barrier) mask = p2 z + pb2 > tau with p2 transposed ([r, n_ff]): each thread takes
+             * one contiguous slice of the neurons (whole cache lines) and accumulates
+             * z[i] * p2t[i, slice] over the live rows i, prefetching the next row's slice. */
+            int me = 0, nth = 1;
+#ifdef _OPENMP
+            me = omp_get_thread_num();
+            nth = omp_get_num_threads();
+#endif
+            const int64_t lines = (n_ff + PIC_WPL - 1) / PIC_WPL;
+            const int64_t lo = lines * me / nth * PIC_WPL;
+            const int64_t hi_ = lines * (me + 1) / nth * PIC_WPL, hi = hi_ < n_ff ? hi_ : n_ff;
+            const int64_t per = PIC_PRED_ACC / nt; /* neurons per pass */
+            float acc[PIC_PRED_ACC];
+            for (int64_t j0 = lo; j0 < hi; j0 += per) {
+                const int64_t nj = hi - j0 < per ? hi - j0 : per;
+                float* ps[PIC_MAXTOK];
+                for (int n = 0; n < nt; ++n) {
+                    ps[n] = acc + n * nj;
+                    memcpy(ps[n], pb2 + j0, (size_t)nj * sizeof(float));
+                }
+                for (int64_t q = 0; q < nlive; ++q) {
+                    const int64_t i = live[q];
+                    if (q + 1 < nlive) prefetch_head(p2t + live[q + 1] * n_ff + j0, nj);
+                    float zi[PIC_MAXTOK];
+                    for (int n = 0; n < nt; ++n) zi[n] = z[(t0 + n) * r + i];
+                    pred_axpy(p2t + i * n_ff + j0, zi, ps, nt, nj);
+                }
+                for (int n = 0; n < nt; ++n)
+                    for (int64_t j = 0; j < nj; ++j) mask[(t0 + n) * n_ff + j0 + j] = ps[n][j] > tau;
+            }
+        }
+    }
+    free(z);
+    free(live);
+    return 0;
+}
+
+static void ffn_candidates(const float* x, int64_t T, int64_t d, int64_t n_ff,
+                           const void* w_gate, const void* w_up, const void* w_down_t,
+                           const float* b_gate, const float* b_up, const float* b_down,
+                           const int32_t* idx, int64_t m, float threshold, float* out,
+                           int64_t* n_active) {
+    const int64_t M = idx ? m : n_ff; /* candidate neurons */
+    *n_active = 0;
+    if (T <= 0 || d <= 0) return;
+#if !PIC_BIAS
+    (void)b_down;
+#endif
+    const int64_t dp = (d + 15) & ~(int64_t)15; /* partial rows padded to 64 bytes */
+    /* The candidates are cut into nch contiguous chunks, each with its own partial output
+     * [T][dp]. Threads take chunks dynamically (a descheduled thread does not hold the others
+     * up) and the partials are summed in chunk order, so the result does not depend on the
+     * thread count or on which thread ran which chunk. */
+    int64_t nch = M < PIC_CHUNKS ? M : PIC_CHUNKS;
+    while (nch > 1 && nch * T * dp * (int64_t)sizeof(float) > PIC_PARTIAL_MAX_BYTES) nch /= 2;
+    int nthr = 1;
+#ifdef _OPENMP
+    nthr = pic_threads > 0 ? pic_threads : omp_get_max_threads();
+    if ((double)M * (double)d * (double)T < PIC_PARALLEL_MIN) nthr = 1;
+    if (nthr > nch) nthr = nch > 0 ? (int)nch : 1;
+#endif
+    size_t bytes = (size_t)(nch > 0 ? nch : 1) * (size_t)T * (size_t)dp * sizeof(float);
+    float* part = (float*)aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+    if (!part) { *n_active = -1; return; }
+    pq_act* acts = NULL; /* [T] x rounded to int8 blocks (PIC_QACT) */
+#if PIC_QACT
+    acts = pq_quantize_rows(x, T, d);
+    if (!acts) { free(part); *n_active = -1; return; }
+#endif
+    int64_t total = 0;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nthr) reduction(+ : total)
+#endif
+    {
+        const float* xs[PIC_MAXTOK];
+        const pq_act* xa[PIC_MAXTOK] = {NULL};
+        float* ps[PIC_MAXTOK];
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (int64_t c = 0; c < nch; ++c) {
+            float* mine = part + (size_t)c * T * dp;
+            memset(mine, 0, (size_t)T * dp * sizeof(float));
+            const int64_t lo = M * c / nch, hi = M * (c + 1) / nch; /* gate rows stream in order */
+            for (int64_t t0 = 0; t0 < T; t0 += PIC_MAXTOK) {
+                const int nt = (int)(T - t0 < PIC_MAXTOK ? T - t0 : PIC_MAXTOK);
+                for (int n = 0; n < nt; ++n) {
+                    xs[n] = x + (t0 + n) * d;
+                    if (acts) xa[n] = acts + t0 + n;
+                    ps[n] = mine + (t0 + n) * dp;
+                }
+                total += run_range(lo, hi, idx, xs, acts ? xa : NULL, nt, d, w_gate, w_up,
+                                   w_down_t, b_gate, b_up, threshold, ps);
+            }
+        } /* implicit barrier: all partials complete */
+        /* out[t][k] = b_down[k] + sum over chunks, in chunk order; threads split the columns. */
+#ifdef _OPENMP
+#pragma omp for schedule(static) collapse(2)
+#endif
+        for (int64_t t = 0; t < T; ++t) {
+            for (int64_t kb = 0; kb < dp; kb += 64) {
+                const int64_t kend = kb + 64 < d ? kb + 64 : d;
+                for (int64_t k = kb; k < kend; ++k) {
+#if PIC_BIAS
+                    float s = b_down ? b_down[k] : 0.0f;
+#else
+                    float s = 0.0f;
+#endif
+                    for (int64_t c = 0; c < nch; ++c) s += part[((size_t)c * T + t) * dp + k];
+                    out[t * d + k] = s;
+                }
+            }
+        }
+    }
+    free(part);
+    free(acts);
+    *n_active = total;
+}
