@@ -164,6 +164,14 @@ def test_step_refuses_positions_outside_the_cache():
         dec.step(torch.tensor([3]), dec.max_len)
 
 
+def test_q_k_v_run_in_one_call():
+    """q, k and v share their library: the decoder binds pi_dense_multi for the three."""
+    cm = picompile.compile(_model("llama_relu"), quiet=True)
+    dec = cm.decoder()
+    dec.reserve(8)
+    assert all(layer.qkv_fn for layer in dec._layers)
+
+
 def test_key_names_the_bound_kernels():
     cm = picompile.compile(_model("llama_relu"), quiet=True)
     key = Decoder.key(cm.model)

@@ -9,6 +9,8 @@ layer's own F.linear in the model's dtype, where that dtype's rounding sets the 
 
 from __future__ import annotations
 
+import ctypes
+
 import copy
 import io
 import warnings
@@ -159,6 +161,37 @@ def test_kernel_thread_count_independent():
     finally:
         torch.set_num_threads(n)
     assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("variant", list(dense.VARIANTS))
+def test_multi_is_one_call_per_matrix(variant):
+    """pi_dense_multi (the decoder's q, k and v in one call) over 3 matrices of one format and
+    input width, with and without biases, equals pi_dense on each, bit for bit."""
+    from picompile import quant
+
+    gen = torch.Generator().manual_seed(5)
+    K, T = 96, 2
+    Os = (200, 24, 5)  # many chunks, one chunk, a tail
+    if variant in dense.QFORMATS:
+        Ws = [quant.quantize(torch.randn(O, K, generator=gen), variant) for O in Os]
+    else:
+        Ws = [torch.randn(O, K, generator=gen).to(dense.DTYPES[variant]) for O in Os]
+    bs = [None, torch.randn(24, generator=gen), torch.randn(5, generator=gen)]
+    if variant not in dense.QFORMATS:
+        bs = [None if b is None else b.to(dense.DTYPES[variant]) for b in bs]
+    x = torch.randn(T, K, generator=gen)
+    lib = dense.load(variant)
+    lib.pi_set_num_threads(2)
+    lib._pi_threads = None
+    ptrs = lambda ts: (ctypes.c_void_p * 3)(*[None if t is None else t.data_ptr() for t in ts])  # noqa: E731
+    outs = [torch.full((T, O), float("nan")) for O in Os]
+    lib.pi_dense_multi(x.data_ptr(), T, K, 3, ptrs(Ws), (ctypes.c_int64 * 3)(*Os), ptrs(bs),
+                       ptrs(outs))
+    for W, b, O, got in zip(Ws, bs, Os, outs):
+        want = torch.empty(T, O)
+        lib.pi_dense(x.data_ptr(), T, K, W.data_ptr(), O, None if b is None else b.data_ptr(),
+                     want.data_ptr())
+        assert torch.equal(got, want), (variant, O)
 
 
 def test_no_kernel(monkeypatch):

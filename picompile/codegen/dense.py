@@ -100,6 +100,7 @@ def build(variant: str, avx512: bool = False, tuning: dict[str, int] | None = No
 
 _vp, _i64 = ctypes.c_void_p, ctypes.c_int64
 _DENSE_ARGTYPES = [_vp, _i64, _i64, _vp, _i64, _vp, _vp]  # x, T, K, W, O, b, out
+_DENSE_MULTI_ARGTYPES = [_vp, _i64, _i64, ctypes.c_int, _vp, _vp, _vp, _vp]  # x, T, K, n, W[], O[], b[], out[]
 
 _libs: dict[tuple, ctypes.CDLL] = {}
 _libs_lock = threading.Lock()
@@ -122,7 +123,8 @@ def load(variant: str, avx512: bool = False, tuning: dict[str, int] | None = Non
                 path = build(variant, avx512, tuning)
                 try:
                     lib = ctypes.CDLL(str(path))
-                    for symbol in ("pi_dense", "pi_set_num_threads", "pi_dense_variant"):
+                    for symbol in ("pi_dense", "pi_dense_multi", "pi_set_num_threads",
+                                   "pi_dense_variant"):
                         getattr(lib, symbol)
                 except (OSError, AttributeError) as e:
                     raise c.LoadFailed(f"{path}: {e}") from e
@@ -131,6 +133,8 @@ def load(variant: str, avx512: bool = False, tuning: dict[str, int] | None = Non
                 raise
             lib.pi_dense.argtypes = _DENSE_ARGTYPES
             lib.pi_dense.restype = None
+            lib.pi_dense_multi.argtypes = _DENSE_MULTI_ARGTYPES
+            lib.pi_dense_multi.restype = None
             lib.pi_set_num_threads.argtypes = [ctypes.c_int]
             lib.pi_set_num_threads.restype = None
             lib.pi_dense_variant.argtypes = []

@@ -14,7 +14,8 @@
  *
  * The weight-bearing work runs in picompile's other kernels, called through function pointers
  * the caller takes from their loaded libraries (so each keeps its own dtype, variant and build):
- *     pi_dense (kernels/dense.c) for every linear layer, ffn / predict (codegen/c.py) for the FFN.
+ *     pi_dense (kernels/dense.c) for every linear layer (pi_dense_multi for q, k and v together
+ *     where they share a library), ffn / predict (codegen/c.py) for the FFN.
  * This file does the glue: norms, RoPE, the KV cache and attention, all in float32.
  *
  * Exported:
@@ -33,6 +34,9 @@
 
 typedef void (*pi_dense_fn)(const float* x, int64_t T, int64_t K, const void* W, int64_t O,
                             const void* b, float* out);
+typedef void (*pi_dense_multi_fn)(const float* x, int64_t T, int64_t K, int n,
+                                  const void* const* W, const int64_t* O, const void* const* b,
+                                  float* const* out);
 typedef void (*pi_ffn_fn)(const float* x, int64_t T, int64_t d, int64_t n_ff, const void* w_gate,
                           const void* w_up, const void* w_down_t, const float* b_gate,
                           const float* b_up, const float* b_down, const int32_t* idx, int64_t m,
@@ -74,6 +78,8 @@ typedef struct {
     pi_ffn ffn;
     float* k_cache;          /* [n_kv_heads, max_len, head_dim] */
     float* v_cache;          /* [n_kv_heads, max_len, head_dim] */
+    void* qkv_fn;            /* pi_dense_multi of the library q, k and v share (one call for
+                                the three), or NULL: three pi_dense calls */
 } pi_layer;
 
 typedef struct {
@@ -187,9 +193,17 @@ int pi_decoder_step(const pi_decoder* m, int64_t pos, float* x, float* logits) {
     for (int64_t l = 0; l < m->n_layers; ++l) {
         const pi_layer* L = m->layers + l;
         rmsnorm(x, L->attn_norm, d, m->eps, h);
-        linear(&L->q, h, d, q);
-        linear(&L->k, h, d, k);
-        linear(&L->v, h, d, v);
+        if (L->qkv_fn) {
+            const void* W[3] = {L->q.w, L->k.w, L->v.w};
+            const void* B[3] = {L->q.b, L->k.b, L->v.b};
+            const int64_t O[3] = {L->q.out_features, L->k.out_features, L->v.out_features};
+            float* out[3] = {q, k, v};
+            ((pi_dense_multi_fn)L->qkv_fn)(h, 1, d, 3, W, O, B, out);
+        } else {
+            linear(&L->q, h, d, q);
+            linear(&L->k, h, d, k);
+            linear(&L->v, h, d, v);
+        }
         rope(q, m->n_heads, hd, cos, sin);
         rope(k, m->n_kv_heads, hd, cos, sin);
         for (int64_t g = 0; g < m->n_kv_heads; ++g) {

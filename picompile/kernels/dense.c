@@ -28,6 +28,14 @@
  *       d * q). The 4-bit formats (q4_0: d * (q - 8), q4_1: d * q + m) take x rounded to 8 bits
  *       per block of 32 (qblocks.h) and dot the integers exactly: out = W . round8(x) (+ b).
  *       Out of memory for that rounded copy of x (T * K bytes): out is all NaN.
+ *   void pi_dense_multi(const float* x, int64_t T, int64_t K,   x as pi_dense takes it
+ *                       int n,                  1 <= n <= 8 matrices over that same x
+ *                       const wtype* const* W, const int64_t* O, const btype* const* b,
+ *                       float* const* out);     [n] each: W[i] [O[i], K], b[i] or NULL,
+ *                                               out[i] [T, O[i]]
+ *       out[i] = pi_dense(x, W[i], b[i]) for every i, in one parallel region (the chunks of
+ *       all n matrices scheduled together; the 4-bit formats round x once): a decoder's q, k
+ *       and v projections in one call.
  *   void pi_set_num_threads(int n);  OpenMP threads for pi_dense (<= 0: the OpenMP default)
  *   const char* pi_dense_variant(void);  e.g. "float16 avx512", "q4_0 avx2" (format and ISA)
  *
@@ -404,32 +412,45 @@ void pi_set_num_threads(int n) { pi_threads = n; }
 
 const char* pi_dense_variant(void) { return PI_DTYPE " " PI_ISA; }
 
-void pi_dense(const float* x, int64_t T, int64_t K, const wtype* W, int64_t O, const btype* b,
-              float* out) {
-    if (T <= 0 || O <= 0) return;
+#define PI_MAXMAT 8 /* matrices per pi_dense_multi call */
+
+void pi_dense_multi(const float* x, int64_t T, int64_t K, int n, const wtype* const* W,
+                    const int64_t* O, const btype* const* b, float* const* out) {
+    if (T <= 0 || n <= 0 || n > PI_MAXMAT) return;
     if (K <= 0) { /* empty sums: the bias alone */
-        for (int64_t t = 0; t < T; ++t)
-            for (int64_t o = 0; o < O; ++o) out[t * O + o] = b ? b2f(b[o]) : 0.0f;
+        for (int i = 0; i < n; ++i)
+            for (int64_t t = 0; t < T; ++t)
+                for (int64_t o = 0; o < O[i]; ++o) out[i][t * O[i] + o] = b[i] ? b2f(b[i][o]) : 0.0f;
         return;
     }
-    /* chunk: whole groups of 16 rows, about PI_CHUNK_BYTES of weights */
+    /* chunk: whole groups of 16 rows, about PI_CHUNK_BYTES of weights; the chunks of matrix i
+     * are first[i] .. first[i + 1] - 1 of one list */
     int64_t row_bytes = PI_ROW(K) * (int64_t)sizeof(wtype);
     if (row_bytes < 1) row_bytes = 1; /* (quantized weights with K < 32: not a valid call) */
     int64_t rows = (int64_t)PI_CHUNK_BYTES / row_bytes;
     rows = rows < 16 ? 16 : rows & ~(int64_t)15;
-    const int64_t nch = (O + rows - 1) / rows;
+    int64_t first[PI_MAXMAT + 1], total_rows = 0;
+    first[0] = 0;
+    for (int i = 0; i < n; ++i) {
+        first[i + 1] = first[i] + (O[i] > 0 ? (O[i] + rows - 1) / rows : 0);
+        total_rows += O[i] > 0 ? O[i] : 0;
+    }
+    const int64_t nch = first[n];
+    if (nch == 0) return;
     pq_act* acts = NULL;
 #if PI_Q4
-    acts = pq_quantize_rows(x, T, K);
+    acts = pq_quantize_rows(x, T, K); /* once for all the matrices */
     if (!acts) { /* loud, not silently wrong */
-        for (int64_t i = 0; i < T * O; ++i) out[i] = NAN;
+        for (int i = 0; i < n; ++i)
+            for (int64_t j = 0; j < T * O[i]; ++j) out[i][j] = NAN;
         return;
     }
 #endif
     int nthr = 1;
 #ifdef _OPENMP
     nthr = pi_threads > 0 ? pi_threads : omp_get_max_threads();
-    if ((double)O * (double)K * (double)(T < PI_MAXTOK ? T : PI_MAXTOK) < PI_PARALLEL_MIN) nthr = 1;
+    if ((double)total_rows * (double)K * (double)(T < PI_MAXTOK ? T : PI_MAXTOK) < PI_PARALLEL_MIN)
+        nthr = 1;
     if (nthr > nch) nthr = (int)nch;
 #endif
 #ifdef _OPENMP
@@ -445,9 +466,16 @@ void pi_dense(const float* x, int64_t T, int64_t K, const wtype* W, int64_t O, c
 #endif
 #endif
         for (int64_t c = 0; c < nch; ++c) {
-            const int64_t lo = c * rows, hi = lo + rows < O ? lo + rows : O;
-            rows_group(x, acts, t0, nt, K, W, O, b, out, lo, hi);
+            int i = 0;
+            while (c >= first[i + 1]) ++i;
+            const int64_t lo = (c - first[i]) * rows, hi = lo + rows < O[i] ? lo + rows : O[i];
+            rows_group(x, acts, t0, nt, K, W[i], O[i], b[i], out[i], lo, hi);
         }
     }
     free(acts);
+}
+
+void pi_dense(const float* x, int64_t T, int64_t K, const wtype* W, int64_t O, const btype* b,
+              float* out) {
+    pi_dense_multi(x, T, K, 1, &W, &O, &b, &out);
 }

@@ -254,11 +254,14 @@ class Decoder:
         layers = (native.Layer * len(self.layers))()
         max_ff = 1
         for i, ((w_in, w_post), lin, ffn) in enumerate(self.layers):
+            qkv_libs = {lin[n].kernel.library_for(1) for n in ("q_proj", "k_proj", "v_proj")}
             layers[i] = native.Layer(
                 w_in.data_ptr(), w_post.data_ptr(), self._linear(lin["q_proj"]),
                 self._linear(lin["k_proj"]), self._linear(lin["v_proj"]),
                 self._linear(lin["o_proj"]), self._ffn(ffn), self.k_cache[i].data_ptr(),
-                self.v_cache[i].data_ptr())
+                self.v_cache[i].data_ptr(),  # q, k, v in one call where they share a library
+                native.function_pointer(qkv_libs.pop().pi_dense_multi) if len(qkv_libs) == 1
+                else None)
             max_ff = max(max_ff, ffn.n_ff)
         self._mask = torch.empty(max_ff, dtype=torch.uint8)
         s = native.Decoder(
