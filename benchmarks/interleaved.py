@@ -15,35 +15,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
-import subprocess
 import time
 
 import torch
 
 import picompile
 from picompile import bench, corpus, models
-
-
-def llama_round(bins, gguf, threads: int, n: int) -> float:
-    r = subprocess.run([str(bins / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(n),
-                        "-t", str(threads), "-r", "1", "-o", "json"],
-                       capture_output=True, text=True, check=True)
-    return float(json.loads(r.stdout)[0]["avg_ts"])
-
-
-def decoder_round(dec, prompt: torch.Tensor, n: int) -> float:
-    """Tokens/s of n C decode steps (the cache filled from the prompt's positions)."""
-    dec.reserve(prompt.shape[1] + n)
-    dec.set_threads()
-    token = prompt[0, -1:]
-    t0 = time.perf_counter()
-    for pos in range(prompt.shape[1], prompt.shape[1] + n):
-        dec.step(token, pos)
-    dt = time.perf_counter() - t0
-    dec.n_active.zero_()
-    return n / dt
 
 
 def main():
@@ -61,7 +39,7 @@ def main():
     model, tok = models.load(None)
     prompt = corpus.token_batches(tok, "heldout", 1, seq_len=32)
     calib = corpus.token_batches(tok, "calibration", 16384)
-    systems = {"llama.cpp Q4_1": lambda: llama_round(bins, gguf, args.threads, args.new_tokens)}
+    systems = {"llama.cpp Q4_1": lambda: bench.llama_bench(bins, gguf, args.threads, args.new_tokens, 1)}
     for what, kw in (("dense", {}), (f"threshold @{args.sparsity:.0%}",
                                      dict(sparsity=args.sparsity, calibration=calib))):
         cm = picompile.compile(copy.deepcopy(model), gguf=gguf, quiet=True, **kw)
@@ -69,8 +47,8 @@ def main():
         if dec is None:
             raise SystemExit(f"picompile {what}: no whole-step decoder ({cm.decoder_reason})")
         systems[f"picompile {what}, gguf, C decode step"] = (
-            lambda dec=dec: decoder_round(dec, prompt, args.new_tokens))
-        decoder_round(dec, prompt, 8)  # warm up
+            lambda dec=dec: bench.decoder_tps(dec, prompt, args.new_tokens))
+        bench.decoder_tps(dec, prompt, 8)  # warm up
     runs = {name: [] for name in systems}
     for r in range(args.rounds):
         for name, run in systems.items():

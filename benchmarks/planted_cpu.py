@@ -31,7 +31,7 @@ llama.cpp's llama architecture applies SiLU in the FFN whatever the model's acti
 its outputs are not this ReLU model's; its speed is the same: a dense FFN reads every weight
 whatever the activation.
 
-Measured: decode tokens/s in interleaved rounds (benchmarks/interleaved.py's functions): each
+Measured: decode tokens/s in interleaved rounds (picompile.bench.llama_bench / decoder_tps): each
 round runs `llama-bench -p 0 -n N -r 1` on the F16 file, picompile float16 exact's whole-step
 C decoder for N steps, llama-bench on the Q4_0 file, picompile q4_0 exact, in turn; the table
 gives each system's median and best, and the median of the per-round ratios to its llama.cpp
@@ -69,7 +69,6 @@ from picompile.runtime.sparse_ffn import SparseFFN
 # beside this script (python puts its folder first on sys.path)
 import hybrid  # the planted ReLU Llama
 import llama_offload  # the tokenizer metadata, the GGUF tensor names
-from interleaved import decoder_round, llama_round
 from machine import OtherLoad
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -298,12 +297,12 @@ def main():
 
     n = args.new_tokens
     systems = {  # name -> (one round's tok/s, weight bytes per token, FFN sparsity, llama.cpp peer)
-        "llama.cpp F16": (lambda: llama_round(bins, f16, args.threads, n), llama_bytes_per_token(f16),
+        "llama.cpp F16": (lambda: bench.llama_bench(bins, f16, args.threads, n, 1), llama_bytes_per_token(f16),
                           None, None),
-        "picompile float16, exact": (lambda: decoder_round(dec16, prompt, n), b16, sp16, "llama.cpp F16"),
-        "llama.cpp Q4_0": (lambda: llama_round(bins, q4, args.threads, n), llama_bytes_per_token(q4),
+        "picompile float16, exact": (lambda: bench.decoder_tps(dec16, prompt, n), b16, sp16, "llama.cpp F16"),
+        "llama.cpp Q4_0": (lambda: bench.llama_bench(bins, q4, args.threads, n, 1), llama_bytes_per_token(q4),
                            None, None),
-        "picompile q4_0, exact": (lambda: decoder_round(decq, prompt, n), bq, spq, "llama.cpp Q4_0"),
+        "picompile q4_0, exact": (lambda: bench.decoder_tps(decq, prompt, n), bq, spq, "llama.cpp Q4_0"),
     }
     if args.dry_run:
         for path in (f16, q4):
@@ -314,7 +313,7 @@ def main():
         print(footer(t_start))
         return
     for dec in (dec16, decq):
-        decoder_round(dec, prompt, 8)  # warm up
+        bench.decoder_tps(dec, prompt, 8)  # warm up
     runs = {name: [] for name in systems}
     others = []  # other processes' CPU share while picompile ran (llama-bench's would count as other)
     for r in range(args.rounds):

@@ -108,10 +108,11 @@ def build_llama_cpp(build: pathlib.Path = BUILD) -> pathlib.Path:
     return out / "bin"
 
 
-def llama_bench(bins: pathlib.Path, gguf: pathlib.Path, threads: int, n: int) -> float:
-    """Decode tokens/s of llama-bench's tg test (mean of 3 repetitions)."""
+def llama_bench(bins: pathlib.Path, gguf: pathlib.Path, threads: int, n: int,
+                repetitions: int = 3) -> float:
+    """Decode tokens/s of llama-bench's tg test (mean of `repetitions`)."""
     r = subprocess.run([str(bins / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(n),
-                        "-t", str(threads), "-r", "3", "-o", "json"],
+                        "-t", str(threads), "-r", str(repetitions), "-o", "json"],
                        capture_output=True, text=True, check=True)
     return float(json.loads(r.stdout)[0]["avg_ts"])
 
@@ -166,16 +167,23 @@ def decoder_note(cm, prompt: torch.Tensor, n: int, tps: float) -> str:
     dec = cm.decoder()
     if dec is None:
         return f"no whole-step decoder ({cm.decoder_reason})"
+    step_tps = decoder_tps(dec, prompt, n)
+    return (f"C step alone {step_tps:.1f} tok/s, Python per token "
+            f"{(1 / tps - 1 / step_tps) * 1e3:.2f} ms")
+
+
+def decoder_tps(dec, prompt: torch.Tensor, n: int) -> float:
+    """Tokens/s of n C decode steps of a whole-step decoder after the prompt's positions (the
+    same token each step: the step's cost does not depend on it)."""
     dec.reserve(prompt.shape[1] + n)
     dec.set_threads()
     token = prompt[0, -1:]
     t0 = time.perf_counter()
     for pos in range(prompt.shape[1], prompt.shape[1] + n):
         dec.step(token, pos)
-    step_s = (time.perf_counter() - t0) / n
+    dt = time.perf_counter() - t0
     dec.n_active.zero_()
-    return (f"C step alone {1 / step_s:.1f} tok/s, Python per token "
-            f"{(1 / tps - step_s) * 1e3:.2f} ms")
+    return n / dt
 
 
 def describe(cm) -> str:

@@ -41,6 +41,7 @@ from typing import Callable
 
 import torch
 
+from picompile import quant
 from picompile.codegen import c
 from picompile.codegen.cache import cached_build
 from picompile.config import reference_forced
@@ -52,9 +53,6 @@ QFORMATS = ("q8_0", "q4_0", "q4_1")  # picompile.quant's block formats: uint8 we
 VARIANTS = (*DTYPES, *QFORMATS)  # what one library is built for
 # PI_WDTYPE in dense.c
 _WDTYPE_CODE = {"float32": 0, "float16": 1, "bfloat16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5}
-# Formats whose dot products take x rounded to int8 (qblocks.h): VNNI's vpdpbusd where the AVX-512
-# build can have it.
-INT8_DOT_FORMATS = ("q4_0", "q4_1")
 MAX_TOKENS = 8  # tokens per pass over the weights (PI_MAXTOK in dense.c)
 AVX512_MIN_TOKENS = 3  # calls with fewer tokens run the AVX2 build (see above)
 # The same for the quantized formats: dequantizing makes the loop compute-bound, and the AVX-512
@@ -84,8 +82,9 @@ def flags(variant: str, avx512: bool = False, tuning: dict[str, int] | None = No
     out = [*c.build_flags(), f"-DPI_WDTYPE={_WDTYPE_CODE[variant]}"]
     if avx512:
         out.append("-mavx512f")
-        if variant in INT8_DOT_FORMATS and {"avx512vl", "avx512bw", "avx512_vnni"} <= c.cpu_flags():
-            out += ["-mavx512vl", "-mavx512bw", "-mavx512vnni"]
+        if variant in quant.INT8_ACTIVATIONS and {"avx512vl", "avx512bw",
+                                                  "avx512_vnni"} <= c.cpu_flags():
+            out += ["-mavx512vl", "-mavx512bw", "-mavx512vnni"]  # integer dots: vpdpbusd
     out += [f"-DPI_{k}={int(v)}" for k, v in sorted((tuning or {}).items())]
     return out
 
@@ -100,7 +99,8 @@ def build(variant: str, avx512: bool = False, tuning: dict[str, int] | None = No
 
 _vp, _i64 = ctypes.c_void_p, ctypes.c_int64
 _DENSE_ARGTYPES = [_vp, _i64, _i64, _vp, _i64, _vp, _vp]  # x, T, K, W, O, b, out
-_DENSE_MULTI_ARGTYPES = [_vp, _i64, _i64, ctypes.c_int, _vp, _vp, _vp, _vp]  # x, T, K, n, W[], O[], b[], out[]
+# x, T, K, n, W[n], O[n], b[n], out[n]
+_DENSE_MULTI_ARGTYPES = [_vp, _i64, _i64, ctypes.c_int, _vp, _vp, _vp, _vp]
 
 _libs: dict[tuple, ctypes.CDLL] = {}
 _libs_lock = threading.Lock()
