@@ -9,6 +9,7 @@ Two targets: picompile exact mode decodes at least 2x llama.cpp's tokens/s
     .venv/bin/python benchmarks/planted_cpu.py --layers 8 --rounds 12 --new-tokens 64
     .venv/bin/python benchmarks/planted_cpu.py --shape tiny --rounds 2 --new-tokens 8   # smoke
     .venv/bin/python benchmarks/planted_cpu.py --dry-run              # everything but the timing
+    .venv/bin/python benchmarks/planted_cpu.py --mode predicted       # predictors skip gate rows
 
 The model: benchmarks/hybrid.py's ReLU Llama (random float16 weights; gate rows near a rank-64
 subspace; gate biases planting a power-law firing distribution, `--sparsity-target` of the
@@ -213,14 +214,20 @@ def nbytes(t) -> int:
 
 def picompile_bytes_per_token(cm) -> float:
     """Weight bytes picompile reads per decoded token at the sparsity measured since the last
-    reset_stats(): attention and LM head whole, each FFN's gate rows (up rows of a plain block)
-    all, the up and down rows of the share of neurons that fired."""
+    reset_stats(): attention and LM head whole; exact mode: each FFN's gate rows (up rows of a
+    plain block) all, the up and down rows of the share of neurons that fired; predicted mode:
+    the predictor, and the three rows of that share (a lower bound: the predicted neurons are
+    those that fired and some more)."""
     total = 0.0
     for m in cm.model.modules():
         if isinstance(m, SparseFFN):
             first = m.w_gate if m.w_gate is not None else m.w_up
             rest = sum(nbytes(t) for t in (m.w_up, m.w_down_t) if t is not first)
-            total += nbytes(first) + (1 - m.sparsity) * rest
+            if m.predictor is not None and m.predictor.enabled:
+                total += sum(nbytes(t) for t in m.predictor.parameters())
+                total += (1 - m.sparsity) * (nbytes(first) + rest)
+            else:
+                total += nbytes(first) + (1 - m.sparsity) * rest
         elif isinstance(m, QuantLinear):
             total += nbytes(m.qweight)
         elif isinstance(m, DenseLinear):
@@ -229,8 +236,8 @@ def picompile_bytes_per_token(cm) -> float:
 
 
 def compiled(label: str, model, prompt: torch.Tensor, new_tokens: int, **kw):
-    """(cm, its whole-step decoder, FFN sparsity, bytes read per token): exact mode; the
-    sparsity over a greedy generate of prompt + new_tokens (the decoder runs its steps)."""
+    """(cm, its whole-step decoder, FFN sparsity, bytes read per token); the sparsity over a
+    greedy generate of prompt + new_tokens (the decoder runs its steps)."""
     cm = picompile.compile(model, quiet=True, **kw)
     dec = cm.decoder()
     if dec is None:
@@ -251,6 +258,9 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sparsity-target", "--firing-rate", dest="rate", type=float, default=PLANTED_RATE,
                     help="planted mean firing rate per token (0.10: 90%% FFN sparsity)")
+    ap.add_argument("--mode", choices=["exact", "predicted"], default="exact",
+                    help="picompile's mode; predicted trains a predictor per block on random "
+                         "token ids (the model's weights are random too) and runs them all")
     ap.add_argument("--dry-run", action="store_true",
                     help="build, write the GGUF files, compile, measure sparsity; print the "
                          "commands, time nothing")
@@ -285,12 +295,16 @@ def main():
     # q4_0 first, from the model just written: its float weights go once quantized, so the
     # float16 copy built next is the only one held beside it (peak about 2x the float weights)
     t0 = time.perf_counter()
-    cmq, decq, spq, bq = compiled("q4_0", model, prompt, args.new_tokens, quantize="q4_0")
+    mode = dict(mode=args.mode)
+    if args.mode == "predicted":
+        mode.update(predictors="all", calibration=torch.randint(
+            0, n_vocab, (16, 256), generator=torch.Generator().manual_seed(2)))
+    cmq, decq, spq, bq = compiled("q4_0", model, prompt, args.new_tokens, quantize="q4_0", **mode)
     del model
     print("q4_0 compiled: weights: "
           + picompile.explain(cmq).split("weights: ", 1)[1].split("\n", 1)[0] + f"; {memory()}", flush=True)
     cm16, dec16, sp16, b16 = compiled("float16", build(args.shape, args.layers, n_vocab, args.rate),
-                                      prompt, args.new_tokens)
+                                      prompt, args.new_tokens, **mode)
     print(picompile.explain(cm16), flush=True)
     print(f"compiled both in {time.perf_counter() - t0:.0f} s; FFN sparsity float16 {sp16:.1%}, "
           f"q4_0 {spq:.1%} (target {1 - args.rate:.0%}); {memory()}", flush=True)
@@ -299,10 +313,10 @@ def main():
     systems = {  # name -> (one round's tok/s, weight bytes per token, FFN sparsity, llama.cpp peer)
         "llama.cpp F16": (lambda: bench.llama_bench(bins, f16, args.threads, n, 1), llama_bytes_per_token(f16),
                           None, None),
-        "picompile float16, exact": (lambda: bench.decoder_tps(dec16, prompt, n), b16, sp16, "llama.cpp F16"),
+        f"picompile float16, {args.mode}": (lambda: bench.decoder_tps(dec16, prompt, n), b16, sp16, "llama.cpp F16"),
         "llama.cpp Q4_0": (lambda: bench.llama_bench(bins, q4, args.threads, n, 1), llama_bytes_per_token(q4),
                            None, None),
-        "picompile q4_0, exact": (lambda: bench.decoder_tps(decq, prompt, n), bq, spq, "llama.cpp Q4_0"),
+        f"picompile q4_0, {args.mode}": (lambda: bench.decoder_tps(decq, prompt, n), bq, spq, "llama.cpp Q4_0"),
     }
     if args.dry_run:
         for path in (f16, q4):
