@@ -43,6 +43,7 @@ SHAPES = {
     "opt-1.3b": ("opt", 2048, 8192, 24, 32, 50272),
     "opt-6.7b": ("opt", 4096, 16384, 32, 32, 50272),
     "opt-13b": ("opt", 5120, 20480, 40, 40, 50272),
+    "llama-7b": ("llama", 4096, 11008, 32, 32, 32000),
     "llama-13b": ("llama", 5120, 13824, 40, 40, 32000),
 }
 PLANTED_RANK = 64
@@ -57,11 +58,11 @@ def power_law_rates(n: int, mean: float, alpha: float = 1.2, gen=None) -> torch.
     return rates
 
 
-def config(shape: str, layers: int | None = None):
+def config(shape: str, layers: int | None = None, vocab: int | None = None):
     from transformers import LlamaConfig, OPTConfig
 
-    kind, hidden, ffn, shape_layers, heads, vocab = SHAPES[shape]
-    layers = layers or shape_layers
+    kind, hidden, ffn, shape_layers, heads, shape_vocab = SHAPES[shape]
+    layers, vocab = layers or shape_layers, vocab or shape_vocab
     if kind == "opt":
         return OPTConfig(vocab_size=vocab, hidden_size=hidden, ffn_dim=ffn, num_hidden_layers=layers,
                          num_attention_heads=heads, word_embed_proj_dim=hidden,
@@ -72,14 +73,16 @@ def config(shape: str, layers: int | None = None):
 
 
 @torch.no_grad()
-def build(shape: str, dtype, device, layers: int | None = None) -> torch.nn.Module:
+def build(shape: str, dtype, device, layers: int | None = None,
+          vocab: int | None = None) -> torch.nn.Module:
     """The model in `dtype` on `device`, deterministic in `shape` (seeded on the CPU); `layers`
-    cuts the stack short (per-block figures do not depend on the depth)."""
+    cuts the stack short (per-block figures do not depend on the depth); `vocab` replaces the
+    shape's vocabulary size (a GGUF file's tokenizer must match it)."""
     from transformers import AutoModelForCausalLM
 
     gen = torch.Generator().manual_seed(0)
     with torch.device(device):  # built in `dtype` where it runs: never materialised in float32
-        model = AutoModelForCausalLM.from_config(config(shape, layers), dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config(shape, layers, vocab), dtype=dtype)
     dgen = torch.Generator(device=device).manual_seed(0)
     for name, p in model.named_parameters():
         if p.dim() >= 2:

@@ -74,7 +74,8 @@ from machine import OtherLoad
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "build" / "planted-cpu"  # git-ignored
-SHAPES = ("llama-7b", "tiny")  # llama_offload.SHAPES' (hidden, ffn, layers, heads, vocab)
+HYBRID_SHAPE = {"llama-7b": "llama-7b", "tiny": "tiny-llama"}  # --shape -> hybrid.SHAPES key
+SHAPES = tuple(HYBRID_SHAPE)
 PLANTED_RATE = 0.1  # what hybrid.build plants
 PROMPT_TOKENS = 32
 NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
@@ -83,13 +84,9 @@ NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 # ---------------------------------------------------------------- the model
 
 def build(shape: str, layers: int, n_vocab: int, rate: float) -> torch.nn.Module:
-    """hybrid.build's float16 ReLU Llama at llama_offload.SHAPES[shape]'s size with the
-    tokenizer's vocabulary (registered in hybrid.SHAPES under "planted-SHAPE"), its gate biases
-    planted again for `rate` where that is not hybrid's 10%. Deterministic."""
-    hidden, ffn, _, heads, _ = llama_offload.SHAPES[shape]
-    key = f"planted-{shape}"
-    hybrid.SHAPES[key] = ("llama", hidden, ffn, layers, heads, n_vocab)
-    model = hybrid.build(key, torch.float16, "cpu", layers)
+    """hybrid.build's float16 ReLU Llama of that shape with the tokenizer's vocabulary, its gate
+    biases planted again for `rate` where that is not hybrid's 10%. Deterministic."""
+    model = hybrid.build(HYBRID_SHAPE[shape], torch.float16, "cpu", layers, vocab=n_vocab)
     if rate != PLANTED_RATE:
         replant(model, rate)
     return model
