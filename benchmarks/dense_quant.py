@@ -22,14 +22,13 @@ at the start and the end of the run; "% BW" is a format's median GB/s over the h
 from __future__ import annotations
 
 import argparse
-import platform
+import os
 import statistics
-import subprocess
 
 import torch
 
-from gemv import cycler, stream_probe, time_calls  # benchmarks/gemv.py, beside this script
-from machine import OtherLoad
+from gemv import cycler, time_calls  # benchmarks/gemv.py, beside this script
+from machine import COLD_BYTES, OtherLoad, cpu_name, stream_probe
 from picompile import quant
 from picompile.codegen import dense
 
@@ -40,16 +39,6 @@ SHAPES = [  # (name, O, K)
     ("down", 576, 1536),
 ]
 FLOATS = {"float32": torch.float32, "float16": torch.float16}
-COLD_BYTES = 256 << 20  # copies of W cycled through: well over the 32 MiB L3 here
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or platform.machine()
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    return f"{fields.get('Model name', '?').strip()}, {fields.get('CPU(s)', '?').strip()} CPUs"
 
 
 def methods(O: int, K: int, isa: bool) -> list[tuple[str, str, int, list]]:
@@ -110,7 +99,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     other = OtherLoad()
-    print(f"# dense kernel, quantized vs float weights: {cpu_model()}, {args.threads} threads, "
+    print(f"# dense kernel, quantized vs float weights: {cpu_name()}, {os.cpu_count()} CPUs, {args.threads} threads, "
           f"T=1, torch {torch.__version__}\n")
     bw0 = stream_probe(5 if args.quick else 15)
     print(f"streaming read (torch sum of 1 GB float32): {bw0:.1f} GB/s\n")

@@ -21,9 +21,7 @@ import argparse
 import collections
 import datetime
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -36,7 +34,7 @@ from picompile.codegen import c as c_codegen  # noqa: E402
 from picompile.plan import BlockPlan  # noqa: E402
 from picompile.runtime.sparse_ffn import SparseFFN  # noqa: E402
 
-from machine import OtherLoad  # noqa: E402  (benchmarks/machine.py, beside this script)
+from machine import OtherLoad, cpu_name  # noqa: E402  (benchmarks/machine.py, beside this script)
 
 SHAPES = {
     # name: (d, n_ff, kind, bias)
@@ -158,17 +156,6 @@ def pct(v: float | None) -> str:
     return "?" if v is None else f"{v:.0%}"
 
 
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repeats, sparsity 90%% only")
@@ -181,7 +168,7 @@ def main(argv=None) -> None:
     sparsities = [0.9] if args.quick else [0.5, 0.8, 0.9, 0.95]
     torch.set_num_threads(args.threads)
 
-    print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, {cpu_model()}, "
+    print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, {cpu_name()}, "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}, threads={args.threads}, "
           f"median of {repeats}")
     probe = OtherLoad()

@@ -30,14 +30,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import statistics
-import subprocess
 import time
 
 import torch
 
-from machine import OtherLoad  # benchmarks/machine.py, beside this script
+from machine import COLD_BYTES, OtherLoad, cpu_name, stream_probe  # benchmarks/machine.py, beside this script
 from picompile import quant
 from picompile.codegen import c as c_codegen
 from picompile.plan import BlockPlan
@@ -45,29 +43,6 @@ from picompile.runtime.sparse_ffn import SparseFFN, down_input
 
 SHAPES = {"SmolLM2": (576, 1536), "Llama-7B": (4096, 11008)}  # name: (d, n_ff), gated SiLU
 FORMATS = ["float32", "float16", "q8_0", "q4_0", "q4_1"]
-COLD_BYTES = 256 << 20
-
-
-def cpu_model() -> str:
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def stream_probe(repeats: int) -> float:
-    """GB/s of torch.sum over a 1 GB float32 tensor (median of `repeats`)."""
-    big = torch.ones(256 << 20)
-    big.sum()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        big.sum()
-        ts.append(time.perf_counter() - t0)
-    return big.numel() * 4 / statistics.median(ts) / 1e9
 
 
 class Subject:
@@ -191,7 +166,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     other = OtherLoad()
-    print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, {cpu_model()}, "
+    print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, {cpu_name()}, "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}, threads={args.threads}, T=1, "
           f"build flags {' '.join(c_codegen.build_flags())}\n")
     print(f"streaming read (torch sum of 1 GB float32): {stream_probe(5 if args.quick else 15):.1f} GB/s\n")

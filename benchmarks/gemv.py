@@ -31,7 +31,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from machine import OtherLoad  # benchmarks/machine.py, beside this script
+from machine import COLD_BYTES, OtherLoad, stream_probe  # benchmarks/machine.py, beside this script
 from picompile.codegen import dense
 
 SHAPES = [  # (name, O, K)
@@ -42,7 +42,6 @@ SHAPES = [  # (name, O, K)
     ("lm_head", 49152, 576),
 ]
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
-COLD_BYTES = 256 << 20  # copies of W cycled through: well over the 32 MiB L3 here
 
 
 def time_calls(fns: dict, calls: int, rounds: int) -> dict[str, list[float]]:
@@ -106,18 +105,6 @@ def bench(O: int, K: int, dtype: str, tokens: list[int], calls: int,
                        | {"us": med["C"] * 1e6, "torch_us": med["torch"] * 1e6,
                           "overhead_us": (med["C"] - med["C only"]) * 1e6})
     return results
-
-
-def stream_probe(repeats: int) -> float:
-    """GB/s of torch.sum over a 1 GB float32 tensor (median of `repeats`)."""
-    big = torch.ones(256 << 20)
-    big.sum()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        big.sum()
-        ts.append(time.perf_counter() - t0)
-    return big.numel() * 4 / statistics.median(ts) / 1e9
 
 
 def main() -> None:

@@ -1,9 +1,42 @@
-"""What the benchmarks report about the machine while they measure (shared by ffn.py and
-gemv.py, which import it from beside themselves)."""
+"""What the benchmarks report about the machine while they measure: its CPU, the streaming-read
+bandwidth they compare kernels against, and other processes' load (shared by the scripts beside
+this file, which import it from there)."""
 
 from __future__ import annotations
 
 import os
+import platform
+import statistics
+import subprocess
+import time
+
+import torch
+
+COLD_BYTES = 256 << 20  # weight copies cycled through per timing: well over the 32 MiB L3 here
+
+
+def cpu_name() -> str:
+    """The CPU's model name (lscpu), or what `platform` knows."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    except OSError:
+        out = ""
+    for line in out.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def stream_probe(repeats: int) -> float:
+    """GB/s of torch.sum over a 1 GB float32 tensor (median of `repeats`)."""
+    big = torch.ones(256 << 20)
+    big.sum()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        big.sum()
+        ts.append(time.perf_counter() - t0)
+    return big.numel() * 4 / statistics.median(ts) / 1e9
 
 
 class OtherLoad:

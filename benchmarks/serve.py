@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shlex
 import socket
 import statistics
@@ -54,21 +53,11 @@ import picompile  # noqa: E402
 from picompile import models  # noqa: E402
 from picompile.serve import Engine, make_app  # noqa: E402
 
-from machine import OtherLoad  # noqa: E402  (benchmarks/machine.py, beside this script)
+from machine import OtherLoad, cpu_name  # noqa: E402  (benchmarks/machine.py, beside this script)
 
 COMPLETION_PROMPT = "Once upon a time, in a small village at the edge of a great forest,"
 CHAT_PROMPT = ("Write a long, detailed essay on the history of the Roman Empire, from its "
                "founding to its fall.")
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    except OSError:
-        return platform.processor() or platform.machine()
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    name = fields.get("Model name", platform.machine()).strip()
-    return f"{name}, {fields.get('CPU(s)', '?').strip()} CPUs"
 
 
 class Clock:
@@ -203,7 +192,7 @@ def main(argv=None) -> int:
 
     command = "python benchmarks/serve.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     print(f"command: {command.strip()}")
-    print(f"machine: {cpu_name()}, {torch.get_num_threads()} torch threads, torch "
+    print(f"machine: {cpu_name()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, torch "
           f"{torch.__version__}, openai {openai.__version__}; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     try:
