@@ -191,12 +191,9 @@ def cases(draw):
     return v, T, d, n_ff, sparsity, collinear, seed, idx_mode, layout, relu_threshold
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cases())
-def test_matches_reference(case):
-    v, T, d, n_ff, sparsity, collinear, seed, idx_mode, layout, relu_threshold = case
-    weights, x = make_case(v, T, d, n_ff, 1.0 - sparsity, seed, collinear)
-    gen = torch.Generator().manual_seed(seed + 1)
+def candidates(idx_mode: str, T: int, n_ff: int, gen: torch.Generator):
+    """(idx, mask) for the kernel's candidate neurons: "all" (both None), "mask" (a predictor's
+    output [T, n_ff]), "subset", "empty" or "repeats" (idx with duplicates)."""
     idx = mask = None
     if idx_mode == "mask":
         mask = torch.rand(T, n_ff, generator=gen) < float(torch.rand((), generator=gen))
@@ -206,6 +203,16 @@ def test_matches_reference(case):
         idx = torch.zeros(0, dtype=torch.long)
     elif idx_mode == "repeats":
         idx = torch.randint(0, n_ff, (n_ff + 3,), generator=gen, dtype=torch.int32)
+    return idx, mask
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_matches_reference(case):
+    v, T, d, n_ff, sparsity, collinear, seed, idx_mode, layout, relu_threshold = case
+    weights, x = make_case(v, T, d, n_ff, 1.0 - sparsity, seed, collinear)
+    gen = torch.Generator().manual_seed(seed + 1)
+    idx, mask = candidates(idx_mode, T, n_ff, gen)
 
     if v.act == "relu" and not relu_threshold:
         thr = 0.0

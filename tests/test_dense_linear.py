@@ -147,11 +147,8 @@ def test_kernel_many_tokens_and_none():
         dense.dense_kernel_for(W, b)(torch.zeros(2, 64))
 
 
-def test_kernel_thread_count_independent():
-    gen = torch.Generator().manual_seed(4)
-    W = torch.randn(4096, 576, generator=gen).half()
-    x = torch.randn(3, 576, generator=gen)
-    kernel = dense.dense_kernel_for(W)
+def assert_thread_count_independent(kernel, x: torch.Tensor) -> None:
+    """kernel(x) on 1 and on 2 threads: bit for bit the same."""
     n = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -161,6 +158,13 @@ def test_kernel_thread_count_independent():
     finally:
         torch.set_num_threads(n)
     assert torch.equal(one, two)
+
+
+def test_kernel_thread_count_independent():
+    gen = torch.Generator().manual_seed(4)
+    W = torch.randn(4096, 576, generator=gen).half()
+    x = torch.randn(3, 576, generator=gen)
+    assert_thread_count_independent(dense.dense_kernel_for(W), x)
 
 
 @pytest.mark.parametrize("variant", list(dense.VARIANTS))

@@ -33,6 +33,7 @@ from torch import nn
 from picompile import quant
 from picompile.codegen import c, dense
 from picompile.runtime.dense_linear import DenseLinear, QuantLinear
+from tests.test_dense_linear import assert_thread_count_independent
 
 FORMATS = list(dense.QFORMATS)
 U = 2.0**-24
@@ -185,15 +186,7 @@ def test_thread_count_independent(fmt):
     q = quantized(gen, 4096, 576, fmt)
     x = torch.randn(3, 576, generator=gen)
     kernel = dense.quant_kernel_for(q, fmt, 576, torch.randn(4096, generator=gen))
-    n = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = kernel(x)
-        torch.set_num_threads(2)
-        two = kernel(x)
-    finally:
-        torch.set_num_threads(n)
-    assert torch.equal(one, two)
+    assert_thread_count_independent(kernel, x)
 
 
 def test_kernel_shapes_and_errors(monkeypatch):

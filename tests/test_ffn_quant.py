@@ -49,6 +49,7 @@ from picompile.plan import BlockPlan
 from picompile.runtime.sparse_ffn import SparseFFN, activation, down_input, ffn_reference
 from tests import zoo
 from tests.test_decoder import _compile_kw, _step_logits  # shared with the float decoder tests
+from tests.test_c_kernels import candidates  # the float kernel tests' candidate sets
 
 FORMATS = list(quant.FORMATS)  # q8_0, q4_0, q4_1
 # (gate / up, down) formats: the down rows in another format than the gate and up rows
@@ -248,15 +249,7 @@ def check_case(case):
     fmt, v, T, d, n_ff, sparsity, idx_mode, relu_threshold, seed = case
     w, x = exact_case(fmt, v, T, d, n_ff, seed)
     gen = torch.Generator().manual_seed(seed + 1)
-    idx = mask = None
-    if idx_mode == "mask":  # a predictor's output: the candidates are those set for any token
-        mask = torch.rand(T, n_ff, generator=gen) < float(torch.rand((), generator=gen))
-    elif idx_mode == "subset":
-        idx = torch.randperm(n_ff, generator=gen)[: int(torch.randint(0, n_ff + 1, (), generator=gen))]
-    elif idx_mode == "empty":
-        idx = torch.zeros(0, dtype=torch.long)
-    elif idx_mode == "repeats":
-        idx = torch.randint(0, n_ff, (n_ff + 3,), generator=gen, dtype=torch.int32)
+    idx, mask = candidates(idx_mode, T, n_ff, gen)
     if v.act == "relu" and not relu_threshold:
         thr = 0.0  # exact mode
     else:
@@ -380,6 +373,19 @@ def _float_bound(ffn: SparseFFN, x: torch.Tensor, active: torch.Tensor) -> torch
     return (dh * active) @ wd + (n_ff + 2) * eps * ((h.abs() + dh) @ wd + bd) + 1e-6
 
 
+def _decode_matches_reference(ffn: SparseFFN, gen: torch.Generator) -> None:
+    """1, 3 and 8 random tokens [T, 192] through the block's kernel and forward (the kernel for
+    <= 8 tokens): the reference's active count, its output within _float_bound."""
+    for T in (1, 3, 8):
+        x = torch.randn(T, 192, generator=gen)
+        out, n_active = ffn.kernel(x, 0.0)
+        ref, active = ffn.forward_native(x)
+        assert n_active == int(active.sum())
+        err = (out.double() - ref.double()).abs()
+        assert bool((err <= _float_bound(ffn, x, active)).all()), float(err.max())
+        torch.testing.assert_close(ffn(x), out)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("kind,act,bias", [("gated", "silu", False), ("plain", "relu", True),
                                            ("gated", "relu", True), ("drelu", "relu", False)])
@@ -406,15 +412,7 @@ def test_quantize_then_kernel_matches_reference(fmt, kind, act, bias):
     assert bool(((deq - w_float).abs() <= step * blockmax * (2 if fmt == "q4_1" else 1) + 1e-6).all())
 
     gen = torch.Generator().manual_seed(4)
-    for T in (1, 3, 8):
-        x = torch.randn(T, 192, generator=gen)
-        out, n_active = ffn.kernel(x, 0.0)
-        ref, active = ffn.forward_native(x)
-        assert n_active == int(active.sum())
-        err = (out.double() - ref.double()).abs()
-        assert bool((err <= _float_bound(ffn, x, active)).all()), float(err.max())
-        # forward: the kernel for <= 8 tokens
-        torch.testing.assert_close(ffn(x), out)
+    _decode_matches_reference(ffn, gen)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -593,13 +591,7 @@ def test_quantize_with_a_down_format_then_kernel_matches_reference(fmt, down, ki
         assert torch.equal(ffn.w_down_t, quant.quantize(w_down, down))
     assert f"{fmt} (down {down})" in repr(ffn)
     gen = torch.Generator().manual_seed(4)
-    for T in (1, 3, 8):
-        x = torch.randn(T, 192, generator=gen)
-        out, n_active = ffn.kernel(x, 0.0)
-        ref, active = ffn.forward_native(x)
-        assert n_active == int(active.sum())
-        err = (out.double() - ref.double()).abs()
-        assert bool((err <= _float_bound(ffn, x, active)).all()), float(err.max())
+    _decode_matches_reference(ffn, gen)
     # prefill (> 8 tokens) and the reference path dequantize each matrix in its own format
     x = torch.randn(20, 192, generator=gen)
     want, _ = ffn.forward_native(x)
