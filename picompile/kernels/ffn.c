@@ -244,9 +244,9 @@ PIC_INLINE __m128 qhead(const uint8_t* blk) {
     return _mm_cvtph_ps(_mm_cvtsi32_si128(v));
 }
 
-/* The 32 integers of a block as float32, in weight order, 8 per vector: q8_0 q; q4_0 / q4_1 the
- * nibbles n (minus 8 when `center`, q4_0: the integer weight). */
-PIC_INLINE void qvals(const int F, const uint8_t* blk, __m256 v[4], const int center) {
+/* The 32 integers of a block as float32, in weight order, 8 per vector: q8_0 q; q4_0 the
+ * integer weight n - 8; q4_1 the nibbles n. */
+PIC_INLINE void qvals(const int F, const uint8_t* blk, __m256 v[4]) {
     if (F == PIC_Q8_0) {
         for (int i = 0; i < 4; ++i)
             v[i] = _mm256_cvtepi32_ps(
@@ -267,7 +267,7 @@ PIC_INLINE void qvals(const int F, const uint8_t* blk, __m256 v[4], const int ce
     __m256i n[4] = {_mm256_and_si256(b0, m4), _mm256_and_si256(b1, m4),
                     _mm256_srli_epi32(b0, 4), _mm256_srli_epi32(b1, 4)};
     for (int i = 0; i < 4; ++i) {
-        if (F == PIC_Q4_0 && center) n[i] = _mm256_sub_epi32(n[i], _mm256_set1_epi32(8));
+        if (F == PIC_Q4_0) n[i] = _mm256_sub_epi32(n[i], _mm256_set1_epi32(8));
         v[i] = _mm256_cvtepi32_ps(n[i]);
     }
 }
@@ -277,7 +277,7 @@ PIC_INLINE void qdot_block(const int F, const uint8_t* w, int64_t b, const float
                            __m256* acc, const int N, const int U, const int u) {
     const uint8_t* blk = w + b * pic_qbytes(F);
     __m256 v[4];
-    qvals(F, blk, v, 0);
+    qvals(F, blk, v);
     const __m256 s = _mm256_broadcastss_ps(qhead(blk));
     for (int n = 0; n < N; ++n) {
         const float* x = xs[n] + b * PIC_QK;
@@ -359,7 +359,7 @@ PIC_INLINE void qaxpy_block(const int F, const uint8_t* w, int64_t b, const __m2
                             float* const* ps, const int N) {
     const uint8_t* blk = w + b * pic_qbytes(F);
     __m256 v[4];
-    qvals(F, blk, v, 1);
+    qvals(F, blk, v);
     const __m128 head = qhead(blk);
     const __m256 s = _mm256_broadcastss_ps(head);
     if (F == PIC_Q4_1) {  /* dequantized: s * n + m */
