@@ -18,6 +18,7 @@ Everything here is plain arithmetic on byte counts and frequency vectors: it nee
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -354,8 +355,10 @@ def place(
     1. fill: the leftover is spent greedily by density (more neurons of placed blocks, or the
        minimum slice of an unplaced block), whichever fits;
     2. repair: up to SEARCH_ROUNDS rounds try flipping the blocks nearest the price (on -> off
-       and off -> on at their minimum slice), re-solving the rest with the block forced, and
-       keep the best flip that gains.
+       and off -> on at their minimum slice), one block and then, if none gains, two at once,
+       re-solving the rest with the flipped blocks forced, and keep the best flip that gains;
+    3. exchange: trade a block's least frequent hot neurons for another block's next neuron or
+       slice that the leftover cannot hold, while a trade gains.
 
     Certificate: by weak duality OPT <= lambda * R + sum_b max(0, max_k F_b(k) - lambda c_b k)
     (R: bytes left after the fixed parts), returned as `share_bound`; the loss to the optimum is
@@ -445,6 +448,8 @@ def place(
 # blocks each round tries in either direction (those nearest the price).
 SEARCH_ROUNDS = 4
 SEARCH_CANDIDATES = 8
+# Trades of neurons between blocks after the search (see _Solver.exchange).
+EXCHANGE_ROUNDS = 16
 
 
 @dataclass
@@ -557,7 +562,9 @@ class _Solver:
 
     def search(self) -> tuple[list[int], float]:
         """The Lagrangian + fill solution improved by flipping blocks on / off (each flip
-        re-solves the rest); returns (hot counts, dual upper bound on the optimum's value)."""
+        re-solves the rest with the flipped blocks forced); returns (hot counts, dual upper bound
+        on the optimum's value). A round tries single flips first, then pairs of them when no
+        single flip gains: turning one block's slice on often needs another's turned off."""
         free = [None] * len(self.items)
         ks, lam, j = self.solve(free)
         bound = self.dual(lam)
@@ -573,20 +580,66 @@ class _Solver:
             on = [i for i in range(len(its)) if state[i] is None and best[i] > 0]
             off.sort(key=lambda i: -its[i].theta)  # most nearly worth a slice first
             on.sort(key=lambda i: its[i].prefix[best[i]] - lam * its[i].cost * best[i])
+            candidates = off[:SEARCH_CANDIDATES] + on[:SEARCH_CANDIDATES]
             found = None
-            for i in off[:SEARCH_CANDIDATES] + on[:SEARCH_CANDIDATES]:
-                trial = list(state)
-                trial[i] = best[i] == 0
-                solved = self.solve(trial)
-                if solved is None:
-                    continue
-                v = self.value(solved[0])
-                if v > best_value * (1 + 1e-12) and (found is None or v > found[0]):
-                    found = (v, solved, trial)
+            for flips in (itertools.combinations(candidates, 1),
+                          itertools.combinations(candidates, 2)):
+                for group in flips:
+                    trial = list(state)
+                    for i in group:
+                        trial[i] = best[i] == 0
+                    solved = self.solve(trial)
+                    if solved is None:
+                        continue
+                    v = self.value(solved[0])
+                    if v > best_value * (1 + 1e-12) and (found is None or v > found[0]):
+                        found = (v, solved, trial)
+                if found is not None:
+                    break
             if found is None:
                 break
             best_value, (best, lam, _), state = found[0], found[1], found[2]
-        return best, max(bound, best_value)
+        best = self.exchange(best, state)
+        return best, max(bound, self.value(best))
+
+    def exchange(self, ks: list[int], state: list) -> list[int]:
+        """Trade the least frequent hot neurons of one block for the next step of another (its
+        next neuron, or its minimum slice) that the leftover is too small for, while a trade
+        gains; refill after each. This mends the knapsack's integer effects that pricing cannot
+        see (a leftover of 1 byte and a next neuron of 2: give up a 1-byte neuron of another)."""
+        its = self.items
+        for _ in range(EXCHANGE_ROUNDS):
+            left = self.room - self.cost(ks)
+            trade = None  # (gain, giver, neurons given, taker, neurons taken)
+            for j, tj in enumerate(its):
+                if ks[j] == 0 and state[j] is not False:
+                    step = tj.m
+                elif 0 < ks[j] < tj.n:
+                    step = 1
+                else:
+                    continue
+                need = step * tj.cost - left  # > 0: fill took every step that fits
+                if need <= 0:
+                    continue
+                gain = tj.prefix[ks[j] + step] - tj.prefix[ks[j]]
+                for i, ti in enumerate(its):
+                    if i == j or ks[i] == 0:
+                        continue
+                    give = -(-need // ti.cost)
+                    rest = ks[i] - give
+                    if rest < 0 or (rest == 0 and state[i] is True) or 0 < rest < ti.m:
+                        continue
+                    net = gain - (ti.prefix[ks[i]] - ti.prefix[rest])
+                    if net > 1e-12 * max(1.0, gain) and (trade is None or net > trade[0]):
+                        trade = (net, i, give, j, step)
+            if trade is None:
+                break
+            _, i, give, j, step = trade
+            ks = list(ks)
+            ks[i] -= give
+            ks[j] += step
+            ks = self.fill(ks, state)
+        return ks
 
 
 def _solve(room: int, blocks: list[BlockDemand], sorted_freq: dict[str, np.ndarray],
