@@ -130,3 +130,59 @@ def round_activations(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
     if x.requires_grad and torch.is_grad_enabled():
         return x + (r - x).detach()
     return r
+
+
+# -- the dense kernel's layout of 4-bit rows ----------------------------------------------------
+
+GROUP_ROWS = 8  # 4-bit rows interleaved per group (PQ_GROUP in picompile/kernels/qblocks.h)
+
+
+def _group_view(q: torch.Tensor, fmt: str) -> tuple[torch.Tensor, int, int]:
+    """(the grouped rows of q as [groups, 8, blocks, block_bytes], header bytes per block,
+    grouped row count) for a 4-bit matrix q uint8 [rows, row_bytes]."""
+    f = format_of(fmt)
+    if fmt not in INT8_ACTIVATIONS:
+        raise ValueError(f"only the 4-bit formats are interleaved, not {fmt}")
+    if q.dtype != torch.uint8 or q.dim() != 2 or q.shape[1] % f.block_bytes:
+        raise ValueError(f"a {fmt} matrix is uint8 [rows, blocks * {f.block_bytes}], got "
+                         f"{q.dtype} {tuple(q.shape)}")
+    grouped = q.shape[0] - q.shape[0] % GROUP_ROWS
+    nb = q.shape[1] // f.block_bytes
+    return q[:grouped].reshape(grouped // GROUP_ROWS, GROUP_ROWS, nb, f.block_bytes), \
+        f.block_bytes - 16, grouped
+
+
+def interleave_rows(q: torch.Tensor, fmt: str) -> torch.Tensor:
+    """GGUF's row layout -> the dense kernel's: a new uint8 [rows, row_bytes] tensor. q8_0 is
+    returned as it is (its kernel reads rows); for q4_0 / q4_1 each group of 8 rows (the last
+    rows % 8 stay as they are) holds, per block j, the 8 rows' scales, their minimums (q4_1),
+    then their qs bytes in 4-byte pieces, piece v of rows 0..7 after one another (qblocks.h
+    says why). Only the order of the bytes changes."""
+    if fmt not in INT8_ACTIVATIONS:
+        format_of(fmt)
+        return q
+    g, head, grouped = _group_view(q, fmt)
+    G, R, nb, _ = g.shape
+    heads = g[..., :head].reshape(G, R, nb, head // 2, 2).permute(0, 2, 3, 1, 4)  # [G, nb, f16s, 8, 2]
+    qs = g[..., head:].reshape(G, R, nb, 4, 4).permute(0, 2, 3, 1, 4)  # [G, nb, v, 8, 4]
+    blocks = torch.cat([heads.reshape(G, nb, R * head), qs.reshape(G, nb, R * 16)], dim=-1)
+    out = q.clone()
+    out[:grouped] = blocks.reshape(grouped, q.shape[1])
+    return out
+
+
+def deinterleave_rows(q: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The dense kernel's layout -> GGUF's row layout (interleave_rows undone): a new tensor
+    for the 4-bit formats, q itself for q8_0."""
+    if fmt not in INT8_ACTIVATIONS:
+        format_of(fmt)
+        return q
+    g, head, grouped = _group_view(q, fmt)
+    G, R, nb, bb = g.shape
+    blocks = g.reshape(G, nb, R * bb)  # the group's bytes, block by block
+    heads = blocks[..., :R * head].reshape(G, nb, head // 2, R, 2).permute(0, 3, 1, 2, 4)
+    qs = blocks[..., R * head:].reshape(G, nb, 4, R, 4).permute(0, 3, 1, 2, 4)  # [G, 8, nb, v, 4]
+    rows = torch.cat([heads.reshape(G, R, nb, head), qs.reshape(G, R, nb, 16)], dim=-1)
+    out = q.clone()
+    out[:grouped] = rows.reshape(grouped, q.shape[1])
+    return out

@@ -86,7 +86,7 @@ def magnitude(q: torch.Tensor, fmt: str, K: int) -> torch.Tensor:
 
 def check(q: torch.Tensor, fmt: str, K: int, b: torch.Tensor | None, x: torch.Tensor,
           **build) -> torch.Tensor:
-    kernel = dense.quant_kernel_for(q, fmt, K, b, **build)
+    kernel = dense.quant_kernel_for(quant.interleave_rows(q, fmt), fmt, K, b, **build)
     assert kernel is not None
     out = kernel(x)
     assert out.dtype == torch.float32 and out.shape == (*x.shape[:-1], q.shape[0])
@@ -183,7 +183,7 @@ def test_simd_against_scalar(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_thread_count_independent(fmt):
     gen = torch.Generator().manual_seed(4)
-    q = quantized(gen, 4096, 576, fmt)
+    q = quant.interleave_rows(quantized(gen, 4096, 576, fmt), fmt)
     x = torch.randn(3, 576, generator=gen)
     kernel = dense.quant_kernel_for(q, fmt, 576, torch.randn(4096, generator=gen))
     assert_thread_count_independent(kernel, x)
@@ -191,7 +191,7 @@ def test_thread_count_independent(fmt):
 
 def test_kernel_shapes_and_errors(monkeypatch):
     gen = torch.Generator().manual_seed(3)
-    q = quantized(gen, 10, 64, "q4_0")
+    q = quant.interleave_rows(quantized(gen, 10, 64, "q4_0"), "q4_0")
     kernel = dense.quant_kernel_for(q, "q4_0", 64)
     assert kernel.weight is q or kernel.weight.data_ptr() == q.data_ptr()  # no copy
     assert kernel(torch.zeros(0, 64)).shape == (0, 10)
@@ -225,7 +225,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, mod: QuantLin
     """Kernel path against forward_native, both in float32: each within the bound of the exact
     result (float32 F.linear accumulates with at most the same error)."""
     bound = F.linear(x.double().abs(),
-                     magnitude(mod.qweight, mod.qformat, mod.in_features).double())
+                     magnitude(mod.row_blocks(), mod.qformat, mod.in_features).double())
     if mod.bias is not None:
         bound = bound + mod.bias.double().abs()
     tol = 2 * (mod.in_features + 4) * U * bound
@@ -240,7 +240,8 @@ def test_quant_linear_module(fmt):
     assert mod.qformat == fmt and (mod.in_features, mod.out_features) == (96, 37)
     assert not hasattr(mod, "weight")  # no float copy of the weight
     assert mod.qweight.dtype == torch.uint8 and mod.qweight.shape == (37, quant.row_bytes(96, fmt))
-    assert torch.equal(mod.qweight, quant.quantize(lin.weight, fmt))
+    assert torch.equal(mod.row_blocks(), quant.quantize(lin.weight, fmt))
+    assert torch.equal(mod.qweight, quant.interleave_rows(mod.row_blocks(), fmt))  # the kernel's layout
     assert mod.bias.dtype == torch.float32 and torch.equal(mod.bias, lin.bias)
     assert set(mod.state_dict()) == {"qweight", "bias"}
     assert mod.path.startswith(f"C {fmt}") and f"format={fmt}" in repr(mod)
@@ -250,7 +251,7 @@ def test_quant_linear_module(fmt):
             _close(mod(x), mod.forward_native(x), x, mod)
         x = torch.randn(12, 96)  # prefill: the reference itself
         assert torch.equal(mod(x), mod.forward_native(x))
-        want = F.linear(quant.round_activations(x, fmt), quant.dequantize(mod.qweight, fmt, 96),
+        want = F.linear(quant.round_activations(x, fmt), quant.dequantize(mod.row_blocks(), fmt, 96),
                         lin.bias)
         torch.testing.assert_close(mod.forward_native(x), want)
         for dt in (torch.float16, torch.bfloat16):  # x's dtype in, x's dtype out

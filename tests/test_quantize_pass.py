@@ -207,10 +207,10 @@ def test_gguf_file_tensors_are_kept_as_they_are():
     reader = {t.name: t for t in gguf.GGUFReader(path).tensors}
     mods = dict(cm.model.named_modules())
     v = mods["model.layers.3.self_attn.v_proj"]
-    assert v.qformat == "q4_1" and torch.equal(v.qweight, torch.from_numpy(reader["blk.3.attn_v.weight"].data.copy()))
+    assert v.qformat == "q4_1" and torch.equal(v.row_blocks(), torch.from_numpy(reader["blk.3.attn_v.weight"].data.copy()))
     assert mods["lm_head"].qformat == "q8_0"
     q = mods["model.layers.3.self_attn.q_proj"]
-    torch.testing.assert_close(quant.dequantize(q.qweight, "q4_1", 576),
+    torch.testing.assert_close(quant.dequantize(q.row_blocks(), "q4_1", 576),
                                dense.model.layers[3].self_attn.q_proj.weight, atol=0, rtol=0)
     ffn = cm.ffns()["model.layers.3.mlp.sparse_ffn"]
     assert ffn.qformat == "q4_1" and ffn.down_qformat == "q8_0"

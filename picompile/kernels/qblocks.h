@@ -224,4 +224,100 @@ PQ_INLINE void pq_q4_dot(const uint8_t* row, const int q4_1, int64_t nb, const p
     for (int n = 0; n < N; ++n) res[n] = r[n] + sign * corr[n];
 #endif
 }
+/* ---- 4-bit rows in groups of 8: the dense kernel's layout (picompile.quant.interleave_rows) ----
+ * Rows 8g .. 8g + 7 of a matrix (g < O / 8; the O % 8 rows after them stay as GGUF has them) take
+ * the bytes those 8 GGUF rows took; block j of the group (the 8 rows' blocks j) is 8 * bb bytes:
+ *     d   f16 [8]          row r's scale
+ *     m   f16 [8]          row r's minimum (q4_1 only)
+ *     qs  u8 [4][8][4]     qs[v][r][c] = row r's GGUF byte qs[4v + c]: weight 4v + c in its low
+ *                          nibble, weight 16 + 4v + c in its high nibble
+ * So 32-bit lane r of vector v holds four weights of row r: one broadcast of four int8 of x
+ * meets all 8 rows, a vector of 8 row sums needs no horizontal add, and the 8 rows' scales
+ * apply as one vector (llama.cpp's repacked Q4_0 rows are the same idea). */
+#define PQ_GROUP 8
+
+#if PQ_SIMD
+PQ_INLINE __m256i pq_bcast4(const int8_t* q) { /* q[0..3] in every 32-bit lane */
+    int32_t v;
+    memcpy(&v, q, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* int32 [8]: lane r = sum over the block's 32 weights of row r times q [32], exact. nib[i]:
+ * the unsigned weights that meet q[4i .. 4i + 3] (i < 4: low nibbles of vector i, else the
+ * high nibbles of vector i - 4). maddubs pairs stay in int16: 8 steps of two products of at
+ * most 15 * 127 sum to at most 30480. */
+PQ_INLINE __m256i pq_dot_group(const __m256i* nib, const int8_t* q) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    __m256i s = _mm256_setzero_si256();
+    for (int i = 0; i < 8; ++i) s = _mm256_dpbusd_epi32(s, nib[i], pq_bcast4(q + 4 * i));
+    return s;
+#else
+    __m256i s = _mm256_maddubs_epi16(nib[0], pq_bcast4(q));
+    for (int i = 1; i < 8; ++i) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(nib[i], pq_bcast4(q + 4 * i)));
+    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
+/* res[n * 8 + r] = row r . x'[n] for the 8 rows of one group (grp: its first byte) and n < N
+ * (N <= 8), x'[n] = xa[n] rounded; nb blocks per row; with pf > 0 a prefetch pf bytes ahead
+ * per 64 bytes. Per block: q4_0 adds dw * (dx * (n . q) - 8 sx), q4_1 dw dx (n . q) + m sx. */
+PQ_INLINE void pq_q4x8_dot(const uint8_t* grp, const int q4_1, int64_t nb, const pq_act* const* xa,
+                           float* res, const int N, const int pf) {
+    const int64_t gb = PQ_GROUP * (q4_1 ? 20 : 18); /* bytes of one block of the group */
+    const int hb = q4_1 ? 32 : 16;                  /* its scales (and minimums) */
+#if PQ_SIMD
+    __m256 acc[8];
+    for (int n = 0; n < N; ++n) acc[n] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int64_t j = 0; j < nb; ++j) {
+        const uint8_t* blk = grp + j * gb;
+        if (pf > 0)
+            for (int64_t l = 0; l < (gb + 63) / 64; ++l)
+                _mm_prefetch((const char*)(blk + pf + 64 * l), _MM_HINT_T0);
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
+        const __m256 mw = q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16)))
+                               : _mm256_setzero_ps();
+        __m256i nib[8];
+        for (int v = 0; v < 4; ++v) {
+            const __m256i b = _mm256_loadu_si256((const __m256i*)(blk + hb + 32 * v));
+            nib[v] = _mm256_and_si256(b, low);
+            nib[4 + v] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+        }
+        for (int n = 0; n < N; ++n) {
+            const __m256 sf = _mm256_cvtepi32_ps(pq_dot_group(nib, xa[n]->q + j * PQ_QK));
+            const float dx = xa[n]->d[j], sx = xa[n]->s[j];
+            if (q4_1) {
+                acc[n] = _mm256_fmadd_ps(sf, _mm256_mul_ps(dw, _mm256_set1_ps(dx)), acc[n]);
+                acc[n] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx), acc[n]);
+            } else {
+                acc[n] = _mm256_fmadd_ps(
+                    dw, _mm256_fmadd_ps(sf, _mm256_set1_ps(dx), _mm256_set1_ps(-8.0f * sx)), acc[n]);
+            }
+        }
+    }
+    for (int n = 0; n < N; ++n) _mm256_storeu_ps(res + PQ_GROUP * n, acc[n]);
+#else
+    for (int n = 0; n < N; ++n)
+        for (int r = 0; r < PQ_GROUP; ++r) res[PQ_GROUP * n + r] = 0.0f;
+    for (int64_t j = 0; j < nb; ++j) {
+        const uint8_t* blk = grp + j * gb;
+        if (pf > 0) __builtin_prefetch(blk + pf, 0, 3);
+        for (int r = 0; r < PQ_GROUP; ++r) {
+            const float dw = pq_f16((uint16_t)(blk[2 * r] | blk[2 * r + 1] << 8));
+            const float m = q4_1 ? pq_f16((uint16_t)(blk[16 + 2 * r] | blk[17 + 2 * r] << 8)) : 0.0f;
+            uint8_t qs[16]; /* row r's GGUF qs bytes */
+            for (int v = 0; v < 4; ++v)
+                for (int c = 0; c < 4; ++c) qs[4 * v + c] = blk[hb + 32 * v + 4 * r + c];
+            for (int n = 0; n < N; ++n) {
+                const float dx = xa[n]->d[j], sx = xa[n]->s[j];
+                const float t = (float)pq_dot_scalar(qs, xa[n]->q + j * PQ_QK);
+                float* out = res + PQ_GROUP * n + r;
+                *out = q4_1 ? fmaf(m, sx, fmaf(t, dw * dx, *out)) : fmaf(dw, fmaf(t, dx, -8.0f * sx), *out);
+            }
+        }
+    }
+#endif
+}
 #endif /* PICOMPILE_QBLOCKS_H */

@@ -107,7 +107,7 @@ def quantize_linears(model: nn.Module, fmt: str, file_blocks: dict | None = None
                 replaced[id(child)] = QuantLinear.from_linear(child, layer_fmt)
                 if blocks is not None and blocks.data is not None:
                     gguf_weights.check_fits(blocks, child.out_features, child.in_features, qual)
-                    replaced[id(child)].qweight.copy_(blocks.data)
+                    replaced[id(child)].load_row_blocks(blocks.data)
             setattr(parent, name, replaced[id(child)])
             paths[qual] = replaced[id(child)].path
     return paths, notes
