@@ -367,7 +367,8 @@ def _plan_and_lower(model, plan, graphs, ffns, ids, mode, sparsity, budget, max_
     for name, prof in profiles.items():
         ffns[name].block.measured_sparsity = 1.0 - prof.density
     if mode == "predicted":
-        trained = predictors_pass.train_all(profiles, quiet=quiet, target_recall=target_recall)
+        trained = predictors_pass.train_all(profiles, ffns, quiet=quiet,
+                                             target_recall=target_recall)
         for name, (predictor, stats) in trained.items():
             block = ffns[name].block
             block.predictor_rank, block.predictor_recall = stats.rank, stats.recall

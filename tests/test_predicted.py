@@ -306,3 +306,50 @@ def test_save_is_atomic(saved, tmp_path, monkeypatch):
     assert {p.name: p.read_bytes() for p in target.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir()] == ["plan"]  # no temporary left behind
     assert not list(pathlib.Path(target).glob("*.pkl"))
+
+
+@settings(max_examples=15, deadline=None)
+@given(rank=st.integers(1, 6), d=st.integers(8, 40), n_ff=st.integers(8, 80), bias=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_low_rank_first_projection_predicts_its_sign(rank, d, n_ff, bias, seed):
+    """A first projection W of rank r: LowRankFirst's rank-r predictor computes W x + b itself
+    (its ReLU kept off by the offset; float16 storage of p1 / p2 the only error)."""
+    from picompile.passes.predictors import LowRankFirst
+
+    gen = torch.Generator().manual_seed(seed)
+    rank = min(rank, d, n_ff)
+    w = torch.randn(n_ff, rank, generator=gen) @ torch.randn(rank, d, generator=gen)  # [n_ff, d]
+    b = torch.randn(n_ff, generator=gen) if bias else None
+    x = torch.randn(200, d, generator=gen) * (1 + 3 * torch.rand(d, generator=gen))  # uneven scales
+    pred = LowRankFirst(w, b, x).predictor(rank)
+    assert pred.rank == rank
+    want = x @ w.T + (0 if b is None else b)
+    got = pred.logits(x)
+    scale = (x.abs() @ w.abs().T + (0 if b is None else b.abs())).amax()
+    assert (got - want).abs().max() <= 3e-3 * scale
+
+
+def test_relu_predictors_try_the_low_rank_first_projection():
+    """Held-out predicted density with the first projection offered is never above the
+    randomly initialised predictor's (the same one is among the candidates), and on a block
+    whose gate is nearly low-rank it is far below it: few samples do not train a predictor
+    from random weights, while the truncated SVD sees the structure in the weights."""
+    from picompile.passes.predictors import first_projection, train_predictor
+    from picompile.passes.profile import BlockProfile
+
+    gen = torch.Generator().manual_seed(0)
+    d, n_ff, r = 256, 1024, 16
+    w = torch.randn(n_ff, r, generator=gen) @ torch.randn(r, d, generator=gen) / d**0.5
+    w += 0.01 * torch.randn(n_ff, d, generator=gen)
+    b = -1.3 * w.norm(dim=1)  # about 10% firing on unit-normal inputs
+    x = torch.randn(400, d, generator=gen)
+    y = x @ w.T + b > 0
+    prof = BlockProfile(y.float().mean(0), x.half(), y, len(x))
+    _, plain = train_predictor(prof, seed=1)
+    _, low = train_predictor(prof, seed=1, first=(w, b))
+    assert low.predicted_density <= plain.predicted_density + 1e-9
+    assert low.recall >= 0.99 and low.predicted_density < 1.3 * low.true_density < plain.predicted_density
+    ffn = next(iter(picompile.compile(zoo.make("llama_relu"), quiet=True).ffns().values()))
+    assert first_projection(ffn)[0] is ffn.w_gate
+    ffn.act = "silu"
+    assert first_projection(ffn) is None

@@ -110,8 +110,10 @@ class PredictorStats:
     nbytes: int
 
 
-def _fit(x: torch.Tensor, y: torch.Tensor, rank: int, epochs: int, seed: int) -> Predictor:
-    """x [N, d] float32, y [N, n_ff] float32 -> a trained predictor (tau unset), on x's device.
+def _fit(x: torch.Tensor, y: torch.Tensor, rank: int, epochs: int, seed: int,
+         init: Predictor | None = None) -> Predictor:
+    """x [N, d] float32, y [N, n_ff] float32 -> a trained predictor (tau unset), on x's device;
+    from random weights, or from `init`'s (of that rank) when given.
 
     Trained where the samples are (a GPU when profiling ran on one: much faster for large
     n_ff). Random numbers come from a CPU generator on any device (weights initialised on the
@@ -126,9 +128,13 @@ def _fit(x: torch.Tensor, y: torch.Tensor, rank: int, epochs: int, seed: int) ->
         layer.weight.data.uniform_(-bound, bound, generator=gen)
         layer.bias.data.zero_()
     l1, l2 = l1.to(x.device), l2.to(x.device)
-    # start from the marginal firing rate, so early steps need not learn it
-    rate = y.mean(0).clamp(1e-4, 1 - 1e-4)
-    l2.bias.data.copy_(torch.log(rate / (1 - rate)))
+    if init is not None:
+        for layer, (w, b) in ((l1, (init.p1, init.pb1)), (l2, (init.p2, init.pb2))):
+            layer.weight.data.copy_(w)
+            layer.bias.data.copy_(b)
+    else:  # start from the marginal firing rate, so early steps need not learn it
+        rate = y.mean(0).clamp(1e-4, 1 - 1e-4)
+        l2.bias.data.copy_(torch.log(rate / (1 - rate)))
     params = [*l1.parameters(), *l2.parameters()]
     batch = min(1024, n)
     if x.is_cuda:
@@ -147,6 +153,49 @@ def _fit(x: torch.Tensor, y: torch.Tensor, rank: int, epochs: int, seed: int) ->
             sched.step()
     return Predictor(l1.weight.detach().clone(), l1.bias.detach().clone(),
                      l2.weight.detach().clone(), l2.bias.detach().clone())
+
+
+class LowRankFirst:
+    """Rank-r approximations of a block's first projection (the gate, or up where there is no
+    gate): W [n_ff, d], b [n_ff] or None, float32. A ReLU block's neuron fires where
+    w_j . x + b_j > 0, so W_r x + b is a predictor by itself, and a far better start than random
+    weights: trained from random weights on a few hundred samples, a predictor can miss the
+    structure a truncated SVD sees directly in the weights.
+
+    W_r is best where the inputs are: it minimizes E ||(W - W_r) x||^2 over the samples x
+    [N, d] (the SVD of W L, Sigma = L L^T their second moment, regularized since N may be
+    below d). One decomposition serves every rank up to the one it was computed for."""
+
+    RIDGE = 1e-2  # Sigma + RIDGE * mean(diag Sigma) * I
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor):
+        self.w = w.detach().float().to(x.device)
+        self.b = None if b is None else b.detach().float().to(x.device)
+        self.x = x
+        sigma = x.T @ x / len(x)  # [d, d]
+        sigma += (self.RIDGE * float(sigma.diagonal().mean()) + 1e-12) * torch.eye(
+            sigma.shape[0], device=x.device)
+        self.L = torch.linalg.cholesky(sigma)  # [d, d] lower
+        self._svd: tuple | None = None  # U [n_ff, q], S [q], V [d, q]
+
+    @torch.no_grad()
+    def predictor(self, rank: int, seed: int = 0) -> Predictor:
+        """logits = W_r x + b as a Predictor: p1 = V^T L^-1 [r, d], p2 = U S [n_ff, r]. The ReLU
+        between them is kept off by an offset pb1 twice the largest |p1 x| on the samples (the
+        hidden units stay positive: the map is linear), taken back out in pb2. Rows of p1 and
+        columns of p2 are scaled to equal norms, for their float16 storage."""
+        if self._svd is None or self._svd[1].numel() < rank:
+            q = min(max(2 * rank, rank + 8), *self.w.shape)
+            torch.manual_seed(seed)  # svd_lowrank's random projection
+            self._svd = torch.svd_lowrank(self.w @ self.L, q=q, niter=2)
+        U, S, V = (t[..., :rank] for t in self._svd)
+        p1 = torch.linalg.solve_triangular(self.L.T, V, upper=True).T  # [r, d]
+        p2 = U * S  # [n_ff, r]
+        scale = (p2.norm(dim=0) / p1.norm(dim=1).clamp_min(1e-30)).sqrt().clamp_min(1e-30)  # [r]
+        p1, p2 = p1 * scale[:, None], p2 / scale
+        offset = 2 * (self.x @ p1.T).abs().amax(0) + 1e-6  # [r]
+        pb2 = (self.b if self.b is not None else torch.zeros(len(p2), device=p2.device)) - p2 @ offset
+        return Predictor(p1, offset, p2, pb2)
 
 
 @torch.no_grad()
@@ -174,10 +223,16 @@ def train_predictor(
     max_density_ratio: float = 1.3,
     epochs: int = 40,
     seed: int = 0,
+    first: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> tuple[Predictor, PredictorStats]:
     """Smallest rank meeting the density target at `target_recall`, on held-out samples.
     Trains on the device of the profile's samples; the predictor returned is on the CPU
-    (compile places it later)."""
+    (compile places it later).
+
+    `first`: the block's first projection (W [n_ff, d], b [n_ff] or None) for ReLU blocks. Then
+    each rank also tries W's low-rank approximation as the predictor (LowRankFirst), alone and
+    as the start of training, and keeps whichever of the three predicts fewest neurons on
+    held-out samples."""
     x, y = prof.x.float(), prof.y  # [N, d] float32, [N, n_ff] bool
     n_val = max(1, len(x) // 10)
     xt, yt, xv, yv = x[n_val:], y[n_val:].float(), x[:n_val], y[:n_val]
@@ -185,10 +240,16 @@ def train_predictor(
         xt, yt = xv, yv.float()
     d, n_ff = x.shape[1], y.shape[1]
     ranks = [r for r in RANKS if r < min(d, n_ff)] or [max(1, min(d, n_ff) // 2)]
+    low_rank = None if first is None else LowRankFirst(*first, xt)
+    recall = 1 - (1 - target_recall) * MISS_MARGIN
     best = None
     for rank in ranks:
-        pred = _fit(xt, yt, rank, epochs, seed)
-        stats = calibrate_tau(pred, xv, yv, 1 - (1 - target_recall) * MISS_MARGIN)
+        start = None if low_rank is None else low_rank.predictor(rank, seed)
+        tried = [_fit(xt, yt, rank, epochs, seed)]
+        if start is not None:
+            tried += [start, _fit(xt, yt, rank, epochs, seed, init=start)]
+        pred, stats = min(((p, calibrate_tau(p, xv, yv, recall)) for p in tried),
+                          key=lambda ps: ps[1].predicted_density)
         if stats.predicted_density <= max_density_ratio * max(stats.true_density, 1e-9):
             return pred.cpu(), stats
         gain = 1.0 if best is None else best[1].predicted_density - stats.predicted_density
@@ -269,9 +330,23 @@ def time_decode(ffns: list, xs: list[torch.Tensor], rounds: int = 5, quiet: bool
     return [(statistics.median(e) * 1e6, statistics.median(p) * 1e6) for e, p in times]
 
 
-def train_all(profiles: dict[str, BlockProfile], quiet: bool = False, **kw
-              ) -> dict[str, tuple[Predictor, PredictorStats]]:
-    return {name: train_predictor(prof, **kw)
+def first_projection(ffn) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(W [n_ff, d], b [n_ff] or None) whose sign decides a ReLU block's firing (the gate, or
+    up without a gate) as float weights; None for other activations (a SiLU neuron never
+    gives exact zeros: its firing is a threshold on |h|, not a sign) and quantized rows."""
+    if ffn.act != "relu":
+        return None
+    w, b = (ffn.w_gate, ffn.b_gate) if ffn.w_gate is not None else (ffn.w_up, ffn.b_up)
+    if not w.is_floating_point():
+        return None
+    return w, b
+
+
+def train_all(profiles: dict[str, BlockProfile], ffns: dict | None = None, quiet: bool = False,
+              **kw) -> dict[str, tuple[Predictor, PredictorStats]]:
+    """train_predictor per block; with `ffns` (by the same names), ReLU blocks also try their
+    first projection's low-rank approximation."""
+    return {name: train_predictor(prof, first=first_projection(ffns[name]) if ffns else None, **kw)
             for name, prof in progress_bar(profiles.items(), "training predictors", quiet,
                                            total=len(profiles))}
 
