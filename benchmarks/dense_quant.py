@@ -51,7 +51,7 @@ def methods(O: int, K: int, isa: bool) -> list[tuple[str, str, int, list]]:
         copies = [w] + [w.clone() for _ in range(max(2, -(-COLD_BYTES // w.nbytes)) - 1)]
         out.append((name, "", w.nbytes, [(dense.dense_kernel_for(c), c) for c in copies]))
     for fmt in dense.QFORMATS:
-        q = quant.interleave_rows(quant.quantize(W, fmt), fmt)  # the kernel's layout
+        q = quant.interleave_blocks(quant.quantize(W, fmt), fmt)  # the kernel's layout
         copies = [q] + [q.clone() for _ in range(max(2, -(-COLD_BYTES // q.nbytes)) - 1)]
         builds = [("", None)]  # the build picompile selects for T=1
         if isa:

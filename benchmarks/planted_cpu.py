@@ -64,6 +64,7 @@ import torch
 
 import picompile
 from picompile import bench, gguf_weights
+from picompile.passes import predictors
 from picompile.runtime.dense_linear import DenseLinear, QuantLinear
 from picompile.runtime.sparse_ffn import SparseFFN
 
@@ -213,16 +214,17 @@ def picompile_bytes_per_token(cm) -> float:
     """Weight bytes picompile reads per decoded token at the sparsity measured since the last
     reset_stats(): attention and LM head whole; exact mode: each FFN's gate rows (up rows of a
     plain block) all, the up and down rows of the share of neurons that fired; predicted mode:
-    the predictor, and the three rows of that share (a lower bound: the predicted neurons are
-    those that fired and some more)."""
+    the predictor's kernel (float16 matrices), the first rows of the neurons it predicts (its
+    predicted density on held-out calibration samples) and the other rows of the share that
+    fired."""
     total = 0.0
     for m in cm.model.modules():
         if isinstance(m, SparseFFN):
             first = m.w_gate if m.w_gate is not None else m.w_up
             rest = sum(nbytes(t) for t in (m.w_up, m.w_down_t) if t is not first)
             if m.predictor is not None and m.predictor.enabled:
-                total += sum(nbytes(t) for t in m.predictor.parameters())
-                total += (1 - m.sparsity) * (nbytes(first) + rest)
+                total += predictors.kernel_bytes(m.predictor.rank, m.d_model, m.n_ff)
+                total += m.block.predicted_density * nbytes(first) + (1 - m.sparsity) * rest
             else:
                 total += nbytes(first) + (1 - m.sparsity) * rest
         elif isinstance(m, QuantLinear):

@@ -278,14 +278,15 @@ class _Builder:
         self._used.add(out)
         return out
 
-    def weight(self, t: torch.Tensor | None, fallback: str) -> str:
-        """The initializer holding `t` (added once, named as in the model's state_dict);
-        "" for None, ONNX's "optional input left out"."""
+    def weight(self, t: torch.Tensor | None, fallback: str, data: torch.Tensor | None = None) -> str:
+        """The initializer holding `t` (added once, named as in the model's state_dict), or
+        `data` in its place (t in another layout); "" for None, ONNX's "optional input left
+        out"."""
         if t is None:
             return ""
         if id(t) not in self._by_id:
             name = self.fresh(self._names.get(id(t), fallback))
-            self.initializers.append(_tensor_proto(t, name))
+            self.initializers.append(_tensor_proto(t if data is None else data, name))
             self._by_id[id(t)] = name
         return self._by_id[id(t)]
 
@@ -423,7 +424,10 @@ class _GraphExport:
         b, p, name = ffn.block, ffn.predictor, self.name(node)
         qual = f"{self.module}.{node.target}" if self.module else str(node.target)
         w = lambda attr, owner=ffn: self.b.weight(getattr(owner, attr), f"{qual}.{attr}")  # noqa: E731
-        inputs = [x.name, w("w_gate"), w("w_up"), w("w_down_t"), w("b_gate"), w("b_up"), w("b_down")]
+        rows = lambda attr: (w(attr) if ffn.qformat is None or getattr(ffn, attr) is None  # noqa: E731
+                             else self.b.weight(getattr(ffn, attr), f"{qual}.{attr}",
+                                                ffn.row_blocks(attr)))  # GGUF's layout
+        inputs = [x.name, rows("w_gate"), rows("w_up"), rows("w_down_t"), w("b_gate"), w("b_up"), w("b_down")]
         attrs = dict(block=b.name, kind=b.kind, activation=b.act, bias=int(b.bias),
                      d_model=ffn.d_model, n_ff=ffn.n_ff, threshold=float(ffn.threshold),
                      mode=self.b.cm.plan.mode,

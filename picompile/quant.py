@@ -132,57 +132,57 @@ def round_activations(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
     return r
 
 
-# -- the dense kernel's layout of 4-bit rows ----------------------------------------------------
+# -- the dot layout of 4-bit rows ---------------------------------------------------------------
 
-GROUP_ROWS = 8  # 4-bit rows interleaved per group (PQ_GROUP in picompile/kernels/qblocks.h)
+SUPERBLOCK = 8  # blocks interleaved per run (PQ_SB in picompile/kernels/qblocks.h)
 
 
-def _group_view(q: torch.Tensor, fmt: str) -> tuple[torch.Tensor, int, int]:
-    """(the grouped rows of q as [groups, 8, blocks, block_bytes], header bytes per block,
-    grouped row count) for a 4-bit matrix q uint8 [rows, row_bytes]."""
+def _superblocks(q: torch.Tensor, fmt: str) -> tuple[torch.Tensor, int, int]:
+    """(the superblocks of q's rows [rows, n_sb, 8, block_bytes], header bytes per block, bytes
+    per row in superblocks) for a 4-bit matrix q uint8 [rows, row_bytes]."""
     f = format_of(fmt)
     if fmt not in INT8_ACTIVATIONS:
-        raise ValueError(f"only the 4-bit formats are interleaved, not {fmt}")
+        raise ValueError(f"only the 4-bit formats have a dot layout, not {fmt}")
     if q.dtype != torch.uint8 or q.dim() != 2 or q.shape[1] % f.block_bytes:
         raise ValueError(f"a {fmt} matrix is uint8 [rows, blocks * {f.block_bytes}], got "
                          f"{q.dtype} {tuple(q.shape)}")
-    grouped = q.shape[0] - q.shape[0] % GROUP_ROWS
     nb = q.shape[1] // f.block_bytes
-    return q[:grouped].reshape(grouped // GROUP_ROWS, GROUP_ROWS, nb, f.block_bytes), \
-        f.block_bytes - 16, grouped
+    n_sb = nb // SUPERBLOCK
+    span = n_sb * SUPERBLOCK * f.block_bytes
+    return q[:, :span].reshape(q.shape[0], n_sb, SUPERBLOCK, f.block_bytes), f.block_bytes - 16, span
 
 
-def interleave_rows(q: torch.Tensor, fmt: str) -> torch.Tensor:
-    """GGUF's row layout -> the dense kernel's: a new uint8 [rows, row_bytes] tensor. q8_0 is
-    returned as it is (its kernel reads rows); for q4_0 / q4_1 each group of 8 rows (the last
-    rows % 8 stay as they are) holds, per block j, the 8 rows' scales, their minimums (q4_1),
-    then their qs bytes in 4-byte pieces, piece v of rows 0..7 after one another (qblocks.h
-    says why). Only the order of the bytes changes."""
+def interleave_blocks(q: torch.Tensor, fmt: str) -> torch.Tensor:
+    """GGUF's row layout -> the dot layout the 4-bit kernels read (qblocks.h): a new uint8
+    [rows, row_bytes] tensor. In each row every run of 8 blocks (a superblock; the row's last
+    blocks % 8 stay as they are) holds the 8 blocks' float16 scales, their minimums (q4_1), then
+    their qs bytes in 4-byte pieces, piece v of blocks 0..7 after one another. Only the order of
+    bytes within a row changes. q8_0 (its kernels read GGUF's layout) is returned as it is."""
     if fmt not in INT8_ACTIVATIONS:
         format_of(fmt)
         return q
-    g, head, grouped = _group_view(q, fmt)
-    G, R, nb, _ = g.shape
-    heads = g[..., :head].reshape(G, R, nb, head // 2, 2).permute(0, 2, 3, 1, 4)  # [G, nb, f16s, 8, 2]
-    qs = g[..., head:].reshape(G, R, nb, 4, 4).permute(0, 2, 3, 1, 4)  # [G, nb, v, 8, 4]
-    blocks = torch.cat([heads.reshape(G, nb, R * head), qs.reshape(G, nb, R * 16)], dim=-1)
+    sb, head, span = _superblocks(q, fmt)  # [R, S, b, byte]
+    R, S = sb.shape[:2]
+    heads = sb[..., :head].reshape(R, S, SUPERBLOCK, head // 2, 2).transpose(2, 3)  # [R, S, f16, b, 2]
+    qs = sb[..., head:].reshape(R, S, SUPERBLOCK, 4, 4).transpose(2, 3)  # [R, S, v, b, c]
     out = q.clone()
-    out[:grouped] = blocks.reshape(grouped, q.shape[1])
+    out[:, :span] = torch.cat([heads.reshape(R, S, SUPERBLOCK * head), qs.reshape(R, S, SUPERBLOCK * 16)],
+                              dim=-1).reshape(R, span)
     return out
 
 
-def deinterleave_rows(q: torch.Tensor, fmt: str) -> torch.Tensor:
-    """The dense kernel's layout -> GGUF's row layout (interleave_rows undone): a new tensor
-    for the 4-bit formats, q itself for q8_0."""
+def deinterleave_blocks(q: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The dot layout -> GGUF's row layout (interleave_blocks undone): a new tensor for the
+    4-bit formats, q itself for q8_0."""
     if fmt not in INT8_ACTIVATIONS:
         format_of(fmt)
         return q
-    g, head, grouped = _group_view(q, fmt)
-    G, R, nb, bb = g.shape
-    blocks = g.reshape(G, nb, R * bb)  # the group's bytes, block by block
-    heads = blocks[..., :R * head].reshape(G, nb, head // 2, R, 2).permute(0, 3, 1, 2, 4)
-    qs = blocks[..., R * head:].reshape(G, nb, 4, R, 4).permute(0, 3, 1, 2, 4)  # [G, 8, nb, v, 4]
-    rows = torch.cat([heads.reshape(G, R, nb, head), qs.reshape(G, R, nb, 16)], dim=-1)
+    sb, head, span = _superblocks(q, fmt)  # [R, S, 8, bb]: here only a cut of each superblock
+    R, S = sb.shape[:2]
+    flat = sb.reshape(R, S, SUPERBLOCK * (head + 16))
+    heads = flat[..., :SUPERBLOCK * head].reshape(R, S, head // 2, SUPERBLOCK, 2).transpose(2, 3)
+    qs = flat[..., SUPERBLOCK * head:].reshape(R, S, 4, SUPERBLOCK, 4).transpose(2, 3)  # [R, S, b, v, c]
+    blocks = torch.cat([heads.reshape(R, S, SUPERBLOCK, head), qs.reshape(R, S, SUPERBLOCK, 16)], dim=-1)
     out = q.clone()
-    out[:grouped] = rows.reshape(grouped, q.shape[1])
+    out[:, :span] = blocks.reshape(R, span)
     return out

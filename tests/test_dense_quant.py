@@ -86,7 +86,7 @@ def magnitude(q: torch.Tensor, fmt: str, K: int) -> torch.Tensor:
 
 def check(q: torch.Tensor, fmt: str, K: int, b: torch.Tensor | None, x: torch.Tensor,
           **build) -> torch.Tensor:
-    kernel = dense.quant_kernel_for(quant.interleave_rows(q, fmt), fmt, K, b, **build)
+    kernel = dense.quant_kernel_for(quant.interleave_blocks(q, fmt), fmt, K, b, **build)
     assert kernel is not None
     out = kernel(x)
     assert out.dtype == torch.float32 and out.shape == (*x.shape[:-1], q.shape[0])
@@ -183,7 +183,7 @@ def test_simd_against_scalar(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_thread_count_independent(fmt):
     gen = torch.Generator().manual_seed(4)
-    q = quant.interleave_rows(quantized(gen, 4096, 576, fmt), fmt)
+    q = quant.interleave_blocks(quantized(gen, 4096, 576, fmt), fmt)
     x = torch.randn(3, 576, generator=gen)
     kernel = dense.quant_kernel_for(q, fmt, 576, torch.randn(4096, generator=gen))
     assert_thread_count_independent(kernel, x)
@@ -191,7 +191,7 @@ def test_thread_count_independent(fmt):
 
 def test_kernel_shapes_and_errors(monkeypatch):
     gen = torch.Generator().manual_seed(3)
-    q = quant.interleave_rows(quantized(gen, 10, 64, "q4_0"), "q4_0")
+    q = quant.interleave_blocks(quantized(gen, 10, 64, "q4_0"), "q4_0")
     kernel = dense.quant_kernel_for(q, "q4_0", 64)
     assert kernel.weight is q or kernel.weight.data_ptr() == q.data_ptr()  # no copy
     assert kernel(torch.zeros(0, 64)).shape == (0, 10)
@@ -241,7 +241,7 @@ def test_quant_linear_module(fmt):
     assert not hasattr(mod, "weight")  # no float copy of the weight
     assert mod.qweight.dtype == torch.uint8 and mod.qweight.shape == (37, quant.row_bytes(96, fmt))
     assert torch.equal(mod.row_blocks(), quant.quantize(lin.weight, fmt))
-    assert torch.equal(mod.qweight, quant.interleave_rows(mod.row_blocks(), fmt))  # the kernel's layout
+    assert torch.equal(mod.qweight, quant.interleave_blocks(mod.row_blocks(), fmt))  # the kernel's layout
     assert mod.bias.dtype == torch.float32 and torch.equal(mod.bias, lin.bias)
     assert set(mod.state_dict()) == {"qweight", "bias"}
     assert mod.path.startswith(f"C {fmt}") and f"format={fmt}" in repr(mod)

@@ -144,7 +144,9 @@ def block_plan(v: c.Variant, d: int, n_ff: int, threshold: float = 0.0) -> Block
 def make_module(fmt: str, v: c.Variant, w: dict, d: int, threshold: float = 0.0) -> SparseFFN:
     """A SparseFFN over already quantized weights (the constructor's qformat; the down rows'
     format is v.down_dtype: down_qformat, or float rows)."""
-    w = dict(w)
+    w = dict(w)  # (GGUF's layout; the module keeps gate and up rows in the dot layout)
+    for k in ("w_up", "w_gate"):
+        w[k] = None if w[k] is None else quant.interleave_blocks(w[k], fmt)
     down = None if v.down_dtype in TORCH_DT else v.down_dtype
     ffn = SparseFFN(block_plan(v, d, w["w_up"].shape[0], threshold), w.pop("w_up"),
                     w.pop("w_down_t"), **w, qformat=fmt, down_qformat=down)
@@ -407,7 +409,7 @@ def test_quantize_then_kernel_matches_reference(fmt, kind, act, bias):
     assert fmt in repr(ffn)
     # the quantized weights are the float ones to within the format's step
     step = {"q8_0": 1 / 127, "q4_0": 1 / 7, "q4_1": 1 / 15}[fmt]
-    deq = quant.dequantize(ffn.w_up, fmt, 192)
+    deq = quant.dequantize(ffn.row_blocks("w_up"), fmt, 192)
     blockmax = w_float.reshape(150, 6, 32).abs().amax(-1, keepdim=True).expand(150, 6, 32).reshape(150, 192)
     assert bool(((deq - w_float).abs() <= step * blockmax * (2 if fmt == "q4_1" else 1) + 1e-6).all())
 
@@ -453,7 +455,7 @@ def test_quantize_refuses_what_must_stay_float_and_keeps_or_requantizes():
     deq8 = quant.dequantize(ffn.w_up, "q8_0", 64)
     ffn.quantize_("q4_1")  # another format: dequantized and quantized again
     assert ffn.qformat == "q4_1" and ffn.w_up.shape == (33, quant.row_bytes(64, "q4_1"))
-    torch.testing.assert_close(quant.dequantize(ffn.w_up, "q4_1", 64),
+    torch.testing.assert_close(quant.dequantize(ffn.row_blocks("w_up"), "q4_1", 64),
                                quant.dequantize(quant.quantize(deq8, "q4_1"), "q4_1", 64))
     x = torch.randn(2, 64)
     torch.testing.assert_close(ffn(x), ffn.forward_native(x)[0], rtol=1e-4, atol=1e-4)

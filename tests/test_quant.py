@@ -91,35 +91,35 @@ def test_round_activations_other_formats_and_gradient():
 
 
 @settings(max_examples=40, deadline=None)
-@given(fmt=st.sampled_from(sorted(quant.INT8_ACTIVATIONS)), rows=st.integers(0, 40),
-       blocks=st.integers(1, 6), seed=st.integers(0, 2**31 - 1))
-def test_interleave_rows(fmt, rows, blocks, seed):
-    """The dense kernel's 4-bit layout (qblocks.h): per group of 8 rows and block j, the 8 rows'
-    float16 scales (and minimums), then qs byte 4v + c of row r at 32 v + 4 r + c; the rows % 8
-    after the last group unchanged; deinterleave_rows undoes it."""
+@given(fmt=st.sampled_from(sorted(quant.INT8_ACTIVATIONS)), rows=st.integers(0, 6),
+       blocks=st.integers(1, 27), seed=st.integers(0, 2**31 - 1))
+def test_interleave_blocks(fmt, rows, blocks, seed):
+    """The 4-bit dot layout (qblocks.h): in each row, per run of 8 blocks, the 8 blocks' float16
+    scales (and minimums) side by side, then qs byte 4v + c of block b at 32 v + 4 b + c; the
+    blocks % 8 after the last run unchanged; deinterleave_blocks undoes it."""
     gen = torch.Generator().manual_seed(seed)
     bb = quant.format_of(fmt).block_bytes
     q = torch.randint(0, 256, (rows, blocks * bb), generator=gen, dtype=torch.uint8)
-    packed = quant.interleave_rows(q, fmt)
+    packed = quant.interleave_blocks(q, fmt)
     assert packed.shape == q.shape and packed is not q
-    assert torch.equal(quant.deinterleave_rows(packed, fmt), q)
+    assert torch.equal(quant.deinterleave_blocks(packed, fmt), q)
     head = bb - 16
-    grouped = rows - rows % 8
-    assert torch.equal(packed[grouped:], q[grouped:])
-    for g in range(grouped // 8):
-        src = q[8 * g:8 * g + 8].reshape(8, blocks, bb)
-        dst = packed[8 * g:8 * g + 8].reshape(blocks, 8 * bb)
-        for j in range(blocks):
-            for h in range(head // 2):  # d (and m): float16 h of rows 0..7 side by side
-                assert torch.equal(dst[j, 16 * h:16 * h + 16].reshape(8, 2), src[:, j, 2 * h:2 * h + 2])
-            qs = dst[j, 8 * head:].reshape(4, 8, 4)  # [v, r, c]
-            assert torch.equal(qs.permute(1, 0, 2).reshape(8, 16), src[:, j, head:])
+    span = blocks // 8 * 8 * bb
+    assert torch.equal(packed[:, span:], q[:, span:])
+    for r in range(rows):
+        for g in range(blocks // 8):
+            src = q[r, g * 8 * bb:(g + 1) * 8 * bb].reshape(8, bb)  # GGUF's 8 blocks
+            dst = packed[r, g * 8 * bb:(g + 1) * 8 * bb]
+            for h in range(head // 2):  # d (and m): float16 h of blocks 0..7 side by side
+                assert torch.equal(dst[16 * h:16 * h + 16].reshape(8, 2), src[:, 2 * h:2 * h + 2])
+            qs = dst[8 * head:].reshape(4, 8, 4)  # [v, b, c]
+            assert torch.equal(qs.permute(1, 0, 2).reshape(8, 16), src[:, head:])
 
 
-def test_interleave_rows_other_formats_and_errors():
+def test_interleave_blocks_other_formats_and_errors():
     q = quant.quantize(torch.randn(9, 64), "q8_0")
-    assert quant.interleave_rows(q, "q8_0") is q and quant.deinterleave_rows(q, "q8_0") is q
+    assert quant.interleave_blocks(q, "q8_0") is q and quant.deinterleave_blocks(q, "q8_0") is q
     with pytest.raises(ValueError, match="uint8"):
-        quant.interleave_rows(torch.zeros(8, 19, dtype=torch.uint8), "q4_0")
+        quant.interleave_blocks(torch.zeros(8, 19, dtype=torch.uint8), "q4_0")
     with pytest.raises(ValueError, match="unknown"):
-        quant.interleave_rows(q, "q5_0")
+        quant.interleave_blocks(q, "q5_0")

@@ -214,7 +214,7 @@ def test_gguf_file_tensors_are_kept_as_they_are():
                                dense.model.layers[3].self_attn.q_proj.weight, atol=0, rtol=0)
     ffn = cm.ffns()["model.layers.3.mlp.sparse_ffn"]
     assert ffn.qformat == "q4_1" and ffn.down_qformat == "q8_0"
-    torch.testing.assert_close(quant.dequantize(ffn.w_up.data, "q4_1", 576),
+    torch.testing.assert_close(quant.dequantize(ffn.row_blocks("w_up"), "q4_1", 576),
                                dense.model.layers[3].mlp.up_proj.weight, atol=0, rtol=0)
     assert gguf_weights.module_name("blk.3.ffn_up.weight") == "model.layers.3.mlp.up_proj"
     ids = torch.randint(0, 49152, (1, 12), generator=torch.Generator().manual_seed(0))

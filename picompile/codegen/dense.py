@@ -23,14 +23,14 @@ Weight formats ("variants" of the library) are of two kinds, kept apart here:
 - block-quantized formats of picompile.quant (QFORMATS: "q8_0", "q4_0", "q4_1"), which are no
   torch dtype: W is the uint8 tensor [O, K / 32 * block_bytes] of GGUF's blocks, the bias float32.
 
-    qweight = quant.interleave_rows(blocks [O, row_bytes] uint8, "q4_0")  # the kernel's layout
+    qweight = quant.interleave_blocks(blocks [O, row_bytes] uint8, "q4_0")  # the kernel's layout
     kernel = quant_kernel_for(qweight, "q4_0", K, bias [O] | None)
     out = kernel(x [T, K])                                      # -> [T, O] float32
 
 computes `x @ quant.dequantize(blocks, fmt, K).T + bias` (the 4-bit formats over x rounded to
-int8 blocks, quant.round_activations). The 4-bit rows come in groups of 8 (interleave_rows: the
-8 rows' scales and nibbles side by side, so one vector holds 8 row sums); q8_0 rows as GGUF's.
-Where AVX-512 is available its build runs AVX512_MIN_TOKENS_Q[fmt] tokens and more (all calls).
+int8 blocks, quant.round_activations). 4-bit rows are read in qblocks.h's dot layout
+(interleave_blocks: each run of 8 blocks of a row interleaved, so their sums and scales fill
+vector lanes); q8_0 rows as GGUF has them.
 """
 
 from __future__ import annotations
@@ -270,9 +270,9 @@ def _quant_shape_error(qweight: torch.Tensor, fmt: str, in_features: int,
 def quant_kernel_for(qweight: torch.Tensor, fmt: str, in_features: int,
                      bias: torch.Tensor | None = None, *, avx512: bool | None = None,
                      tuning: dict[str, int] | None = None) -> DenseKernel | None:
-    """A C kernel computing `x @ quant.dequantize(quant.deinterleave_rows(qweight, fmt), fmt,
+    """A C kernel computing `x @ quant.dequantize(quant.deinterleave_blocks(qweight, fmt), fmt,
     in_features).T + bias` -> float32 on the CPU, for x [T, K] (or [..., K] -> [..., O]),
-    K = in_features, qweight in the kernel's layout (quant.interleave_rows); or None when
+    K = in_features, qweight in the kernel's layout (quant.interleave_blocks); or None when
     there is none (PICOMPILE_REFERENCE set, no compiler / failed build, tensors not on the CPU;
     why_no_quant_kernel says which). Raises ValueError for a format that is not in QFORMATS or
     shapes that do not fit it (uint8 [O, quant.row_bytes(K, fmt)], K a multiple of 32, bias [O]).

@@ -18,8 +18,8 @@
  *                 const wtype* W,   [O, K] row-major, contiguous; wtype = PI_WDTYPE's element.
  *                                   Quantized formats: uint8 [O, K / 32 * PI_BLOCK_BYTES], each
  *                                   row its K / 32 blocks one after another (K must be a
- *                                   multiple of 32); for q4_0 / q4_1 rows 0 .. O - O % 8 - 1
- *                                   in groups of 8 (qblocks.h, quant.interleave_rows)
+ *                                   multiple of 32); q4_0 / q4_1 rows in the dot layout
+ *                                   (qblocks.h, quant.interleave_blocks)
  *                 int64_t O,        output features
  *                 const btype* b,   [O] bias (the weight dtype; float32 for quantized weights),
  *                                   or NULL for none
@@ -223,7 +223,8 @@ typedef const float* xin;
 /* res[n] = w . xs[n] for n < N over one row of 4-bit blocks: qblocks.h's integer dot */
 PI_INLINE void dot_n(const wtype* w, const xin* xs, int64_t K, float* res, const int N,
                      const int U) {
-    pq_q4_dot(w, PI_WDTYPE == PI_Q4_1, K / PI_BLOCK, xs, res, N, U, PI_PF_BYTES);
+    (void)U;
+    pq_q4_dot(w, PI_WDTYPE == PI_Q4_1, K / PI_BLOCK, xs, res, N, PI_PF_BYTES);
 }
 
 #elif PI_QUANT
@@ -384,20 +385,7 @@ PI_INLINE void rows_n(const float* x, const pq_act* acts, int64_t t0, int64_t K,
 #endif
         os[n] = out + (t0 + n) * O;
     }
-    int64_t o = lo;
-#if PI_Q4
-    /* rows in groups of 8 (qblocks.h), then the O % 8 rows after the last group, one by one */
-    const int64_t grouped = O - O % PQ_GROUP, end = hi < grouped ? hi : grouped;
-    for (; o + PQ_GROUP <= end; o += PQ_GROUP) {
-        float r[PI_MAXTOK * PQ_GROUP];
-        pq_q4x8_dot(W + o * PI_ROW(K), PI_WDTYPE == PI_Q4_1, K / PI_BLOCK, xs, r, N, PI_PF_BYTES);
-        for (int g = 0; g < PQ_GROUP; ++g) {
-            const float bo = b ? b2f(b[o + g]) : 0.0f;
-            for (int n = 0; n < N; ++n) os[n][o + g] = r[PQ_GROUP * n + g] + bo;
-        }
-    }
-#endif
-    for (; o < hi; ++o) {
+    for (int64_t o = lo; o < hi; ++o) {
         float r[PI_MAXTOK];
         dot_n(W + o * PI_ROW(K), xs, K, r, N, U);
         const float bo = b ? b2f(b[o]) : 0.0f;

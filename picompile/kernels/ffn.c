@@ -317,7 +317,7 @@ PIC_INLINE void qdot_n(const int F, const void* row, const float* const* xs,
     const uint8_t* w = (const uint8_t*)row;
     const int64_t nb = d / PIC_QK, qb = pic_qbytes(F);
     if (F != PIC_Q8_0) {  /* 4-bit: integer dots with x rounded to int8 (qblocks.h) */
-        pq_q4_dot(w, F == PIC_Q4_1, nb, xa, res, N, U, PIC_PF_BYTES);
+        pq_q4_dot(w, F == PIC_Q4_1, nb, xa, res, N, PIC_PF_BYTES); /* the dot layout */
         return;
     }
 #if PIC_SIMD

@@ -16,6 +16,18 @@
  *     q4_0: dw * d[b] * (n . q) - 8 * dw * s[b]        q4_1: dw * d[b] * (n . q) + m * s[b]
  * n . q (nibbles 0..15 times int8) is exact in int32.
  *
+ * The dot layout (picompile.quant.interleave_blocks): a 4-bit row that is dotted with x (dense
+ * weights, FFN gate and up rows) keeps its bytes but each run of PQ_SB = 8 blocks (256 weights)
+ * is a superblock: the 8 blocks' float16 scales dw[8], for q4_1 their minimums m[8], then
+ * qs [4][8][4]: qs[v][b][c] = block b's GGUF byte qs[4v + c] (its weights 4v + c, low nibble,
+ * and 16 + 4v + c, high nibble). The nb % 8 blocks after the last superblock stay as GGUF has
+ * them. x's int8 values are stored to match (pq_quantize): per superblock, xq [8][8][4] with
+ * xq[i][b][c] = x[32b + 4i + c] for i < 4 (the low nibbles' partners) and x[32b + 16 + 4(i - 4)
+ * + c] above. Then 32-bit lane b of every vector belongs to block b: one integer multiply-add
+ * per 32 bytes and no horizontal sum per block, and the 8 blocks' scales apply as one vector
+ * (llama.cpp's repacked Q4_0 rows interleave several rows; this interleaves blocks of one row,
+ * which keeps a neuron's row contiguous for the sparse kernels).
+ *
  * SIMD: AVX2 + FMA + F16C (VNNI's vpdpbusd where AVX512_VNNI and AVX512VL are enabled), unless
  * PQ_SCALAR is defined before the #include; the rounding of x is the same either way.
  */
@@ -54,19 +66,36 @@ PQ_INLINE float pq_f16(uint16_t h) {
     return f;
 }
 
-/* One token's quantized row: q [K] int8, d [K / 32] block scales, s [K / 32] d * sum(q). */
+#define PQ_SB 8 /* blocks per superblock of the dot layout */
+
+/* One token's quantized row: q [K] int8 (in the dot layout's order, see above), d [K / 32] block
+ * scales, s [K / 32] d * sum(q). */
 typedef struct {
     const int8_t* q;
     const float* d;
     const float* s;
 } pq_act;
 
-/* x [K] float32 -> q [K], d [K / 32], s [K / 32]. The AVX2 path computes exactly what the scalar
- * one does (the same IEEE operations, round half to even). */
+/* Where x's value k of block j sits in pq_act.q (nb blocks in all): the dot layout's order. */
+PQ_INLINE int64_t pq_act_index(int64_t nb, int64_t j, int k) {
+    const int64_t g = j / PQ_SB;
+    if (g >= nb / PQ_SB) return j * PQ_QK + k; /* a tail block: natural order */
+    const int i = k / 16 * 4 + k % 16 / 4;     /* the piece: low (k < 16) or high nibbles' */
+    return g * PQ_SB * PQ_QK + 32 * i + 4 * (j % PQ_SB) + k % 4;
+}
+
+/* x's block j of a pq_act in natural order: out [32] */
+PQ_INLINE void pq_act_block(const pq_act* a, int64_t nb, int64_t j, int8_t* out) {
+    for (int k = 0; k < PQ_QK; ++k) out[k] = a->q[pq_act_index(nb, j, k)];
+}
+
+/* x [K] float32 -> q [K] (the dot layout's order), d [K / 32], s [K / 32]. The AVX2 path
+ * computes exactly what the scalar one does (the same IEEE operations, round half to even). */
 static void pq_quantize(const float* x, int64_t K, int8_t* q, float* d, float* s) {
-    for (int64_t b = 0; b < K / PQ_QK; ++b) {
+    const int64_t nb = K / PQ_QK;
+    for (int64_t b = 0; b < nb; ++b) {
         const float* xb = x + b * PQ_QK;
-        int8_t* qb = q + b * PQ_QK;
+        int8_t qb[PQ_QK]; /* natural order, then placed */
 #if PQ_SIMD
         const __m256 sign = _mm256_set1_ps(-0.0f);
         __m256 v[4], mx = _mm256_setzero_ps();
@@ -111,6 +140,7 @@ static void pq_quantize(const float* x, int64_t K, int8_t* q, float* d, float* s
 #endif
         d[b] = db;
         s[b] = db * (float)sum;
+        for (int k = 0; k < PQ_QK; k += 4) memcpy(q + pq_act_index(nb, b, k), qb + k, 4);
     }
 }
 
@@ -158,6 +188,24 @@ PQ_INLINE __m256 pq_dot8(__m256i n, const int8_t* q) {
 #endif
 }
 
+/* int32 [8]: lane b = block b's n . q over one superblock, exact. nib[i]: its unsigned weights
+ * that meet xq [256] (the dot layout's x) piece i: low nibbles of vector i for i < 4, else the
+ * high nibbles of vector i - 4. maddubs pairs stay in int16: 8 steps of two products of at
+ * most 15 * 127 sum to at most 30480. */
+PQ_INLINE __m256i pq_dot_sb(const __m256i* nib, const int8_t* xq) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    __m256i s = _mm256_setzero_si256();
+    for (int i = 0; i < 8; ++i)
+        s = _mm256_dpbusd_epi32(s, nib[i], _mm256_loadu_si256((const __m256i*)(xq + 32 * i)));
+    return s;
+#else
+    __m256i s = _mm256_maddubs_epi16(nib[0], _mm256_loadu_si256((const __m256i*)xq));
+    for (int i = 1; i < 8; ++i)
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(nib[i], _mm256_loadu_si256((const __m256i*)(xq + 32 * i))));
+    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+#endif
+}
+
 PQ_INLINE float pq_hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -165,116 +213,44 @@ PQ_INLINE float pq_hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Block j of a 4-bit row against N tokens: acc[n * U + u] += dw * d * (n . q) (8 lanes),
- * corr[n] += c * s (c: dw for q4_0, m for q4_1). */
+/* Block j of a 4-bit row (blk: its GGUF bytes; x's block j in natural order, a tail block)
+ * against N tokens: acc[n] += dw * d * (n . q) (8 lanes), corr[n] += c * s (c: dw for q4_0, m
+ * for q4_1). */
 PQ_INLINE void pq_q4_block(const uint8_t* blk, const int q4_1, int64_t j, const pq_act* const* xa,
-                           __m256* acc, float* corr, const int N, const int U, const int u) {
+                           __m256* acc, float* corr, const int N) {
     int32_t head;
     memcpy(&head, blk, 4); /* dw, and for q4_1 m: one conversion */
     const __m128 h = _mm_cvtph_ps(_mm_cvtsi32_si128(head));
     const float dw = _mm_cvtss_f32(h), c = q4_1 ? _mm_cvtss_f32(_mm_movehdup_ps(h)) : dw;
     const __m256i nib = pq_nibbles(blk + (q4_1 ? 4 : 2));
     for (int n = 0; n < N; ++n) {
-        acc[n * U + u] = _mm256_fmadd_ps(pq_dot8(nib, xa[n]->q + j * PQ_QK),
-                                         _mm256_set1_ps(dw * xa[n]->d[j]), acc[n * U + u]);
+        acc[n] = _mm256_fmadd_ps(pq_dot8(nib, xa[n]->q + j * PQ_QK), _mm256_set1_ps(dw * xa[n]->d[j]),
+                                 acc[n]);
         corr[n] = fmaf(c, xa[n]->s[j], corr[n]);
     }
 }
 #endif
 
-/* res[n] = row . x'[n] for n < N (N <= 8) over one row of nb 4-bit blocks (q4_1: 20-byte blocks
- * f16 dw, f16 m, qs[16]; q4_0: 18-byte blocks f16 dw, qs[16]), x'[n] = xa[n] rounded. N x U
- * accumulators of 8 floats (N * U <= 8; consecutive blocks take turns); with pf > 0 one
- * prefetch pf bytes ahead per 64 bytes of a step's blocks. */
-PQ_INLINE void pq_q4_dot(const uint8_t* row, const int q4_1, int64_t nb, const pq_act* const* xa,
-                         float* res, const int N, const int U, const int pf) {
-    const int64_t bb = q4_1 ? 20 : 18;
-    const float sign = q4_1 ? 1.0f : -8.0f; /* the block-sum term: + m s, -8 dw s */
-    float corr[8];
-    for (int n = 0; n < N; ++n) corr[n] = 0.0f;
-#if PQ_SIMD
-    __m256 acc[8];
-    for (int i = 0; i < N * U; ++i) acc[i] = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + U <= nb; j += U) {
-        if (pf > 0)
-            for (int64_t l = 0; l < (U * bb + 63) / 64; ++l)
-                _mm_prefetch((const char*)(row + j * bb + pf + 64 * l), _MM_HINT_T0);
-        for (int u = 0; u < U; ++u) pq_q4_block(row + (j + u) * bb, q4_1, j + u, xa, acc, corr, N, U, u);
-    }
-    for (; j < nb; ++j) pq_q4_block(row + j * bb, q4_1, j, xa, acc, corr, N, U, 0);
-    for (int n = 0; n < N; ++n) {
-        __m256 t = acc[n * U];
-        for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, acc[n * U + u]);
-        res[n] = pq_hsum(t) + sign * corr[n];
-    }
-#else
-    float r[8] = {0};
-    (void)U;
-    for (int64_t j = 0; j < nb; ++j) {
-        const uint8_t* blk = row + j * bb;
-        if (pf > 0) __builtin_prefetch(blk + pf, 0, 3);
-        const float dw = pq_f16((uint16_t)(blk[0] | blk[1] << 8));
-        const float c = q4_1 ? pq_f16((uint16_t)(blk[2] | blk[3] << 8)) : dw;
-        for (int n = 0; n < N; ++n) {
-            r[n] += (float)pq_dot_scalar(blk + (q4_1 ? 4 : 2), xa[n]->q + j * PQ_QK) * (dw * xa[n]->d[j]);
-            corr[n] += c * xa[n]->s[j];
-        }
-    }
-    for (int n = 0; n < N; ++n) res[n] = r[n] + sign * corr[n];
-#endif
-}
-/* ---- 4-bit rows in groups of 8: the dense kernel's layout (picompile.quant.interleave_rows) ----
- * Rows 8g .. 8g + 7 of a matrix (g < O / 8; the O % 8 rows after them stay as GGUF has them) take
- * the bytes those 8 GGUF rows took; block j of the group (the 8 rows' blocks j) is 8 * bb bytes:
- *     d   f16 [8]          row r's scale
- *     m   f16 [8]          row r's minimum (q4_1 only)
- *     qs  u8 [4][8][4]     qs[v][r][c] = row r's GGUF byte qs[4v + c]: weight 4v + c in its low
- *                          nibble, weight 16 + 4v + c in its high nibble
- * So 32-bit lane r of vector v holds four weights of row r: one broadcast of four int8 of x
- * meets all 8 rows, a vector of 8 row sums needs no horizontal add, and the 8 rows' scales
- * apply as one vector (llama.cpp's repacked Q4_0 rows are the same idea). */
-#define PQ_GROUP 8
-
-#if PQ_SIMD
-PQ_INLINE __m256i pq_bcast4(const int8_t* q) { /* q[0..3] in every 32-bit lane */
-    int32_t v;
-    memcpy(&v, q, 4);
-    return _mm256_set1_epi32(v);
-}
-
-/* int32 [8]: lane r = sum over the block's 32 weights of row r times q [32], exact. nib[i]:
- * the unsigned weights that meet q[4i .. 4i + 3] (i < 4: low nibbles of vector i, else the
- * high nibbles of vector i - 4). maddubs pairs stay in int16: 8 steps of two products of at
- * most 15 * 127 sum to at most 30480. */
-PQ_INLINE __m256i pq_dot_group(const __m256i* nib, const int8_t* q) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    __m256i s = _mm256_setzero_si256();
-    for (int i = 0; i < 8; ++i) s = _mm256_dpbusd_epi32(s, nib[i], pq_bcast4(q + 4 * i));
-    return s;
-#else
-    __m256i s = _mm256_maddubs_epi16(nib[0], pq_bcast4(q));
-    for (int i = 1; i < 8; ++i) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(nib[i], pq_bcast4(q + 4 * i)));
-    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
-#endif
-}
-#endif
-
-/* res[n * 8 + r] = row r . x'[n] for the 8 rows of one group (grp: its first byte) and n < N
- * (N <= 8), x'[n] = xa[n] rounded; nb blocks per row; with pf > 0 a prefetch pf bytes ahead
+/* res[n] = row . x'[n] for n < N (N <= 8) over one row of nb 4-bit blocks in the dot layout
+ * (q4_1: 20-byte blocks f16 dw, f16 m, qs[16]; q4_0: 18-byte blocks f16 dw, qs[16]; each run of
+ * 8 in a superblock, see above), x'[n] = xa[n] rounded. With pf > 0 one prefetch pf bytes ahead
  * per 64 bytes. Per block: q4_0 adds dw * (dx * (n . q) - 8 sx), q4_1 dw dx (n . q) + m sx. */
-PQ_INLINE void pq_q4x8_dot(const uint8_t* grp, const int q4_1, int64_t nb, const pq_act* const* xa,
-                           float* res, const int N, const int pf) {
-    const int64_t gb = PQ_GROUP * (q4_1 ? 20 : 18); /* bytes of one block of the group */
-    const int hb = q4_1 ? 32 : 16;                  /* its scales (and minimums) */
+PQ_INLINE void pq_q4_dot(const uint8_t* row, const int q4_1, int64_t nb, const pq_act* const* xa,
+                         float* res, const int N, const int pf) {
+    const int64_t bb = q4_1 ? 20 : 18, sbb = PQ_SB * bb, nsb = nb / PQ_SB;
+    const int hb = q4_1 ? 4 * PQ_SB : 2 * PQ_SB; /* a superblock's scales (and minimums) */
 #if PQ_SIMD
     __m256 acc[8];
-    for (int n = 0; n < N; ++n) acc[n] = _mm256_setzero_ps();
+    float corr[8]; /* the tail blocks' block-sum terms */
+    for (int n = 0; n < N; ++n) {
+        acc[n] = _mm256_setzero_ps();
+        corr[n] = 0.0f;
+    }
     const __m256i low = _mm256_set1_epi8(15);
-    for (int64_t j = 0; j < nb; ++j) {
-        const uint8_t* blk = grp + j * gb;
+    for (int64_t g = 0; g < nsb; ++g) {
+        const uint8_t* blk = row + g * sbb;
         if (pf > 0)
-            for (int64_t l = 0; l < (gb + 63) / 64; ++l)
+            for (int64_t l = 0; l < (sbb + 63) / 64; ++l)
                 _mm_prefetch((const char*)(blk + pf + 64 * l), _MM_HINT_T0);
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
         const __m256 mw = q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16)))
@@ -286,38 +262,50 @@ PQ_INLINE void pq_q4x8_dot(const uint8_t* grp, const int q4_1, int64_t nb, const
             nib[4 + v] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
         }
         for (int n = 0; n < N; ++n) {
-            const __m256 sf = _mm256_cvtepi32_ps(pq_dot_group(nib, xa[n]->q + j * PQ_QK));
-            const float dx = xa[n]->d[j], sx = xa[n]->s[j];
+            const __m256 sf = _mm256_cvtepi32_ps(pq_dot_sb(nib, xa[n]->q + g * PQ_SB * PQ_QK));
+            const __m256 dx = _mm256_loadu_ps(xa[n]->d + g * PQ_SB);
+            const __m256 sx = _mm256_loadu_ps(xa[n]->s + g * PQ_SB);
             if (q4_1) {
-                acc[n] = _mm256_fmadd_ps(sf, _mm256_mul_ps(dw, _mm256_set1_ps(dx)), acc[n]);
-                acc[n] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx), acc[n]);
+                acc[n] = _mm256_fmadd_ps(sf, _mm256_mul_ps(dw, dx), acc[n]);
+                acc[n] = _mm256_fmadd_ps(mw, sx, acc[n]);
             } else {
                 acc[n] = _mm256_fmadd_ps(
-                    dw, _mm256_fmadd_ps(sf, _mm256_set1_ps(dx), _mm256_set1_ps(-8.0f * sx)), acc[n]);
+                    dw, _mm256_fmadd_ps(sf, dx, _mm256_mul_ps(_mm256_set1_ps(-8.0f), sx)), acc[n]);
             }
         }
     }
-    for (int n = 0; n < N; ++n) _mm256_storeu_ps(res + PQ_GROUP * n, acc[n]);
+    for (int64_t j = nsb * PQ_SB; j < nb; ++j) /* the tail: blocks as GGUF has them */
+        pq_q4_block(row + nsb * sbb + (j - nsb * PQ_SB) * bb, q4_1, j, xa, acc, corr, N);
+    for (int n = 0; n < N; ++n) res[n] = pq_hsum(acc[n]) + (q4_1 ? 1.0f : -8.0f) * corr[n];
 #else
-    for (int n = 0; n < N; ++n)
-        for (int r = 0; r < PQ_GROUP; ++r) res[PQ_GROUP * n + r] = 0.0f;
+    float r[8] = {0};
     for (int64_t j = 0; j < nb; ++j) {
-        const uint8_t* blk = grp + j * gb;
-        if (pf > 0) __builtin_prefetch(blk + pf, 0, 3);
-        for (int r = 0; r < PQ_GROUP; ++r) {
-            const float dw = pq_f16((uint16_t)(blk[2 * r] | blk[2 * r + 1] << 8));
-            const float m = q4_1 ? pq_f16((uint16_t)(blk[16 + 2 * r] | blk[17 + 2 * r] << 8)) : 0.0f;
-            uint8_t qs[16]; /* row r's GGUF qs bytes */
+        const int64_t g = j / PQ_SB, b = j % PQ_SB;
+        const uint8_t* blk;
+        uint8_t qs[16]; /* the block's GGUF qs bytes */
+        float dw, m;
+        if (g < nsb) { /* in a superblock */
+            blk = row + g * sbb;
+            if (pf > 0 && b == 0) __builtin_prefetch(blk + pf, 0, 3);
+            dw = pq_f16((uint16_t)(blk[2 * b] | blk[2 * b + 1] << 8));
+            m = q4_1 ? pq_f16((uint16_t)(blk[16 + 2 * b] | blk[17 + 2 * b] << 8)) : 0.0f;
             for (int v = 0; v < 4; ++v)
-                for (int c = 0; c < 4; ++c) qs[4 * v + c] = blk[hb + 32 * v + 4 * r + c];
-            for (int n = 0; n < N; ++n) {
-                const float dx = xa[n]->d[j], sx = xa[n]->s[j];
-                const float t = (float)pq_dot_scalar(qs, xa[n]->q + j * PQ_QK);
-                float* out = res + PQ_GROUP * n + r;
-                *out = q4_1 ? fmaf(m, sx, fmaf(t, dw * dx, *out)) : fmaf(dw, fmaf(t, dx, -8.0f * sx), *out);
-            }
+                for (int c = 0; c < 4; ++c) qs[4 * v + c] = blk[hb + 32 * v + 4 * b + c];
+        } else {
+            blk = row + nsb * sbb + (j - nsb * PQ_SB) * bb;
+            if (pf > 0) __builtin_prefetch(blk + pf, 0, 3);
+            dw = pq_f16((uint16_t)(blk[0] | blk[1] << 8));
+            m = q4_1 ? pq_f16((uint16_t)(blk[2] | blk[3] << 8)) : 0.0f;
+            memcpy(qs, blk + (q4_1 ? 4 : 2), 16);
+        }
+        for (int n = 0; n < N; ++n) {
+            int8_t q[PQ_QK]; /* x's block j in natural order */
+            pq_act_block(xa[n], nb, j, q);
+            const float t = (float)pq_dot_scalar(qs, q), dx = xa[n]->d[j], sx = xa[n]->s[j];
+            r[n] = q4_1 ? fmaf(m, sx, fmaf(t, dw * dx, r[n])) : fmaf(dw, fmaf(t, dx, -8.0f * sx), r[n]);
         }
     }
+    for (int n = 0; n < N; ++n) res[n] = r[n];
 #endif
 }
 #endif /* PICOMPILE_QBLOCKS_H */

@@ -65,7 +65,7 @@ def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None) -> list
                 continue  # quantized from the float weights above
             gguf_weights.check_fits(blocks, ffn.n_ff, ffn.d_model, modules[role])
             rows = blocks.data if ffn.order is None else blocks.data[ffn.order]
-            getattr(ffn, f"w_{role}").data.copy_(rows)
+            getattr(ffn, f"w_{role}").data.copy_(quant.interleave_blocks(rows, block_fmt))
     if requantized_down:
         how = ("re-quantized to", " (the file blocks them along n_ff)") if file_blocks is not None \
             else ("in", " (4-bit blocks along d lose far more than along n_ff)")

@@ -364,10 +364,25 @@ def verify(model: nn.Module, decoder: Decoder) -> None:
 
 
 def build(model: nn.Module) -> tuple[Decoder | None, str]:
-    """(a verified Decoder, "") or (None, why not)."""
+    """(a verified Decoder, "") or (None, why not).
+
+    The probe runs with the predictors off on both sides: it checks that the decoder computes
+    the model's architecture, and in predicted mode the model's forward over the probe's tokens
+    (candidates: those predicted for any token) and one decode step (the token's own) rightly
+    differ by the neurons a predictor misses. The decoder returned runs the predictors."""
+    preds = [m.predictor for m in model.modules()
+             if isinstance(m, SparseFFN) and m.predictor is not None and m.predictor.enabled]
     try:
-        dec = Decoder(model)
-        verify(model, dec)
+        for p in preds:
+            p.enabled = False
+        try:
+            dec = Decoder(model)
+            verify(model, dec)
+        finally:
+            for p in preds:
+                p.enabled = True
+        if preds:
+            dec = Decoder(model)  # bound again, to the predictors
     except Unsupported as e:
         return None, str(e)
     except (c_codegen.CompilerNotFound, c_codegen.BuildFailed, c_codegen.LoadFailed) as e:

@@ -142,9 +142,9 @@ class QuantLinear(KernelModule):
     kernel dots integers), x itself for q8_0.
 
     `qweight` (a buffer, so state_dict holds it) is uint8 [O, K / 32 * block_bytes], GGUF's
-    blocks in the layout the kernel reads (quant.interleave_rows: q8_0 rows as GGUF has them,
-    4-bit rows in groups of 8; `row_blocks()` gives GGUF's layout back); the constructor takes
-    GGUF's row layout. `bias` a float32 Parameter or None. No float copy of the weight is kept:
+    blocks in the layout the kernel reads (quant.interleave_blocks: q8_0 rows as GGUF has them,
+    4-bit rows with each run of 8 blocks interleaved; `row_blocks()` gives GGUF's layout back);
+    the constructor takes GGUF's row layout. `bias` a float32 Parameter or None. No float copy of the weight is kept:
     `forward_native` (the reference) dequantizes on each call. `forward` runs the kernel for
     1 <= T <= 8 tokens on the CPU, forward_native otherwise (prefill, autograd on x, no kernel).
     CPU only: moving it to another device is an error (no GPU kernels for quantized layers yet).
@@ -167,7 +167,7 @@ class QuantLinear(KernelModule):
         self.qformat = qformat
         self.in_features = in_features
         self.out_features = qweight.shape[0]
-        self.register_buffer("qweight", quant.interleave_rows(qweight.detach().contiguous(),
+        self.register_buffer("qweight", quant.interleave_blocks(qweight.detach().contiguous(),
                                                               qformat))
         if bias is not None:
             if bias.shape != (self.out_features,):
@@ -246,7 +246,7 @@ class QuantLinear(KernelModule):
         """The weight's blocks in GGUF's row layout, uint8 [O, row_bytes] (a copy for 4-bit)."""
         from picompile import quant
 
-        return quant.deinterleave_rows(self.qweight, self.qformat)
+        return quant.deinterleave_blocks(self.qweight, self.qformat)
 
     def load_row_blocks(self, blocks: torch.Tensor) -> None:
         """Overwrite the weight with `blocks` in GGUF's row layout (uint8 [O, row_bytes], as a
@@ -256,7 +256,7 @@ class QuantLinear(KernelModule):
         if blocks.shape != self.qweight.shape or blocks.dtype != torch.uint8:
             raise ValueError(f"{self.qformat} blocks for this layer are uint8 "
                              f"{tuple(self.qweight.shape)}, got {blocks.dtype} {tuple(blocks.shape)}")
-        self.qweight.copy_(quant.interleave_rows(blocks, self.qformat))
+        self.qweight.copy_(quant.interleave_blocks(blocks, self.qformat))
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight as float32 [O, K] (quant.dequantize: the reference)."""

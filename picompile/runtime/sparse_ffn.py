@@ -69,10 +69,11 @@ def down_input(
     drelu: bool = False,
     idx: torch.Tensor | None = None,  # [m] int candidate neurons, or None for all
     compute_dtype: torch.dtype = torch.float32,
-    qformat: str | None = None,  # w_gate and w_up are uint8 row blocks of this format
+    qformat: str | None = None,  # w_gate and w_up: uint8 rows of this format, dot layout
 ) -> torch.Tensor:
     """h [T, m]: the down projection's input for the candidate neurons, before thresholding
-    (4-bit gate / up rows: dotted with x rounded to int8 blocks, quant.round_activations)."""
+    (quantized gate / up rows are in the kernels' dot layout, quant.interleave_blocks; 4-bit
+    ones are dotted with x rounded to int8 blocks, quant.round_activations)."""
     cd = compute_dtype
     x = quant.round_activations(x, qformat).to(cd)
 
@@ -81,7 +82,7 @@ def down_input(
             return None
         t = t if idx is None else t.index_select(0, idx.long())
         if qformat is not None and t.dim() == 2:  # a weight matrix: only its used rows
-            t = quant.dequantize(t, qformat, x.shape[-1])
+            t = quant.dequantize(quant.deinterleave_blocks(t, qformat), qformat, x.shape[-1])
         return t.to(cd)
 
     if w_gate is not None:
@@ -100,7 +101,7 @@ def ffn_reference(
     threshold: float = 0.0,
     idx: torch.Tensor | None = None,  # [m] int candidate neurons, or None for all
     compute_dtype: torch.dtype = torch.float32,
-    qformat: str | None = None,  # w_gate and w_up are uint8 row blocks of this format
+    qformat: str | None = None,  # w_gate and w_up: uint8 rows of this format, dot layout
     down_qformat: str | None = None,  # w_down_t's format (None: see down_format)
     **gate_and_act,  # w_gate, b_gate, b_up, act, drelu: as down_input takes them
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +145,8 @@ class SparseFFN(KernelModule):
         down_qformat: str | None = None,
     ):
         """Weights [n_ff, d] float, or with `qformat` already quantized: uint8 row blocks
-        [n_ff, quant.row_bytes(d, qformat)] (see quantize_). w_down_t: in `down_qformat` when
+        [n_ff, quant.row_bytes(d, qformat)], the gate and up rows in the dot layout
+        (quant.interleave_blocks; see quantize_). w_down_t: in `down_qformat` when
         given, else in `qformat` when it is uint8, else float [n_ff, d] (down_format)."""
         super().__init__()
         down_qformat = down_format(qformat, down_qformat, w_down_t)
@@ -247,7 +249,9 @@ class SparseFFN(KernelModule):
     def quantize_(self, fmt: str, down_fmt: str | None = None) -> SparseFFN:
         """Quantize the block in place to `fmt` ("q8_0" | "q4_0" | "q4_1", picompile/quant.py):
         w_gate and w_up become uint8 row blocks [n_ff, d / 32 * block bytes] (GGUF's blocks of
-        32 weights along d, one neuron's row contiguous), and so does w_down_t in `down_fmt`
+        32 weights along d, one neuron's row contiguous, in the kernels' dot layout:
+        quant.interleave_blocks; `row_blocks` gives GGUF's), and so does w_down_t in `down_fmt`
+        (GGUF's layout: down rows are added, not dotted)
         (None: `fmt`; a float dtype name, "float32" | "float16" | "bfloat16", keeps the down
         rows float in that dtype); biases float32; the kernel is selected again. A matrix
         already in its format is left as it is; one in another format is dequantized and
@@ -274,12 +278,14 @@ class SparseFFN(KernelModule):
             w = getattr(self, name)
             if w is None or (have is not None and have == want):
                 continue
+            dotted = name != "w_down_t"  # gate / up rows: the dot layout
             if have is not None:
-                w = quant.dequantize(w, have, d).to(w.device)
+                w = quant.dequantize(quant.deinterleave_blocks(w, have) if dotted else w, have, d).to(w.device)
             if want in _FLOAT_DTYPES:
                 q = w.detach().to(_FLOAT_DTYPES[want]).contiguous()
             else:
                 q = quant.quantize(w, want).to(w.device)
+                q = quant.interleave_blocks(q, want) if dotted else q
             setattr(self, name, nn.Parameter(q, requires_grad=False))
         for name in ("b_gate", "b_up", "b_down"):
             b = getattr(self, name)
@@ -290,6 +296,15 @@ class SparseFFN(KernelModule):
         self.down_qformat = None if down_float is not None else down_fmt
         self.select_kernel()
         return self
+
+    def row_blocks(self, name: str) -> torch.Tensor:
+        """w_gate / w_up / w_down_t of a quantized block in GGUF's row layout (uint8 [n_ff,
+        row_bytes]; the gate and up rows are kept in the dot layout)."""
+        t = getattr(self, name)
+        fmt = self.down_qformat if name == "w_down_t" else self.qformat
+        if t is None or fmt is None:
+            raise ValueError(f"{name} of this block is not quantized")
+        return t if name == "w_down_t" else quant.deinterleave_blocks(t, fmt)
 
     def _down_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """w_down_t [n_ff, d] as float `dtype` (quantized rows dequantized)."""
