@@ -177,7 +177,7 @@ def deinterleave_blocks(q: torch.Tensor, fmt: str) -> torch.Tensor:
     if fmt not in INT8_ACTIVATIONS:
         format_of(fmt)
         return q
-    sb, head, span = _superblocks(q, fmt)  # [R, S, 8, bb]: here only a cut of each superblock
+    sb, head, span = _superblocks(q, fmt)  # [R, S, 8, bb]: a superblock's bytes, dot layout
     R, S = sb.shape[:2]
     flat = sb.reshape(R, S, SUPERBLOCK * (head + 16))
     heads = flat[..., :SUPERBLOCK * head].reshape(R, S, head // 2, SUPERBLOCK, 2).transpose(2, 3)

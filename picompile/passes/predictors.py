@@ -186,8 +186,10 @@ class LowRankFirst:
         columns of p2 are scaled to equal norms, for their float16 storage."""
         if self._svd is None or self._svd[1].numel() < rank:
             q = min(max(2 * rank, rank + 8), *self.w.shape)
-            torch.manual_seed(seed)  # svd_lowrank's random projection
-            self._svd = torch.svd_lowrank(self.w @ self.L, q=q, niter=2)
+            devices = [self.w.device] if self.w.is_cuda else []
+            with torch.random.fork_rng(devices=devices):  # the caller's random state is kept
+                torch.manual_seed(seed)  # svd_lowrank's random projection
+                self._svd = torch.svd_lowrank(self.w @ self.L, q=q, niter=2)
         U, S, V = (t[..., :rank] for t in self._svd)
         p1 = torch.linalg.solve_triangular(self.L.T, V, upper=True).T  # [r, d]
         p2 = U * S  # [n_ff, r]
