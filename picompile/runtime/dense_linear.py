@@ -145,8 +145,9 @@ class QuantLinear(KernelModule):
     blocks in the layout the kernel reads (quant.interleave_blocks: q8_0 rows as GGUF has them,
     4-bit rows with each run of 8 blocks interleaved; `row_blocks()` gives GGUF's layout back);
     the constructor takes GGUF's row layout. `bias` a float32 Parameter or None. No float copy
-    of the weight is kept: `forward_native` (the reference) dequantizes on each call. `forward` runs the kernel for
-    1 <= T <= 8 tokens on the CPU, forward_native otherwise (prefill, autograd on x, no kernel).
+    of the weight is kept: `forward_native` (the reference) dequantizes on each call. `forward`
+    runs the kernel for 1 <= T <= 8 tokens on the CPU, forward_native otherwise (prefill,
+    autograd on x, no kernel).
     CPU only: moving it to another device is an error (no GPU kernels for quantized layers yet).
     """
 
