@@ -424,10 +424,12 @@ class _GraphExport:
         b, p, name = ffn.block, ffn.predictor, self.name(node)
         qual = f"{self.module}.{node.target}" if self.module else str(node.target)
         w = lambda attr, owner=ffn: self.b.weight(getattr(owner, attr), f"{qual}.{attr}")  # noqa: E731
-        rows = lambda attr: (w(attr) if ffn.qformat is None or getattr(ffn, attr) is None  # noqa: E731
-                             else self.b.weight(getattr(ffn, attr), f"{qual}.{attr}",
-                                                ffn.row_blocks(attr)))  # GGUF's layout
-        inputs = [x.name, rows("w_gate"), rows("w_up"), rows("w_down_t"), w("b_gate"), w("b_up"), w("b_down")]
+        # gate and up rows in GGUF's layout (the kernels keep quantized ones in their dot layout)
+        dotted = lambda attr: (w(attr) if ffn.qformat is None or getattr(ffn, attr) is None  # noqa: E731
+                               else self.b.weight(getattr(ffn, attr), f"{qual}.{attr}",
+                                                  ffn.row_blocks(attr)))
+        inputs = [x.name, dotted("w_gate"), dotted("w_up"), w("w_down_t"), w("b_gate"), w("b_up"),
+                  w("b_down")]
         attrs = dict(block=b.name, kind=b.kind, activation=b.act, bias=int(b.bias),
                      d_model=ffn.d_model, n_ff=ffn.n_ff, threshold=float(ffn.threshold),
                      mode=self.b.cm.plan.mode,

@@ -141,8 +141,6 @@ def _superblocks(q: torch.Tensor, fmt: str) -> tuple[torch.Tensor, int, int]:
     """(the superblocks of q's rows [rows, n_sb, 8, block_bytes], header bytes per block, bytes
     per row in superblocks) for a 4-bit matrix q uint8 [rows, row_bytes]."""
     f = format_of(fmt)
-    if fmt not in INT8_ACTIVATIONS:
-        raise ValueError(f"only the 4-bit formats have a dot layout, not {fmt}")
     if q.dtype != torch.uint8 or q.dim() != 2 or q.shape[1] % f.block_bytes:
         raise ValueError(f"a {fmt} matrix is uint8 [rows, blocks * {f.block_bytes}], got "
                          f"{q.dtype} {tuple(q.shape)}")

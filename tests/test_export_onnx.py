@@ -124,6 +124,23 @@ def test_quantized_blocks_say_their_formats_and_keep_their_blocks(tmp_path):
     np.testing.assert_array_equal(_initializer(exported, node.input[2]), ffn.w_up.numpy())
 
 
+def test_quantized_gate_and_up_rows_are_written_in_gguf_layout(tmp_path):
+    """Rows of 8+ blocks are kept in the kernels' dot layout; the file holds GGUF's blocks
+    (also beside float down rows)."""
+    cm = picompile.compile(zoo.make("llama_relu", hidden=256, n_ff=96), quiet=True)
+    for ffn in cm.ffns().values():
+        ffn.quantize_("q4_0", "float16")
+    exported = _export(cm, tmp_path)
+    node = _custom(exported)[0]
+    assert (_attrs(node)["weight_dtype"], _attrs(node)["down_weight_dtype"]) == (b"q4_0", b"float16")
+    ffn = cm.ffns()["model.layers.0.mlp.sparse_ffn"]
+    assert not torch.equal(ffn.row_blocks("w_up"), ffn.w_up)  # the layouts differ here
+    for i, attr in ((1, "w_gate"), (2, "w_up")):
+        np.testing.assert_array_equal(_initializer(exported, node.input[i]), ffn.row_blocks(attr).numpy())
+    np.testing.assert_array_equal(_initializer(exported, node.input[3]).astype(np.float16),
+                                  ffn.w_down_t.numpy())
+
+
 def test_the_file_computes_what_the_rewritten_graphs_compute_with_a_threshold(tmp_path):
     ids = torch.randint(0, zoo.VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
     cm = picompile.compile(zoo.make("llama_silu"), sparsity=0.5, calibration=ids, quiet=True)

@@ -18,10 +18,10 @@ blocks (QFORMATS, picompile/quant.py): uint8 [n_ff, d / 32 * block bytes], each 
 blocks of 32 weights along d: q8_0 rows dequantized in registers (F16C for the scales, FMA into
 float32 accumulators), 4-bit gate / up rows dotted in integers with x rounded to int8 blocks
 (picompile/kernels/qblocks.h, spliced into the source; those rows in its dot layout,
-quant.interleave_blocks: each run of 8 blocks interleaved, the row still contiguous). The gate and up rows share one format
-(`Variant.dtype`, PIC_WDTYPE), the down rows may have their own (`Variant.down_dtype`,
-PIC_DDTYPE: e.g. q4_1 gate / up with q8_0 down, as the 4-bit formats' down rows are). The C code reaches every row
-through `row_bytes(F, d)` / `row_at`, and does its three per-row operations (dot with up to 8
+quant.interleave_blocks: each run of 8 blocks interleaved, the row still contiguous). The gate
+and up rows share one format (`Variant.dtype`, PIC_WDTYPE), the down rows may have their own
+(`Variant.down_dtype`, PIC_DDTYPE: e.g. q4_1 gate / up with q8_0 down, as the 4-bit formats'
+down rows are). The C code reaches every row through `row_bytes(F, d)` / `row_at`, and does its three per-row operations (dot with up to 8
 tokens, axpy into the partial outputs, prefetch) through `row_dot` / `row_axpy` /
 `row_prefetch`, which take the format F as a compile-time argument and pick the float or the
 quantized code; `gu_dot` (gate / up rows) and `down_axpy` (down rows) are their instances for

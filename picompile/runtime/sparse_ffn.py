@@ -280,7 +280,8 @@ class SparseFFN(KernelModule):
                 continue
             dotted = name != "w_down_t"  # gate / up rows: the dot layout
             if have is not None:
-                w = quant.dequantize(quant.deinterleave_blocks(w, have) if dotted else w, have, d).to(w.device)
+                blocks = quant.deinterleave_blocks(w, have) if dotted else w
+                w = quant.dequantize(blocks, have, d).to(w.device)
             if want in _FLOAT_DTYPES:
                 q = w.detach().to(_FLOAT_DTYPES[want]).contiguous()
             else:
