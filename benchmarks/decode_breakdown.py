@@ -65,7 +65,7 @@ def main():
         cm.save(args.plan)
     prompt = corpus.token_batches(tok, "heldout", 4096)[:1, :32]
     ffns = list(cm.ffns().values())
-    layers = cm.model.model.layers
+    layers = cm._orig_mod.model.layers
     spent = hook_timers({"attention": [layer.self_attn for layer in layers],
                          "MLP": [layer.mlp for layer in layers], "FFN block": ffns,
                          "predictor": [f.predictor for f in ffns]})
@@ -79,7 +79,7 @@ def main():
             cm.use_predictors(policy)
             for s in spent.values():
                 s.clear()
-            ms = step_ms(cm.model, prompt, args.steps)
+            ms = step_ms(cm._orig_mod, prompt, args.steps)
             us = {k: statistics.median(v) * 1e6 if v else 0.0 for k, v in spent.items()}
             rows.append(f"| {r + 1} | {policy} | {ms:.3f} | " + " | ".join(f"{v:.0f}" for v in us.values()))
         dense_ms = step_ms(dense, prompt, args.steps)

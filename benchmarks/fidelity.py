@@ -125,8 +125,8 @@ def report(name, dense, tokenizer, sparsity, calib_tokens, heldout_tokens, new_t
         toks_dense = toks if toks_dense is None else toks_dense
         agree = int((toks == toks_dense).int().cumprod(0).sum()) / new_tokens
         blocks = model.plan.blocks if compiled and policy != "none" else []
-        recall = [b.predictor_recall for b in blocks if b.predictor_recall is not None]
-        dens = [(b.predicted_density, b.true_density) for b in blocks if b.predicted_density is not None]
+        recall = [b.measured.predictor_recall for b in blocks if b.measured.predictor_recall is not None]
+        dens = [(b.measured.predicted_density, b.measured.true_density) for b in blocks if b.measured.predicted_density is not None]
         rows.append([label, sp, sum(recall) / len(recall) if recall else None,
                      (sum(p for p, _ in dens) / len(dens), sum(t for _, t in dens) / len(dens)) if dens else None,
                      ppl, agree, None, compile_s])
@@ -137,7 +137,7 @@ def report(name, dense, tokenizer, sparsity, calib_tokens, heldout_tokens, new_t
     blocks = runs[2][1].plan.blocks  # the predicted model's
     us = [sum(getattr(b, f"decode_us_{k}") for b in blocks) for k in ("exact", "predicted")]
     mb = [sum(getattr(b, f"decode_bytes_{k}") for b in blocks) / 1e6 for k in ("exact", "predicted")]
-    per_block = ", ".join(f"{b.decode_us_exact:.0f}/{b.decode_us_predicted:.0f}" for b in blocks)
+    per_block = ", ".join(f"{b.measured.decode_us_exact:.0f}/{b.measured.decode_us_predicted:.0f}" for b in blocks)
     extra.append(f"FFN blocks, per decoded token (timed by compile on calibration inputs, blocks "
                  f"in model order): exact {us[0]:.0f} us, every predictor on {us[1]:.0f} us "
                  f"({us[0] / us[1]:.2f}x; per block exact/predicted us: {per_block}); "

@@ -218,13 +218,13 @@ def picompile_bytes_per_token(cm) -> float:
     predicted density on held-out calibration samples) and the other rows of the share that
     fired."""
     total = 0.0
-    for m in cm.model.modules():
+    for m in cm._orig_mod.modules():
         if isinstance(m, SparseFFN):
             first = m.w_gate if m.w_gate is not None else m.w_up
             rest = sum(nbytes(t) for t in (m.w_up, m.w_down_t) if t is not first)
             if m.predictor is not None and m.predictor.enabled:
                 total += predictors.kernel_bytes(m.predictor.rank, m.d_model, m.n_ff)
-                total += m.block.predicted_density * nbytes(first) + (1 - m.sparsity) * rest
+                total += m.block.measured.predicted_density * nbytes(first) + (1 - m.sparsity) * rest
             else:
                 total += nbytes(first) + (1 - m.sparsity) * rest
         elif isinstance(m, QuantLinear):

@@ -7,7 +7,9 @@
     picompile.export_onnx(cm, "model.onnx")  # the rewritten graphs, to look at in Netron
 """
 
-from picompile.compiler import CompiledModel, compile, explain, load
+from picompile.compiled_model import CompiledModel
+from picompile.compiler import compile, load
+from picompile.explain import explain
 # The function: picompile.export_onnx(cm, path). Importing it needs no onnx; calling it does.
 from picompile.export_onnx import export_onnx
 # The function: picompile.serve(cm, tokenizer, ...) (the module's other names: `from

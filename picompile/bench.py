@@ -209,7 +209,7 @@ def compare(model, tokenizer, compile_fn, *, gguf: pathlib.Path | None, new_toke
     prompt = corpus.token_batches(tokenizer, "heldout", 1, seq_len=32)
     dense = copy.deepcopy(model)
     cm = compile_fn(model)
-    dtype = next(cm.model.parameters()).dtype
+    dtype = next(cm._orig_mod.parameters()).dtype
     dense.to(dtype)  # as compile_fn may have converted the model
     name = str(dtype).removeprefix("torch.")
     rows = llama_cpp_rows(gguf, dtype, threads, new_tokens, build=build)

@@ -43,7 +43,7 @@ from torch import nn
 
 from picompile import quant
 from picompile.capture import check_no_kwargs
-from picompile.passes.predictors import Predictor
+from picompile.runtime.predictor import Predictor
 from picompile.runtime.dense_linear import DenseLinear
 from picompile.runtime.sparse_ffn import SparseFFN, down_format, dtype_name
 
@@ -117,7 +117,7 @@ def export_onnx(cm, path, *, external_data: bool | None = None) -> pathlib.Path:
     """Write the compiled model's rewritten graphs to `path` (.onnx), atomically, after
     onnx.checker passes. external_data: weights in `path`.data next to it (default: only when
     they pass protobuf's 2 GB limit). Returns the path."""
-    from picompile.compiler import CompiledModel
+    from picompile.compiled_model import CompiledModel
 
     require_onnx()
     path = check_target(path)
@@ -140,7 +140,7 @@ def to_onnx(cm) -> onnx.ModelProto:
             raise ValueError(f"picompile cannot export {module_name}: it did not run in a forward "
                              "pass of the model on token ids, so its shapes are unknown")
         _GraphExport(builder, module_name, gm, calls[module_name]).run()
-    graph = helper.make_graph(builder.nodes, f"picompile {type(cm.model).__name__}",
+    graph = helper.make_graph(builder.nodes, f"picompile {type(cm._orig_mod).__name__}",
                               builder.inputs, builder.outputs, builder.initializers,
                               doc_string="picompile's rewritten graphs, side by side, one per "
                                          "captured module")
@@ -154,7 +154,7 @@ def to_onnx(cm) -> onnx.ModelProto:
                               ir_version=helper.find_min_ir_version_for(opsets, ignore_unknown=True))
     model.doc_string = ("For inspection (e.g. Netron): no ONNX runtime implements the "
                         f"'{DOMAIN}' ops. " + SPARSE_FFN_DOC)
-    helper.set_model_props(model, {"picompile.model_class": type(cm.model).__name__,
+    helper.set_model_props(model, {"picompile.model_class": type(cm._orig_mod).__name__,
                                    "picompile.mode": cm.plan.mode,
                                    "picompile.blocks": str(len(cm.plan.blocks))})
     return model
@@ -210,7 +210,7 @@ def _record_calls(cm) -> dict[str, tuple]:
             passes.append(first)
     except Exception as e:
         raise ValueError(f"picompile's ONNX export runs the model on token ids (a LongTensor "
-                         f"[batch, tokens]) to record shapes, and {type(cm.model).__name__} failed "
+                         f"[batch, tokens]) to record shapes, and {type(cm._orig_mod).__name__} failed "
                          f"on them: {type(e).__name__}: {e}") from e
     finally:
         for f, (active, total) in zip(blocks, stats):
@@ -265,8 +265,8 @@ class _Builder:
         self.outputs: list[onnx.ValueInfoProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self._by_id: dict[int, str] = {}  # id(tensor) -> its initializer's name
-        self._names = {id(t): n for n, t in cm.model.named_parameters()}
-        self._names.update({id(t): n for n, t in cm.model.named_buffers()})
+        self._names = {id(t): n for n, t in cm._orig_mod.named_parameters()}
+        self._names.update({id(t): n for n, t in cm._orig_mod.named_buffers()})
         self._used: set[str] = set()
 
     def fresh(self, name: str) -> str:
@@ -435,7 +435,7 @@ class _GraphExport:
                      mode=self.b.cm.plan.mode,
                      skips="exact zeros" if ffn.threshold == 0 and b.exact else
                            "none (dense)" if ffn.threshold == 0 else "below threshold",
-                     hot_neurons=b.hot_neurons, cold_neurons=ffn.n_ff - b.hot_neurons,
+                     hot_neurons=b.decided.hot_neurons, cold_neurons=ffn.n_ff - b.decided.hot_neurons,
                      neuron_order="hot first (permuted)" if ffn.order is not None else "original",
                      weight_dtype=ffn.qformat or dtype_name(ffn.w_up.dtype),
                      down_weight_dtype=(down_format(ffn.qformat, ffn.down_qformat, ffn.w_down_t)
@@ -448,15 +448,15 @@ class _GraphExport:
                                       if ffn.qformat in quant.INT8_ACTIVATIONS else ""),
                      linears=", ".join(f"{k}={v}" for k, v in b.linears.items()),
                      path=self.b.cm.paths.get(b.name, ""))
-        if b.measured_sparsity is not None:
-            attrs["measured_sparsity"] = float(b.measured_sparsity)
+        if b.measured.sparsity is not None:
+            attrs["measured_sparsity"] = float(b.measured.sparsity)
         if p is not None:
             inputs += [w(k, p) for k in ("p1", "pb1", "p2", "pb2")]
             attrs.update(predictor_rank=p.rank, predictor_tau=float(p.tau),
                          predictor_enabled=int(p.enabled),
                          predictor_weight_format="float16 values in float32 tensors")
-            if b.predictor_recall is not None:
-                attrs["predictor_recall"] = float(b.predictor_recall)
+            if b.measured.predictor_recall is not None:
+                attrs["predictor_recall"] = float(b.measured.predictor_recall)
         out = self.b.node("SparseFFN", inputs, name, domain=DOMAIN, doc=SPARSE_FFN_DOC, **attrs)
         return _Tensor(out[0], x.dtype)
 

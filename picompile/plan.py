@@ -10,18 +10,58 @@ or damaged plan.json never loads with a value no compile makes.
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import asdict, dataclass, field, fields
 
 from picompile.quant import FORMATS
 
-ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh")
-MODES = ("exact", "predicted")
-# Which trained predictors run: "auto" those that make a block's decode faster (measured on the
-# CPU at compile time; all of them in the hybrid runtime, where they run on the GPU), "all" every
-# one, "none" none (kept trained: the blocks run exact).
-PREDICTOR_POLICIES = ("auto", "all", "none")
-KINDS = ("plain", "gated", "drelu")
+class Choice(str, enum.Enum):
+    """A closed set of names: compares equal to its value, and prints and saves (JSON) as it."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        return tuple(m.value for m in cls)
+
+
+class Kind(Choice):
+    PLAIN = "plain"  # down(act(up x))
+    GATED = "gated"  # down(act(gate x) * up x)
+    DRELU = "drelu"  # down(relu(gate x) * relu(up x)) (TurboSparse)
+
+
+class Act(Choice):
+    RELU = "relu"
+    SILU = "silu"
+    GELU = "gelu"
+    GELU_TANH = "gelu_tanh"
+
+
+class Mode(Choice):
+    EXACT = "exact"  # skip what is exactly zero (ReLU), or under a calibrated threshold
+    PREDICTED = "predicted"  # a trained predictor picks the neurons to compute
+
+
+class PredictorPolicy(Choice):
+    """Which trained predictors run: AUTO those that make a block's decode faster (measured on
+    the CPU by the autotune stage; all of them in the hybrid runtime, where they run on the
+    GPU), ALL every one, NONE none (kept trained: the blocks run exact)."""
+
+    AUTO = "auto"
+    ALL = "all"
+    NONE = "none"
+
+
+ACTIVATIONS = Act.values()
+MODES = Mode.values()
+PREDICTOR_POLICIES = PredictorPolicy.values()
+KINDS = Kind.values()
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 # compile(quantize=...): a block format, or "gguf": each tensor as the model's GGUF file has it
 QUANT_FORMATS = (*FORMATS, "gguf")
@@ -33,13 +73,43 @@ class PlanError(ValueError):
 
 
 @dataclass
+class Decisions:
+    """What the passes chose for a block: they change how it runs."""
+
+    # Threshold on |down input| under which a neuron counts as inactive; 0.0 = exact.
+    threshold: float = 0.0
+    predictor_rank: int | None = None  # None: no predictor trained
+    predictor_tau: float = 0.0  # the predictor's decision threshold on its logits
+    hot_neurons: int = 0  # neurons 0 .. hot_neurons-1 (after the hot-first permutation) on the GPU
+
+
+@dataclass
+class Measurements:
+    """What the passes measured on a block: shown by explain() and report(); the autotune
+    stage decides predictors="auto" from the decode times. None / 0: not measured."""
+
+    sparsity: float | None = None  # share of (token, neuron) pairs inactive on calibration data
+    predictor_recall: float | None = None  # share of firing neurons predicted (held-out samples)
+    predicted_density: float | None = None  # share of neurons predicted to fire
+    true_density: float | None = None  # share that really fire
+    predictor_bytes: int = 0
+    # Weight bytes the CPU decode kernel reads per token without / with the predictor (the
+    # predictor's own bytes included), and microseconds per decoded token.
+    decode_bytes_exact: int = 0
+    decode_bytes_predicted: int = 0
+    decode_us_exact: float = 0.0
+    decode_us_predicted: float = 0.0
+
+
+@dataclass
 class BlockPlan:
-    """One FFN block found by `detect`, and what the later passes decided for it."""
+    """One FFN block: what `detect` found in the model (the fields here, fixed by the model's
+    structure), what the passes decided (`decided`) and what they measured (`measured`)."""
 
     name: str  # "model.layers.3.mlp" or "model.decoder.layers.0:fc1" for inline blocks
     module: str  # the captured module (a key of CompiledModel.graphs) holding the block
-    kind: str  # "plain" down(act(up x)) | "gated" down(act(gate x) * up x) | "drelu"
-    act: str  # one of ACTIVATIONS
+    kind: Kind
+    act: Act
     d_model: int
     d_ff: int
     bias: bool
@@ -47,30 +117,16 @@ class BlockPlan:
     # Which linear layers (fx targets inside `module`) made the block, for explain().
     linears: dict[str, str] = field(default_factory=dict)
     fused_gate_half: int | None = None  # fused gate_up projection: which chunk is the gate
-    # Threshold on |down input| under which a neuron counts as inactive; 0.0 = exact.
-    threshold: float = 0.0
-    # Fraction of (token, neuron) pairs inactive, measured on calibration data (None: not measured).
-    measured_sparsity: float | None = None
-    # Filled by predictor / placement passes (issue 3).
-    predictor_rank: int | None = None
-    predictor_recall: float | None = None
-    predicted_density: float | None = None
-    true_density: float | None = None
-    predictor_bytes: int = 0
-    predictor_tau: float = 0.0
-    # Weight bytes the CPU decode kernel reads per token without / with the predictor (the
-    # predictor's own bytes included), and the measured microseconds per decoded token: a
-    # predictor runs on the CPU where it is faster (Plan.predictors="auto").
-    decode_bytes_exact: int = 0
-    decode_bytes_predicted: int = 0
-    decode_us_exact: float = 0.0
-    decode_us_predicted: float = 0.0
-    hot_neurons: int = 0  # neurons 0 .. hot_neurons-1 (after the hot-first permutation) on the GPU
+    decided: Decisions = field(default_factory=Decisions)
+    measured: Measurements = field(default_factory=Measurements)
+
+    def __post_init__(self):
+        self.kind, self.act = Kind(self.kind), Act(self.act)
 
     @property
     def exact(self) -> bool:
         """ReLU-family blocks skip only neurons that are exactly zero: lossless."""
-        return self.act == "relu"
+        return self.act == Act.RELU
 
 
 @dataclass
@@ -93,15 +149,18 @@ class Placement:
 
 @dataclass
 class Plan:
-    mode: str = "exact"
+    mode: Mode = Mode.EXACT
     target_sparsity: float | None = None
-    predictors: str = "auto"  # one of PREDICTOR_POLICIES
+    predictors: PredictorPolicy = PredictorPolicy.AUTO
     blocks: list[BlockPlan] = field(default_factory=list)
     unmatched: list[Unmatched] = field(default_factory=list)
     placement: Placement = field(default_factory=Placement)
     calibration_tokens: int = 0
     fingerprint: str = ""  # of the model before compile rewrote it (see saving.fingerprint)
     quantize: str | None = None  # weight format the kernels read (picompile/quant.py), or float
+
+    def __post_init__(self):
+        self.mode, self.predictors = Mode(self.mode), PredictorPolicy(self.predictors)
 
     def block(self, name: str) -> BlockPlan:
         for b in self.blocks:
@@ -121,9 +180,14 @@ class Plan:
         for i, b in enumerate(data["blocks"]):
             where = f"blocks[{i}]"
             _check_fields(where, b, BLOCK_FIELDS, required=_required(BlockPlan))
-            block = BlockPlan(**b)
-            if block.hot_neurons > block.d_ff:
-                _bad(f"{where}.hot_neurons", block.hot_neurons,
+            parts = {}
+            for part, part_cls, spec in (("decided", Decisions, DECISION_FIELDS),
+                                         ("measured", Measurements, MEASUREMENT_FIELDS)):
+                _check_fields(f"{where}.{part}", b.get(part, {}), spec, required=(), block=b.get("name"))
+                parts[part] = part_cls(**b.get(part, {}))
+            block = BlockPlan(**{**b, **parts})
+            if block.decided.hot_neurons > block.d_ff:
+                _bad(f"{where}.decided.hot_neurons", block.decided.hot_neurons,
                      f"at most the block's d_ff ({block.d_ff})", block.name)
             blocks.append(block)
         names = [b.name for b in blocks]
@@ -237,19 +301,25 @@ BLOCK_FIELDS = {
     "dtype": _choice(DTYPES),
     "linears": _dict_of(_str()),
     "fused_gate_half": _optional(_int(0, 1)),
+    "decided": _OBJECT,
+    "measured": _OBJECT,
+}
+DECISION_FIELDS = {
     "threshold": _num(0.0),
-    "measured_sparsity": _SHARE,
     "predictor_rank": _optional(_int(1)),
+    "predictor_tau": _num(),
+    "hot_neurons": _int(0),
+}
+MEASUREMENT_FIELDS = {
+    "sparsity": _SHARE,
     "predictor_recall": _SHARE,
     "predicted_density": _SHARE,
     "true_density": _SHARE,
     "predictor_bytes": _int(0),
-    "predictor_tau": _num(),
     "decode_bytes_exact": _int(0),
     "decode_bytes_predicted": _int(0),
     "decode_us_exact": _num(0.0),
     "decode_us_predicted": _num(0.0),
-    "hot_neurons": _int(0),
 }
 UNMATCHED_FIELDS = {"module": _str(), "reason": _str()}
 PLACEMENT_FIELDS = {
@@ -279,10 +349,11 @@ def _bad(where: str, value, allowed: str, block: str | None = None) -> None:
                     "was edited or damaged: compile the model again and save it")
 
 
-def _check_fields(where: str, data, spec: dict, required) -> None:
+def _check_fields(where: str, data, spec: dict, required, block: str | None = None) -> None:
     if not isinstance(data, dict):
         raise PlanError(f"invalid plan: {where} is {_show(data)}; allowed: a JSON object")
-    block = data.get("name") if where.startswith("blocks[") and isinstance(data.get("name"), str) else None
+    if block is None and where.startswith("blocks[") and isinstance(data.get("name"), str):
+        block = data["name"]
     for key in data:
         if key not in spec:
             raise PlanError(f"invalid plan: {where} has an unknown field {key!r} (value "

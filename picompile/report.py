@@ -65,7 +65,8 @@ def report(cm, path, *, prompt_ids: torch.Tensor | None = None, decode_tokens: i
     prompt_ids [1, T]: what the timed decode starts from (default: the model's BOS token, or
     token 0 without one). decode_tokens: how many tokens it generates; 0 measures nothing.
     The decode resets cm's statistics (cm.sparsity() then gives the decode's sparsity)."""
-    from picompile.compiler import CompiledModel, explain
+    from picompile.compiled_model import CompiledModel
+    from picompile.explain import explain
 
     if not isinstance(cm, CompiledModel):
         raise TypeError(f"report() takes a CompiledModel, got {type(cm).__name__}")
@@ -114,7 +115,7 @@ pre {{ font-size: 0.8em; overflow-x: auto; }}
 
 def _header(cm) -> str:
     plan = cm.plan
-    rows = [("model", type(cm.model).__name__),
+    rows = [("model", type(cm._orig_mod).__name__),
             ("FFN blocks", str(len(plan.blocks))),
             ("mode", plan.mode),
             ("target sparsity", "none" if not plan.target_sparsity else f"{plan.target_sparsity:.0%}"),
@@ -149,7 +150,7 @@ def _firing_section(cm, names: dict[str, str]) -> str:
     by_rank, cumulative = fig.subplots(1, 2)
     norm = Normalize(0, max(len(freqs) - 1, 1))
     cmap = colormaps["viridis"]
-    hot = {b.name: b.hot_neurons for b in cm.plan.blocks}
+    hot = {b.name: b.decided.hot_neurons for b in cm.plan.blocks}
     placed = cm.plan.placement.budget_bytes is not None
     rows = []
     for i, (name, f) in enumerate(freqs.items()):
@@ -198,7 +199,7 @@ def _placement_section(cm, names: dict[str, str]) -> str:
             "neuron runs on the CPU.")
     ffns = cm.ffns()
     blocks = cm.plan.blocks
-    hot_bytes = sum(b.hot_neurons * neuron_bytes(ffns[b.name]) for b in blocks if b.name in ffns)
+    hot_bytes = sum(b.decided.hot_neurons * neuron_bytes(ffns[b.name]) for b in blocks if b.name in ffns)
     fixed = sum(p.fixed_bytes.values()) if p.fixed_on_gpu else 0
     running = any(f.hybrid is not None for f in ffns.values())
     out.append(f"<p>Budget {_mb(p.budget_bytes)}; the plan puts {_mb(p.gpu_bytes)} on the GPU: "
@@ -214,8 +215,8 @@ def _placement_section(cm, names: dict[str, str]) -> str:
     fig = Figure(figsize=(11, max(3.0, 0.28 * len(blocks) + 1.5)), layout="constrained")
     split, budget = fig.subplots(1, 2, width_ratios=(3, 2))
     labels = [names[b.name] for b in blocks]
-    hot = np.array([b.hot_neurons for b in blocks])
-    cold = np.array([b.d_ff - b.hot_neurons for b in blocks])
+    hot = np.array([b.decided.hot_neurons for b in blocks])
+    cold = np.array([b.d_ff - b.decided.hot_neurons for b in blocks])
     y = np.arange(len(blocks))
     split.barh(y, hot, color="#d62728", label="hot (GPU)")
     split.barh(y, cold, left=hot, color="#1f77b4", label="cold (CPU)")
@@ -244,7 +245,7 @@ def _placement_section(cm, names: dict[str, str]) -> str:
 
 def _predictor_section(cm, names: dict[str, str]) -> str:
     out = ['<h2 id="predictors">Predictors</h2>']
-    blocks = [b for b in cm.plan.blocks if b.predictor_rank is not None]
+    blocks = [b for b in cm.plan.blocks if b.decided.predictor_rank is not None]
     if not blocks:
         why = ("mode='exact' trains none (--mode predicted does)" if cm.plan.mode == "exact"
                else "no block has one")
@@ -260,12 +261,12 @@ def _predictor_section(cm, names: dict[str, str]) -> str:
     recall, density = fig.subplots(1, 2)
     x = np.arange(len(blocks))
     labels = [names[b.name] for b in blocks]
-    bars = recall.bar(x, [b.predictor_recall for b in blocks], color="#2ca02c")
+    bars = recall.bar(x, [b.measured.predictor_recall for b in blocks], color="#2ca02c")
     if len(blocks) <= 12:
         recall.bar_label(bars, fmt="%.3f", fontsize="small")
     recall.set(ylim=(0, 1.05), ylabel="recall", title="predictor recall")
-    density.bar(x - 0.2, [b.predicted_density for b in blocks], 0.4, label="predicted", color="#ff7f0e")
-    density.bar(x + 0.2, [b.true_density for b in blocks], 0.4, label="true", color="#1f77b4")
+    density.bar(x - 0.2, [b.measured.predicted_density for b in blocks], 0.4, label="predicted", color="#ff7f0e")
+    density.bar(x + 0.2, [b.measured.true_density for b in blocks], 0.4, label="true", color="#1f77b4")
     density.set(ylabel="share of neurons", title="predicted vs true density")
     density.legend()
     for ax in (recall, density):
@@ -275,11 +276,11 @@ def _predictor_section(cm, names: dict[str, str]) -> str:
     for b in blocks:
         ffn = ffns.get(b.name)
         used = ffn is not None and ffn.predictor is not None and ffn.predictor.enabled
-        timed = (f"{b.decode_us_exact:.0f} -> {b.decode_us_predicted:.0f}"
-                 if b.decode_us_exact > 0 else "not timed")
-        rows.append((names[b.name], str(b.predictor_rank), f"{b.predictor_recall:.1%}",
-                     f"{b.predicted_density:.1%}", f"{b.true_density:.1%}",
-                     f"{b.predictor_bytes:,}", timed, "yes" if used else "no"))
+        timed = (f"{b.measured.decode_us_exact:.0f} -> {b.measured.decode_us_predicted:.0f}"
+                 if b.measured.decode_us_exact > 0 else "not timed")
+        rows.append((names[b.name], str(b.decided.predictor_rank), f"{b.measured.predictor_recall:.1%}",
+                     f"{b.measured.predicted_density:.1%}", f"{b.measured.true_density:.1%}",
+                     f"{b.measured.predictor_bytes:,}", timed, "yes" if used else "no"))
     out.append(_table(["block", "rank", "recall", "predicted density", "true density",
                        "predictor bytes", "µs/token exact -> predicted", "runs"], rows))
     return "\n".join(out)
@@ -292,19 +293,19 @@ def _throughput_section(cm, names: dict[str, str], decode: dict | str) -> str:
     unknown = []
     for b in cm.plan.blocks:
         ffn = ffns.get(b.name)
-        if ffn is None or b.measured_sparsity is None:
+        if ffn is None or b.measured.sparsity is None:
             unknown.append(names[b.name])
             continue
-        density = 1.0 - b.measured_sparsity
+        density = 1.0 - b.measured.sparsity
         dense = exact_decode_bytes(ffn, 1.0)
         # compile's own figure where it made one (held-out samples; what explain() shows)
-        exact = b.decode_bytes_exact or exact_decode_bytes(ffn, density)
+        exact = b.measured.decode_bytes_exact or exact_decode_bytes(ffn, density)
         uses = ffn.predictor is not None and ffn.predictor.enabled
-        runs = b.decode_bytes_predicted if uses else exact
+        runs = b.measured.decode_bytes_predicted if uses else exact
         totals[0] += dense
         totals[1] += runs
         rows.append((names[b.name], f"{density:.1%}", f"{dense:,}", f"{exact:,}",
-                     f"{b.decode_bytes_predicted:,}" if b.predictor_rank is not None else "-",
+                     f"{b.measured.decode_bytes_predicted:,}" if b.decided.predictor_rank is not None else "-",
                      f"{runs:,} ({'predicted' if uses else 'exact'})"))
     if rows:
         rows.append(("all blocks", "", f"{totals[0]:,}", "", "", f"{totals[1]:,}"))
@@ -344,10 +345,10 @@ def _measure_decode(cm, prompt_ids, n: int) -> dict | str:
 
     if n == 0:
         return "not measured (decode_tokens=0)"
-    if not hasattr(cm.model, "generate"):
-        return f"not measured: {type(cm.model).__name__} has no generate()"
+    if not hasattr(cm._orig_mod, "generate"):
+        return f"not measured: {type(cm._orig_mod).__name__} has no generate()"
     if prompt_ids is None:
-        bos = getattr(getattr(cm.model, "config", None), "bos_token_id", None)
+        bos = getattr(getattr(cm._orig_mod, "config", None), "bos_token_id", None)
         prompt_ids = torch.tensor([[bos if isinstance(bos, int) else 0]])
     cm.reset_stats()
     tokens, tps = timed_generate(cm, prompt_ids, n, exact_length=True)

@@ -53,7 +53,7 @@ from torch import nn
 from picompile.plan import BlockPlan, Plan, PlanError
 
 FORMAT = "picompile-plan"
-VERSION = 1
+VERSION = 2  # 2: a block's decisions and measurements nested apart from its structure
 MANIFEST = "manifest.json"
 FILES = ("plan.json", "tensors.safetensors")
 OURS = (*FILES, MANIFEST)  # every file picompile writes in a plan directory
@@ -440,10 +440,10 @@ def check_tensors(blocks: list[BlockPlan], tensors: dict[str, torch.Tensor]) -> 
             if not torch.equal(torch.sort(order.long()).values, torch.arange(b.d_ff)):
                 raise PlanError(f"saved tensor {key} is not a permutation of 0..{b.d_ff - 1}")
         keys = [f"{b.name}.predictor.{k}" for k in PREDICTOR_TENSORS]
-        if b.predictor_rank is None:
+        if b.decided.predictor_rank is None:
             continue
         expected.update(keys)
-        r = b.predictor_rank
+        r = b.decided.predictor_rank
         for k, shape in zip(keys, ((r, b.d_model), (r,), (b.d_ff, r), (b.d_ff,))):
             if k not in tensors:
                 raise PlanError(f"saved tensor {k} is missing (block {b.name!r} has "

@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 
 from picompile.codegen import c
 from picompile.codegen.cache import cache_dir, cache_key, cached_build
-from picompile.passes.predictors import Predictor
-from picompile.plan import BlockPlan
+from picompile.runtime.predictor import Predictor
+from picompile.plan import BlockPlan, Decisions
 from picompile.runtime.sparse_ffn import SparseFFN, down_input, ffn_reference
 
 KINDS = ("plain", "gated", "drelu")
@@ -105,7 +105,7 @@ def module(v: c.Variant, weights: dict, threshold: float) -> SparseFFN:
     kind = "drelu" if v.drelu else "gated" if v.gated else "plain"
     n_ff, d = weights["w_up"].shape
     bp = BlockPlan(name="ffn", module="m", kind=kind, act=v.act, d_model=d, d_ff=n_ff,
-                   bias=v.bias, dtype=v.dtype, threshold=threshold)
+                   bias=v.bias, dtype=v.dtype, decided=Decisions(threshold=threshold))
     dt = TORCH_DT[v.dtype]
     w = {k: None if t is None else t.to(dt) for k, t in weights.items()}
     return SparseFFN(bp, w.pop("w_up"), w.pop("w_down_t"), **w)

@@ -79,7 +79,7 @@ def test_graphs_and_explain():
 def test_threshold_sparsity_zero_equals_dense():
     dense, cm = compile_pair("llama_silu", sparsity=0.0,
                              calibration=torch.randint(0, zoo.VOCAB, (2, 16)))
-    assert all(b.threshold == 0.0 for b in cm.plan.blocks)
+    assert all(b.decided.threshold == 0.0 for b in cm.plan.blocks)
     ids = torch.randint(0, zoo.VOCAB, (2, 9))
     with torch.no_grad():
         torch.testing.assert_close(zoo.logits(cm, ids), zoo.logits(dense, ids), **TOL[torch.float32])
@@ -90,8 +90,8 @@ def test_threshold_calibration_reaches_target_sparsity(target):
     calib = torch.randint(0, zoo.VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
     dense, cm = compile_pair("llama_silu", sparsity=target, calibration=calib)
     for b in cm.plan.blocks:
-        assert b.threshold > 0
-        assert abs(b.measured_sparsity - target) < 0.02
+        assert b.decided.threshold > 0
+        assert abs(b.measured.sparsity - target) < 0.02
     cm.reset_stats()
     with torch.no_grad():
         cm(calib)  # the same tokens: the runtime skips the calibrated share
@@ -146,7 +146,7 @@ def test_unmatched_blocks_say_why():
 
 def test_compiled_model_forwards_attributes():
     dense, cm = compile_pair("llama_relu")
-    assert cm.config is cm.model.config
+    assert cm.config is cm._orig_mod.config
     assert isinstance(cm, nn.Module) and cm.plan.mode == "exact"
 
 

@@ -57,9 +57,20 @@ def test_setting_an_attribute_reaches_the_model():
     _, cm = _pair()
     config = GenerationConfig(max_new_tokens=3, do_sample=False)
     cm.generation_config = config
-    assert cm.model.generation_config is config
+    assert cm._orig_mod.generation_config is config
     out = cm.generate(torch.randint(0, zoo.VOCAB, (1, 4)))
     assert out.shape == (1, 7)
+
+
+def test_the_wrapper_does_not_shadow_the_models_attributes():
+    """As torch.compile's OptimizedModule: the wrapped model is `_orig_mod`, and every name the
+    model has (HF's `model` backbone, `lm_head`, `config`) is the model's own."""
+    dense, cm = _pair()
+    assert cm.model is cm._orig_mod.model and type(cm.model) is type(dense.model)
+    assert cm.lm_head is cm._orig_mod.lm_head and cm.config is cm._orig_mod.config
+    assert all(k.startswith("_orig_mod.") for k in cm.state_dict())
+    cm.plan = cm.plan  # the wrapper's own names stay the wrapper's
+    assert "plan" not in vars(cm._orig_mod)
 
 
 def test_save_pretrained_refuses_and_points_to_save(tmp_path):
@@ -71,12 +82,12 @@ def test_save_pretrained_refuses_and_points_to_save(tmp_path):
 
 def test_compiling_or_loading_onto_a_compiled_model_says_so(tmp_path):
     _, cm = _pair()
-    for target in (cm, cm.model):
+    for target in (cm, cm._orig_mod):
         with pytest.raises(ValueError, match="already compiled"):
             picompile.compile(target, quiet=True)
     cm.save(tmp_path / "plan")
     with pytest.raises(ValueError, match="already compiled"):
-        picompile.load(cm.model, tmp_path / "plan")
+        picompile.load(cm._orig_mod, tmp_path / "plan")
 
 
 def _has_sparse_ffn(model) -> bool:

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from picompile.codegen import cuda
-from picompile.plan import BlockPlan
+from picompile.plan import BlockPlan, Decisions
 
 VARIANTS = cuda.all_variants()
 NVCC = cuda.nvcc_path()
@@ -49,11 +49,11 @@ def test_variant_validation():
 
 def test_variant_for_block():
     block = BlockPlan(name="m.mlp", module="m", kind="drelu", act="relu", d_model=8, d_ff=16,
-                      bias=True, dtype="bfloat16", threshold=0.25)
+                      bias=True, dtype="bfloat16", decided=Decisions(threshold=0.25))
     v = cuda.CudaVariant.for_block(block)
     assert v == cuda.CudaVariant("bfloat16", gated=True, drelu=True, bias=True, act="relu",
                                  threshold=True)
-    block = dataclasses.replace(block, kind="plain", act="gelu", bias=False, threshold=0.0,
+    block = dataclasses.replace(block, kind="plain", act="gelu", bias=False, decided=Decisions(),
                                 dtype="float32")
     assert cuda.CudaVariant.for_block(block) == cuda.CudaVariant(
         "float32", gated=False, drelu=False, bias=False, act="gelu", threshold=False)

@@ -51,14 +51,14 @@ def _step_logits(cm, decoder, ids, prompt: int):
     [n - prompt, vocab] each. Per module: T = 1 calls with HF's static cache, as decode runs."""
     n = ids.shape[1]
     cache = StaticCache(config=cm.config, max_cache_len=n)
-    cm.model(ids[:, :prompt], past_key_values=cache, use_cache=True)
+    cm._orig_mod(ids[:, :prompt], past_key_values=cache, use_cache=True)
     assert decoder.reserve(n)
     decoder.load_cache(cache, prompt)
     decoder.set_threads()
     want, got = [], []
     for pos in range(prompt, n):
         tok = ids[:, pos]
-        want.append(cm.model(tok[:, None], past_key_values=cache, use_cache=True,
+        want.append(cm._orig_mod(tok[:, None], past_key_values=cache, use_cache=True,
                              position_ids=torch.tensor([[pos]])).logits[0, -1].float())
         got.append(decoder.step(tok, pos)[0].clone())
     return torch.stack(want), torch.stack(got)
@@ -96,7 +96,7 @@ def test_generate_matches_hugging_face_and_counts_neurons(arch):
     assert all(f.total_pairs == (7 + 15) * f.n_ff for f in ffns)
     decoded = cm.sparsity()
     cm.reset_stats()
-    generate(cm.model, ids, max_new_tokens=16, min_new_tokens=16)  # per module
+    generate(cm._orig_mod, ids, max_new_tokens=16, min_new_tokens=16)  # per module
     assert decoded == pytest.approx(cm.sparsity(), abs=0.02)
 
 
@@ -130,7 +130,7 @@ def test_rebuilt_when_kernels_change():
     ffn.threshold = 0.0
     second = cm.decoder()
     assert second is not None and second is not first
-    cm.model.to(torch.bfloat16)  # every kernel is selected again for the new tensors
+    cm._orig_mod.to(torch.bfloat16)  # every kernel is selected again for the new tensors
     third = cm.decoder()
     assert third is not None and third is not second, cm.decoder_reason
     ids = torch.randint(3, zoo.VOCAB, (1, 12), generator=torch.Generator().manual_seed(4))
@@ -174,17 +174,17 @@ def test_q_k_v_run_in_one_call():
 
 def test_key_names_the_bound_kernels():
     cm = picompile.compile(_model("llama_relu"), quiet=True)
-    key = Decoder.key(cm.model)
-    lin = cm.model.model.layers[0].self_attn.q_proj
+    key = Decoder.key(cm._orig_mod)
+    lin = cm._orig_mod.model.layers[0].self_attn.q_proj
     lin.select_kernel()  # a new kernel object: pointers may differ
-    assert Decoder.key(cm.model) != key
+    assert Decoder.key(cm._orig_mod) != key
 
 
 @pytest.mark.parametrize("dtype", ["float16", torch.bfloat16])
 def test_compile_converts_the_weights_and_the_decoder_runs_them(dtype):
     cm = picompile.compile(_model("llama_silu"), dtype=dtype, quiet=True)
     want = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    assert {p.dtype for p in cm.model.parameters()} == {want}
+    assert {p.dtype for p in cm._orig_mod.parameters()} == {want}
     assert cm.decoder() is not None, cm.decoder_reason
     ids = torch.randint(3, zoo.VOCAB, (1, 10), generator=torch.Generator().manual_seed(6))
     want_logits, got = _step_logits(cm, cm.decoder(), ids, prompt=4)

@@ -326,7 +326,7 @@ def test_decoder_runs_quantized_linears(fmt):
     from tests import zoo
 
     cm = picompile.compile(_model("llama_silu", hidden=64, layers=2), quiet=True)
-    model = cm.model
+    model = cm._orig_mod
     model.lm_head = QuantLinear.from_linear(model.lm_head, fmt)
     for layer in model.model.layers:
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):

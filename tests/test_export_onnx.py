@@ -146,7 +146,7 @@ def test_the_file_computes_what_the_rewritten_graphs_compute_with_a_threshold(tm
     cm = picompile.compile(zoo.make("llama_silu"), sparsity=0.5, calibration=ids, quiet=True)
     exported = _export(cm, tmp_path)
     thresholds = [_attrs(n)["threshold"] for n in _custom(exported)]
-    assert thresholds == pytest.approx([b.threshold for b in cm.plan.blocks]) and min(thresholds) > 0
+    assert thresholds == pytest.approx([b.decided.threshold for b in cm.plan.blocks]) and min(thresholds) > 0
 
     x = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(1))
     run = ReferenceEvaluator(exported, new_ops=[SparseFFN])
@@ -174,7 +174,7 @@ def test_opt_exports_its_decoder_layers_as_standard_ops_around_the_block(tmp_pat
         op_domain = EAGER_DOMAIN
 
         def _run(self, *inputs, **attrs):
-            module = cm.model.get_submodule(self.module)
+            module = cm._orig_mod.get_submodule(self.module)
             kwargs = {k: torch.from_numpy(v) for k, v in zip(self.arguments.split(", "), inputs)}
             with torch.no_grad():
                 out, weights = module(**kwargs)
@@ -206,7 +206,7 @@ def test_predictor_and_placement_fold_into_the_block_node(tmp_path):
         assert len(node.input) == 11  # x, 6 block tensors (absent biases as ""), 4 predictor
         assert (a["predictor_rank"], a["predictor_enabled"]) == (ffn.predictor.rank, 1)
         assert a["predictor_tau"] == pytest.approx(ffn.predictor.tau)
-        assert a["hot_neurons"] == block.hot_neurons and a["hot_neurons"] + a["cold_neurons"] == 80
+        assert a["hot_neurons"] == block.decided.hot_neurons and a["hot_neurons"] + a["cold_neurons"] == 80
         assert a["neuron_order"] == b"hot first (permuted)" and a["mode"] == b"predicted"
         np.testing.assert_array_equal(_initializer(exported, node.input[7]), ffn.predictor.p1.numpy())
 

@@ -45,7 +45,7 @@ from hypothesis import strategies as st
 
 from picompile import quant
 from picompile.codegen import c
-from picompile.plan import BlockPlan
+from picompile.plan import BlockPlan, Decisions
 from picompile.runtime.sparse_ffn import SparseFFN, activation, down_input, ffn_reference
 from tests import zoo
 from tests.test_decoder import _compile_kw, _step_logits  # shared with the float decoder tests
@@ -138,7 +138,7 @@ def exact_case(fmt: str, v: c.Variant, T: int, d: int, n_ff: int, seed: int):
 def block_plan(v: c.Variant, d: int, n_ff: int, threshold: float = 0.0) -> BlockPlan:
     kind = "drelu" if v.drelu else "gated" if v.gated else "plain"
     return BlockPlan(name="ffn", module="m", kind=kind, act=v.act, d_model=d, d_ff=n_ff,
-                     bias=v.bias, dtype="float32", threshold=threshold)
+                     bias=v.bias, dtype="float32", decided=Decisions(threshold=threshold))
 
 
 def make_module(fmt: str, v: c.Variant, w: dict, d: int, threshold: float = 0.0) -> SparseFFN:

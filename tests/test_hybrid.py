@@ -25,7 +25,7 @@ def _hybrid(dense, seed, hot_share=None, mode="exact"):
     for ffn in cm.ffns().values():
         apply_order(ffn, torch.randperm(ffn.n_ff, generator=gen))
         share = float(torch.rand((), generator=gen)) if hot_share is None else hot_share
-        ffn.block.hot_neurons = int(round(share * ffn.n_ff))
+        ffn.block.decided.hot_neurons = int(round(share * ffn.n_ff))
         ffn.select_kernel()
     cm.distribute("cpu")
     return cm

@@ -52,9 +52,9 @@ def test_layerwise_profile_equals_whole_model(arch):
     cm = _compiled(arch)
     ffns, ids = cm.ffns(), _ids()
     if arch == "llama_silu":  # thresholds, so that not every neuron fires
-        calibrate_pass.calibrate(cm.model, ffns, ids, 0.5, quiet=True)
-    whole = profile_pass.profile(cm.model, ffns, ids, quiet=True)
-    layerwise = profile_pass.profile(cm.model, ffns, ids, quiet=True, device="cpu")
+        calibrate_pass.calibrate(cm._orig_mod, ffns, ids, 0.5, quiet=True)
+    whole = profile_pass.profile(cm._orig_mod, ffns, ids, quiet=True)
+    layerwise = profile_pass.profile(cm._orig_mod, ffns, ids, quiet=True, device="cpu")
     _assert_same_profiles(whole, layerwise)
     assert all(0 < p.density < 1 and len(p.x) > 0 for p in whole.values())
 
@@ -65,7 +65,7 @@ def test_layerwise_runs_every_batch_through_a_layer_before_the_next(device, orde
     calls = []
     handles = [f.register_forward_hook(lambda *_, i=i: calls.append(str(i)))
                for i, f in enumerate(cm.ffns().values())]
-    calibrate_pass.run_calibration(cm.model, _ids(), quiet=True, device=device)  # 2 batches
+    calibrate_pass.run_calibration(cm._orig_mod, _ids(), quiet=True, device=device)  # 2 batches
     for h in handles:
         h.remove()
     assert "".join(calls) == order
@@ -76,17 +76,17 @@ def test_layerwise_profile_with_few_samples_keeps_the_same_tokens():
     cm = _compiled("llama_relu")
     ffns, ids = cm.ffns(), _ids(rows=6)
     kw = dict(quiet=True, memory_bytes=40 * 2 * (2 * 32 + 80))
-    whole = profile_pass.profile(cm.model, ffns, ids, **kw)
-    layerwise = profile_pass.profile(cm.model, ffns, ids, device="cpu", **kw)
+    whole = profile_pass.profile(cm._orig_mod, ffns, ids, **kw)
+    layerwise = profile_pass.profile(cm._orig_mod, ffns, ids, device="cpu", **kw)
     assert all(0 < len(p.x) <= 40 for p in whole.values())
     _assert_same_profiles(whole, layerwise)
 
 
 def _calibrated(model, ffns, ids, sparsity, device):
     for ffn in ffns.values():  # the thresholds a previous run set change the activations
-        ffn.threshold = ffn.block.threshold = 0.0
+        ffn.threshold = ffn.block.decided.threshold = 0.0
     calibrate_pass.calibrate(model, ffns, ids, sparsity, quiet=True, device=device)
-    return {n: (f.block.threshold, f.block.measured_sparsity) for n, f in ffns.items()}
+    return {n: (f.block.decided.threshold, f.block.measured.sparsity) for n, f in ffns.items()}
 
 
 @pytest.mark.parametrize("arch", ["llama_silu", "opt"])
@@ -94,8 +94,8 @@ def test_layerwise_calibration_gives_the_same_thresholds(arch):
     cm = _compiled(arch)
     ffns, ids = cm.ffns(), _ids(rows=6, seq=32)
     sparsity = 0.5 if arch == "llama_silu" else None  # OPT is ReLU: exact, measured only
-    whole = _calibrated(cm.model, ffns, ids, sparsity, None)
-    layerwise = _calibrated(cm.model, ffns, ids, sparsity, "cpu")
+    whole = _calibrated(cm._orig_mod, ffns, ids, sparsity, None)
+    layerwise = _calibrated(cm._orig_mod, ffns, ids, sparsity, "cpu")
     for name, (threshold, measured) in whole.items():
         assert layerwise[name][0] == pytest.approx(threshold, rel=1e-6)
         assert layerwise[name][1] == pytest.approx(measured, abs=1e-6)
@@ -108,11 +108,11 @@ def test_layerwise_calibration_leaves_the_model_as_it_was():
     ids = _ids(rows=2, seq=9, seed=1)
     with torch.no_grad():
         expected = zoo.logits(cm, ids)
-    params = dict(cm.model.named_parameters())
-    before = {k: v.clone() for k, v in cm.model.state_dict().items()}
-    profile_pass.profile(cm.model, cm.ffns(), _ids(), quiet=True, device="cpu")
-    assert dict(cm.model.named_parameters()) == params  # the same Parameter objects
-    after = cm.model.state_dict()
+    params = dict(cm._orig_mod.named_parameters())
+    before = {k: v.clone() for k, v in cm._orig_mod.state_dict().items()}
+    profile_pass.profile(cm._orig_mod, cm.ffns(), _ids(), quiet=True, device="cpu")
+    assert dict(cm._orig_mod.named_parameters()) == params  # the same Parameter objects
+    after = cm._orig_mod.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     with torch.no_grad():  # and it still runs as before (no hook left behind on layer 0)
         torch.testing.assert_close(zoo.logits(cm, ids), expected)
@@ -129,14 +129,14 @@ def test_layerwise_needs_a_list_of_decoder_layers():
 
     cm = picompile.compile(TwoBlocks(), quiet=True)
     with pytest.raises(calibrate_pass.LayerwiseUnsupported, match="list of decoder layers"):
-        calibrate_pass.run_calibration(cm.model, torch.randn(2, 3, 8), device="cpu", quiet=True)
-    assert calibrate_pass.calibration_device(cm.model) is None  # compile: the whole-model path
+        calibrate_pass.run_calibration(cm._orig_mod, torch.randn(2, 3, 8), device="cpu", quiet=True)
+    assert calibrate_pass.calibration_device(cm._orig_mod) is None  # compile: the whole-model path
     assert isinstance(calibrate_pass.decoder_layers(_compiled("opt").model), nn.ModuleList)
 
 
 def test_predictors_train_to_the_cpu_and_deterministically():
     cm = _compiled("llama_relu")
-    profiles = profile_pass.profile(cm.model, cm.ffns(), _ids(), quiet=True)
+    profiles = profile_pass.profile(cm._orig_mod, cm.ffns(), _ids(), quiet=True)
     prof = next(iter(profiles.values()))
     a, stats = predictors_pass.train_predictor(prof, epochs=2)
     b, _ = predictors_pass.train_predictor(prof, epochs=2)
@@ -155,9 +155,9 @@ def test_whole_model_profile_of_a_model_on_the_gpu(arch):
     samples where they were recorded; predictors train there and come back on the CPU."""
     cm = _compiled(arch)
     ids = _ids()
-    on_cpu = profile_pass.profile(cm.model, cm.ffns(), ids, quiet=True)
-    cm.model.to("cuda")
-    on_gpu = profile_pass.profile(cm.model, cm.ffns(), ids, quiet=True)
+    on_cpu = profile_pass.profile(cm._orig_mod, cm.ffns(), ids, quiet=True)
+    cm._orig_mod.to("cuda")
+    on_gpu = profile_pass.profile(cm._orig_mod, cm.ffns(), ids, quiet=True)
     _assert_same_profiles(on_cpu, on_gpu, exact=False)
     prof = next(iter(on_gpu.values()))
     assert prof.x.is_cuda and prof.y.is_cuda
@@ -172,12 +172,12 @@ def test_whole_model_profile_of_a_model_on_the_gpu(arch):
 def test_layerwise_on_the_gpu_for_a_model_on_the_cpu(arch):
     cm = _compiled(arch)
     ffns, ids = cm.ffns(), _ids()
-    devices = {k: p.device for k, p in cm.model.named_parameters()}
-    whole = profile_pass.profile(cm.model, ffns, ids, quiet=True)
-    layerwise = profile_pass.profile(cm.model, ffns, ids, quiet=True, device="cuda")
+    devices = {k: p.device for k, p in cm._orig_mod.named_parameters()}
+    whole = profile_pass.profile(cm._orig_mod, ffns, ids, quiet=True)
+    layerwise = profile_pass.profile(cm._orig_mod, ffns, ids, quiet=True, device="cuda")
     _assert_same_profiles(whole, layerwise, exact=False)
-    assert all(p.device == devices[k] for k, p in cm.model.named_parameters())  # moved back
-    assert calibrate_pass.calibration_device(cm.model) == "cuda"
+    assert all(p.device == devices[k] for k, p in cm._orig_mod.named_parameters())  # moved back
+    assert calibrate_pass.calibration_device(cm._orig_mod) == "cuda"
 
 
 @gpu
@@ -186,8 +186,8 @@ def test_compile_predicted_profiles_layer_by_layer_on_the_gpu():
     dense = zoo.make("llama_silu")
     cm = picompile.compile(copy.deepcopy(dense), mode="predicted", sparsity=0.5,
                            calibration=_ids(rows=8, seq=48), predictors="all", quiet=True)
-    assert all(p.device.type == "cpu" for p in cm.model.parameters())
+    assert all(p.device.type == "cpu" for p in cm._orig_mod.parameters())
     for b in cm.plan.blocks:
-        assert b.predictor_recall >= 0.98 and 0.4 < b.true_density < 0.6
+        assert b.measured.predictor_recall >= 0.98 and 0.4 < b.measured.true_density < 0.6
     with torch.no_grad():
         assert zoo.logits(cm, _ids(rows=1, seq=5)).isfinite().all()

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import picompile
 from picompile.passes.place import (ALLOCATOR_RESERVE_SHARE, BlockDemand, account, apply_order,
                                     neuron_bytes, place)
-from picompile.passes.predictors import Predictor
+from picompile.runtime.predictor import Predictor
 from picompile.runtime.sparse_ffn import SparseFFN
 from tests import zoo
 
@@ -288,8 +288,8 @@ def test_account_on_hf_models(arch, dtype):
 
 def test_account_tied_embeddings_counted_once():
     cm = compiled("gemma")  # ties lm_head to the embeddings
-    assert cm.model.lm_head.weight is cm.model.model.embed_tokens.weight
-    emb = cm.model.model.embed_tokens.weight
+    assert cm._orig_mod.lm_head.weight is cm._orig_mod.model.embed_tokens.weight
+    emb = cm._orig_mod.model.embed_tokens.weight
     acc = account(cm, cm.ffns(), max_context=8)
     total = sum(t.numel() * t.element_size() for t in cm.parameters()) + sum(
         t.numel() * t.element_size() for t in cm.buffers())
@@ -300,9 +300,9 @@ def test_account_tied_embeddings_counted_once():
 
 def test_account_dedupes_views_of_one_storage():
     cm = compiled("llama_relu")
-    emb = cm.model.model.embed_tokens.weight
+    emb = cm._orig_mod.model.embed_tokens.weight
     before = account(cm, cm.ffns(), max_context=8)["non_ffn_weights"]
-    cm.model.register_buffer("emb_view", emb.detach()[: emb.shape[0] // 2], persistent=False)
+    cm._orig_mod.register_buffer("emb_view", emb.detach()[: emb.shape[0] // 2], persistent=False)
     assert account(cm, cm.ffns(), max_context=8)["non_ffn_weights"] == before
 
 

@@ -44,7 +44,7 @@ def test_any_placement_with_the_oracle_predictor_equals_dense(arch, seed, batch,
     gen = torch.Generator().manual_seed(seed)
     for ffn in cm.ffns().values():
         apply_order(ffn, torch.randperm(ffn.n_ff, generator=gen))  # any hot-first order
-        ffn.block.hot_neurons = int(torch.randint(0, ffn.n_ff + 1, (), generator=gen))
+        ffn.block.decided.hot_neurons = int(torch.randint(0, ffn.n_ff + 1, (), generator=gen))
         _attach_predictor(cm.graphs, ffn, OraclePredictor(ffn))
         ffn.select_kernel()  # weights moved: bind the kernel again
     ids = torch.randint(0, zoo.VOCAB, (batch, seq), generator=gen)
@@ -74,10 +74,10 @@ def test_predicted_mode_reports_predictors():
     pred = picompile.compile(zoo.make("llama_silu"), mode="predicted", sparsity=0.5,
                              calibration=_calibration(), quiet=True)
     for b in pred.plan.blocks:
-        assert b.predictor_rank and b.predictor_bytes > 0
-        assert b.predictor_recall >= 0.98  # calibrated for 0.99 on held-out samples
-        assert 0.4 < b.true_density < 0.6  # thresholded at 50%: the predictor's target
-        assert b.predicted_density >= b.true_density * 0.9
+        assert b.decided.predictor_rank and b.measured.predictor_bytes > 0
+        assert b.measured.predictor_recall >= 0.98  # calibrated for 0.99 on held-out samples
+        assert 0.4 < b.measured.true_density < 0.6  # thresholded at 50%: the predictor's target
+        assert b.measured.predicted_density >= b.measured.true_density * 0.9
     report = picompile.explain(pred)
     assert "rank" in report and "recall" in report and "pred/true density" in report
     code = pred.graphs["model.layers.0.mlp"].code
@@ -93,10 +93,10 @@ def test_predictors_run_only_where_they_make_decode_faster():
     exact = picompile.compile(copy.deepcopy(dense), quiet=True)
     for ffn in auto.ffns().values():
         b = ffn.block
-        assert b.decode_bytes_exact > 0 and b.decode_bytes_predicted > 0
-        assert b.decode_us_exact > 0 and b.decode_us_predicted > 0
-        assert ffn.predictor.enabled == (b.decode_us_predicted < b.decode_us_exact)
-        b.decode_us_predicted = b.decode_us_exact + 1  # slower: off
+        assert b.measured.decode_bytes_exact > 0 and b.measured.decode_bytes_predicted > 0
+        assert b.measured.decode_us_exact > 0 and b.measured.decode_us_predicted > 0
+        assert ffn.predictor.enabled == (b.measured.decode_us_predicted < b.measured.decode_us_exact)
+        b.measured.decode_us_predicted = b.measured.decode_us_exact + 1  # slower: off
     auto.use_predictors("auto")
     ids = torch.randint(0, zoo.VOCAB, (1, 5))
     with torch.no_grad():
@@ -104,7 +104,7 @@ def test_predictors_run_only_where_they_make_decode_faster():
     report = picompile.explain(auto)
     assert "B/token exact->pred" in report and "us exact->pred" in report and " no" in report
     first, *rest = auto.ffns().values()
-    first.block.decode_us_predicted = first.block.decode_us_exact - 1e-3  # faster: on
+    first.block.measured.decode_us_predicted = first.block.measured.decode_us_exact - 1e-3  # faster: on
     auto.use_predictors("auto")
     assert first.predictor.enabled and not any(f.predictor.enabled for f in rest)
     auto.use_predictors("all")
@@ -121,7 +121,7 @@ def test_predictors_run_only_where_they_make_decode_faster():
 def test_time_decode_calls_blocks_in_model_order_token_by_token():
     """Each token runs through every block in order, exact and predicted in turn (each first
     every other round), as decode would; the predictors' switches are left as they were."""
-    from picompile.passes.predictors import time_decode
+    from picompile.passes.autotune import time_decode
 
     calls = []
 
@@ -158,7 +158,7 @@ def test_time_decode_calls_blocks_in_model_order_token_by_token():
 def test_timing_samples_spread_over_positions():
     """The profile holds calibration rows in order; the timing inputs must not all sit at one
     position of every row (as a stride of 1024 over 256-token rows would, all at position 0)."""
-    from picompile.compiler import timing_samples
+    from picompile.passes.autotune import timing_samples
 
     x = torch.arange(128 * 256, dtype=torch.float32)[:, None]  # [N, 1]: the token's place
     picked = timing_samples(x, 32)[:, 0].long()
@@ -205,7 +205,7 @@ def test_compile_places_within_the_budget(budget):
     placement = cm.plan.placement
     assert placement.budget_bytes == picompile.budget.parse_budget(budget)
     assert placement.gpu_bytes <= placement.budget_bytes
-    hot = [b.hot_neurons for b in cm.plan.blocks]
+    hot = [b.decided.hot_neurons for b in cm.plan.blocks]
     if budget == "1GB":
         assert hot == [256, 256] and placement.fixed_on_gpu
     if budget == 0:

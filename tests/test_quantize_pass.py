@@ -91,12 +91,12 @@ def test_quantized_model_equals_the_fake_quantized_float_model(fmt, arch):
     dense = zoo.make(arch, hidden=64, n_ff=96)
     ref = _fake_quant_model(dense, fmt)
     cm = picompile.compile(copy.deepcopy(dense), quantize=fmt, quiet=True)
-    ffns = [m for m in cm.model.modules() if isinstance(m, SparseFFN)]
-    linears = [m for m in cm.model.modules() if isinstance(m, QuantLinear)]
+    ffns = [m for m in cm._orig_mod.modules() if isinstance(m, SparseFFN)]
+    linears = [m for m in cm._orig_mod.modules() if isinstance(m, QuantLinear)]
     assert ffns and all(f.qformat == fmt and f.w_up.dtype == torch.uint8 for f in ffns)
     high = "q8_0" if fmt in FOUR_BIT else fmt  # the down rows and the LM head
     assert all(f.down_qformat == high for f in ffns)
-    head = cm.model.get_output_embeddings()
+    head = cm._orig_mod.get_output_embeddings()
     head_fmt = high
     assert isinstance(head, QuantLinear) and head.qformat == head_fmt
     assert len(linears) == 2 * 4 + 1  # q k v o x2, head
@@ -183,8 +183,8 @@ def test_bad_quantize_arguments_are_refused_before_any_change():
 def test_widths_off_the_block_size_stay_float_with_a_note():
     dense = zoo.make("llama_relu", hidden=48, n_ff=96)  # 48 is not a multiple of 32
     cm = picompile.compile(dense, quantize="q8_0", quiet=True)
-    assert not any(isinstance(m, QuantLinear) for m in cm.model.modules())
-    assert all(f.qformat is None for f in cm.model.modules() if isinstance(f, SparseFFN))
+    assert not any(isinstance(m, QuantLinear) for m in cm._orig_mod.modules())
+    assert all(f.qformat is None for f in cm._orig_mod.modules() if isinstance(f, SparseFFN))
     text = picompile.explain(cm)
     assert "stays float" in text and "not a multiple of 32" in text
 
@@ -205,7 +205,7 @@ def test_gguf_file_tensors_are_kept_as_they_are():
     cm = picompile.compile(model, gguf=path, quiet=True)
     assert cm.plan.quantize == "gguf"
     reader = {t.name: t for t in gguf.GGUFReader(path).tensors}
-    mods = dict(cm.model.named_modules())
+    mods = dict(cm._orig_mod.named_modules())
     v = mods["model.layers.3.self_attn.v_proj"]
     assert v.qformat == "q4_1" and torch.equal(v.row_blocks(), torch.from_numpy(reader["blk.3.attn_v.weight"].data.copy()))
     assert mods["lm_head"].qformat == "q8_0"

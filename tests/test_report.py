@@ -96,7 +96,7 @@ def test_threshold_mode_report(tmp_path):
     # bytes per token: every block read at about half its neurons, fewer bytes than dense
     for ffn in cm.ffns().values():
         dense = exact_decode_bytes(ffn, 1.0)
-        exact = exact_decode_bytes(ffn, 1 - ffn.block.measured_sparsity)
+        exact = exact_decode_bytes(ffn, 1 - ffn.block.measured.sparsity)
         assert exact < dense and f"{exact:,}" in text and f"{dense:,}" in text
 
 
@@ -111,8 +111,8 @@ def test_predicted_mode_report_plots_every_section(tmp_path):
     for src in page.images:
         decode_png(src)
     for b in cm.plan.blocks:  # the numbers compile measured are the ones shown
-        assert f"{b.predictor_recall:.1%}" in text and f"{b.true_density:.1%}" in text
-        assert f"{b.decode_bytes_predicted:,}" in text
+        assert f"{b.measured.predictor_recall:.1%}" in text and f"{b.measured.true_density:.1%}" in text
+        assert f"{b.measured.decode_bytes_predicted:,}" in text
     assert f"{cm.plan.placement.budget_bytes:,}" in text
 
 

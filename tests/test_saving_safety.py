@@ -18,7 +18,7 @@ import torch
 import picompile
 from picompile import plan as plan_module
 from picompile import saving
-from picompile.plan import BlockPlan, Placement, Plan, Unmatched
+from picompile.plan import BlockPlan, Decisions, Measurements, Placement, Plan, Unmatched
 from tests import zoo
 
 OURS = {"manifest.json", "plan.json", "tensors.safetensors"}
@@ -39,7 +39,7 @@ def plans(compiled):
     old_tensors = {f"{b.name}.order": torch.arange(b.d_ff) for b in cm.plan.blocks}
     new_json = copy.deepcopy(old_json)
     new_json["calibration_tokens"] = 123
-    new_json["blocks"][0]["hot_neurons"] = 5
+    new_json["blocks"][0]["decided"]["hot_neurons"] = 5
     gen = torch.Generator().manual_seed(0)
     new_tensors = {f"{b.name}.order": torch.randperm(b.d_ff, generator=gen) for b in cm.plan.blocks}
     return cm.plan.fingerprint, (old_json, old_tensors), (new_json, new_tensors)
@@ -132,7 +132,7 @@ def test_save_replaces_a_plan_and_keeps_files_it_did_not_write(compiled, plans, 
     assert (path / "NOTES.md").read_text() == "how I made this plan"
     assert same(saving.read(path, fp), new)
     loaded = picompile.load(copy.deepcopy(dense), path)
-    assert loaded.plan.calibration_tokens == 123 and loaded.plan.blocks[0].hot_neurons == 5
+    assert loaded.plan.calibration_tokens == 123 and loaded.plan.blocks[0].decided.hot_neurons == 5
 
 
 def test_save_through_a_symlink_keeps_the_link(compiled, plans, tmp_path):
@@ -348,7 +348,9 @@ def test_replacing_a_plan_keeps_the_directory_mode(plans, tmp_path):
 def test_every_plan_field_has_a_check(compiled):
     for cls, spec in [(Plan, plan_module.PLAN_FIELDS), (BlockPlan, plan_module.BLOCK_FIELDS),
                       (Unmatched, plan_module.UNMATCHED_FIELDS),
-                      (Placement, plan_module.PLACEMENT_FIELDS)]:
+                      (Placement, plan_module.PLACEMENT_FIELDS),
+                      (Decisions, plan_module.DECISION_FIELDS),
+                      (Measurements, plan_module.MEASUREMENT_FIELDS)]:
         assert {f.name for f in dataclasses.fields(cls)} == set(spec), cls.__name__
     _, cm = compiled
     assert Plan.from_json(json.loads(json.dumps(cm.plan.to_json()))).to_json() == cm.plan.to_json()
@@ -381,20 +383,20 @@ INVALID = {
     "calibration_tokens": _set("calibration_tokens", 1.5),
     "fingerprint": _set("fingerprint", 42),
     "blocks": _set("blocks", {"not": "a list"}),
-    "threshold": _set("blocks.0.threshold", -0.5),
-    "hot_neurons": _set("blocks.0.hot_neurons", 81),  # d_ff is 80
+    "threshold": _set("blocks.0.decided.threshold", -0.5),
+    "hot_neurons": _set("blocks.0.decided.hot_neurons", 81),  # d_ff is 80
     "d_ff": _set("blocks.0.d_ff", "80"),
     "d_model": _set("blocks.1.d_model", 0),
     "bias": _set("blocks.0.bias", "yes"),
     "kind": _set("blocks.0.kind", "moe"),
     "act": _set("blocks.0.act", "swish"),
     "dtype": _set("blocks.0.dtype", "int8"),
-    "measured_sparsity": _set("blocks.0.measured_sparsity", 2.0),
-    "predictor_rank": _set("blocks.0.predictor_rank", -3),
-    "predictor_tau": _set("blocks.0.predictor_tau", math.nan),
+    "sparsity": _set("blocks.0.measured.sparsity", 2.0),
+    "predictor_rank": _set("blocks.0.decided.predictor_rank", -3),
+    "predictor_tau": _set("blocks.0.decided.predictor_tau", math.nan),
     "fused_gate_half": _set("blocks.0.fused_gate_half", 2),
     "linears": _set("blocks.0.linears", ["up_proj"]),
-    "decode_us_exact": _set("blocks.0.decode_us_exact", math.inf),
+    "decode_us_exact": _set("blocks.0.measured.decode_us_exact", math.inf),
     "name": _set("blocks.1.name", "model.layers.0.mlp.sparse_ffn"),  # a duplicate
     "reason": _set("unmatched.0.reason", None),
     "gpu_bytes": _set("placement.gpu_bytes", 10),  # over budget_bytes (5, set below)
@@ -403,6 +405,7 @@ INVALID = {
     "fixed_on_gpu": _set("placement.fixed_on_gpu", 1),
     "notes": _set("placement.notes", "a string"),
     "unknown_field": _set("blocks.0.unknown_field", 1),
+    "decided": _set("blocks.0.decided", [0.5]),
     "'d_ff'": _delete("blocks.0.d_ff"),  # missing
     "'mode'": _delete("mode"),
 }
@@ -449,7 +452,7 @@ def test_a_manifest_with_wrong_types_is_refused(compiled, tmp_path, files_value)
 
 def _with_predictor(data: dict, rank: int) -> dict:
     data = copy.deepcopy(data)
-    data["blocks"][0]["predictor_rank"] = rank
+    data["blocks"][0]["decided"]["predictor_rank"] = rank
     return data
 
 

@@ -160,7 +160,7 @@ class CudaVariant:
         """The variant of a `picompile.plan.BlockPlan`."""
         return cls(
             dtype=block.dtype, gated=block.kind in ("gated", "drelu"), drelu=block.kind == "drelu",
-            bias=bool(block.bias), act=block.act, threshold=float(block.threshold) != 0.0,
+            bias=bool(block.bias), act=block.act, threshold=float(block.decided.threshold) != 0.0,
         )
 
 

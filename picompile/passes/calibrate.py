@@ -184,7 +184,7 @@ def calibrate(
     quiet: bool = False,
     device: str | torch.device | None = None,
 ) -> None:
-    """Set block.measured_sparsity for every block and, when a sparsity is asked for, the
+    """Set block.measured.sparsity for every block and, when a sparsity is asked for, the
     threshold of every non-ReLU block (ReLU blocks stay exact). device: as run_calibration's
     (None: the whole model where it is; else layer by layer on that device)."""
     samples: dict[str, list[torch.Tensor]] = {name: [] for name in ffns}
@@ -216,6 +216,6 @@ def calibrate(
         block = ffn.block
         if sparsity and not block.exact:
             k = max(1, int(round(sparsity * h.numel())))
-            block.threshold = float(h.kthvalue(k).values)
-        ffn.threshold = block.threshold
-        block.measured_sparsity = float((h <= block.threshold).float().mean())
+            block.decided.threshold = float(h.kthvalue(k).values)
+        ffn.threshold = block.decided.threshold
+        block.measured.sparsity = float((h <= block.decided.threshold).float().mean())

@@ -10,13 +10,11 @@ larger rank stops helping (SiLU blocks of SmolLM2 predict ~95% of neurons at rec
 rank: their activity is far less predictable than ReLU's), keeping the best rank tried.
 
 A predictor only pays where the gate rows it lets the block skip cost more than the predictor
-itself: `decode_bytes` counts both, `time_decode` measures both (what decides
+itself: `decode_bytes` counts both, `passes/autotune.py` measures both (what decides
 `predictors="auto"`, since fixed costs per call dominate small blocks)."""
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass
 
 import torch
@@ -24,11 +22,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from picompile.codegen import c as c_codegen
 from picompile.passes.profile import BlockProfile
 from picompile.progress import progress_bar
-from picompile.runtime.kernel_module import KernelModule
-from picompile.config import KERNEL_MAX_TOKENS
+from picompile.runtime.predictor import Predictor
 
 RANKS = (16, 32, 64, 128, 256, 512)
 # Training steps per predictor are capped so that steps * n_ff stays under this: 2000 steps for
@@ -42,58 +38,6 @@ MIN_GAIN = 0.02  # a rank that lowers the predicted density by less than this en
 # tau is set on held-out samples for a miss rate this much under the target's: text unlike the
 # calibration data (measured on the ReLU fixture's held-out split) misses a little more.
 MISS_MARGIN = 0.8
-
-
-class Predictor(KernelModule):
-    """mask [T, n_ff] = relu(x p1^T + pb1) p2^T + pb2 > tau, for x [T, d].
-
-    `enabled` False makes it return None (the block then runs exact; CompiledModel.use_predictors
-    decides). Small batches run a C kernel (picked once by select_kernel); `forward_native` is its
-    reference. The weight matrices hold float16 values (in float32 tensors): the C kernel reads
-    them as float16, half the bytes, and computes exactly the products the reference does."""
-
-    def __init__(self, p1: torch.Tensor, pb1: torch.Tensor, p2: torch.Tensor, pb2: torch.Tensor,
-                 tau: float = 0.0):
-        super().__init__()
-        self.p1 = nn.Parameter(_float16_values(p1), requires_grad=False)  # [r, d]
-        self.pb1 = nn.Parameter(pb1.float(), requires_grad=False)  # [r]
-        self.p2 = nn.Parameter(_float16_values(p2), requires_grad=False)  # [n_ff, r], a row per neuron
-        self.pb2 = nn.Parameter(pb2.float(), requires_grad=False)  # [n_ff]
-        self.tau = float(tau)
-        self.enabled = True
-        self.kernel = None
-
-    @property
-    def rank(self) -> int:
-        return self.p1.shape[0]
-
-    def select_kernel(self) -> str:
-        self._selected = True  # select again after a dtype / device change (_apply)
-        self.kernel = c_codegen.predictor_kernel_for(self)
-        return "C" if self.kernel is not None else "reference"
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:  # [T, d] -> [T, n_ff]
-        z = F.relu(F.linear(x.to(self.p1.dtype), self.p1, self.pb1))
-        return F.linear(z, self.p2, self.pb2)
-
-    def forward_native(self, x: torch.Tensor) -> torch.Tensor:  # [T, d] -> [T, n_ff] bool
-        return self.logits(x) > self.tau
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor | None:  # [..., d] -> [T, n_ff] bool
-        if not self.enabled:
-            return None
-        x = x.reshape(-1, self.p1.shape[1])
-        if self.kernel is not None and x.shape[0] <= KERNEL_MAX_TOKENS and x.device.type == "cpu":
-            return self.kernel(x, self.tau)
-        return self.forward_native(x)
-
-    def extra_repr(self) -> str:
-        return f"d={self.p1.shape[1]}, rank={self.rank}, n_ff={self.p2.shape[0]}, tau={self.tau:.3g}"
-
-
-def _float16_values(t: torch.Tensor) -> torch.Tensor:
-    """t rounded to float16 precision, kept as float32."""
-    return t.detach().float().clamp(-65504, 65504).half().float()
 
 
 def kernel_bytes(rank: int, d: int, n_ff: int) -> int:
@@ -277,6 +221,15 @@ def decode_bytes(ffn, stats: PredictorStats) -> tuple[int, int]:
     return exact_decode_bytes(ffn, stats.true_density), round(predicted)
 
 
+def record(ffn, predictor: Predictor, stats: PredictorStats) -> None:
+    """Write what training decided and measured into the block's plan."""
+    decided, measured = ffn.block.decided, ffn.block.measured
+    decided.predictor_rank, decided.predictor_tau = stats.rank, predictor.tau
+    measured.predictor_recall, measured.predictor_bytes = stats.recall, stats.nbytes
+    measured.predicted_density, measured.true_density = stats.predicted_density, stats.true_density
+    measured.decode_bytes_exact, measured.decode_bytes_predicted = decode_bytes(ffn, stats)
+
+
 def _row_reads(ffn) -> tuple[int, int]:
     """(bytes read per candidate neuron, further bytes per firing neuron): the first rows are
     gate / up rows (ffn.row_bytes each), the later ones up (gated ReLU) and down
@@ -292,44 +245,6 @@ def exact_decode_bytes(ffn, density: float) -> int:
     when `density` of its neurons fire (every neuron is a candidate): decode_bytes's exact."""
     first, later = _row_reads(ffn)
     return round(ffn.n_ff * (first + density * later))
-
-
-@torch.no_grad()
-def time_decode(ffns: list, xs: list[torch.Tensor], rounds: int = 5, quiet: bool = False
-                ) -> list[tuple[float, float]]:
-    """Per block, (exact, predicted): median microseconds of one single-token call without and
-    with its predictor, over the block's inputs xs[i] [N, d].
-
-    The blocks are called in model order, token after token, as decode calls them, so each
-    finds in the cache what decode leaves there: in a model larger than the cache the other
-    blocks evict a block's rows before its next call, which timing one block alone misses.
-    Exact and predicted take turns per token, each going first every other round, so both see
-    the same load on the machine. The byte counts of decode_bytes leave out fixed costs per
-    call (Python, thread start-up), which decide small blocks: hence a measurement."""
-    n = min((len(x) for x in xs), default=0)
-    if n == 0:
-        return [(0.0, 0.0)] * len(ffns)  # nothing to time on: predictors="auto" leaves them exact
-    # the samples may be on the GPU that profiled: time on the blocks' own device (the CPU)
-    # (in the weights' dtype; float32 for quantized blocks, whose weights are uint8 blocks)
-    xs = [x[:n].to(f.w_up.device, f.w_up.dtype if f.w_up.is_floating_point() else torch.float32)
-          for f, x in zip(ffns, xs)]
-    times = [([], []) for _ in ffns]  # per block: exact, predicted seconds
-    enabled = [f.predictor.enabled for f in ffns]
-    try:
-        for r in progress_bar(range(rounds), "timing predictors", quiet):
-            for s in range(n):
-                for use in (False, True) if r % 2 == 0 else (True, False):
-                    for ffn, x, t in zip(ffns, xs, times):
-                        ffn.predictor.enabled = use
-                        x1 = x[s : s + 1]  # [1, d]
-                        t0 = time.perf_counter()
-                        ffn(x1, ffn.predictor(x1))
-                        t[use].append(time.perf_counter() - t0)
-    finally:
-        for ffn, on in zip(ffns, enabled):
-            ffn.predictor.enabled = on
-            ffn.reset_stats()
-    return [(statistics.median(e) * 1e6, statistics.median(p) * 1e6) for e, p in times]
 
 
 def first_projection(ffn) -> tuple[torch.Tensor, torch.Tensor | None] | None:

@@ -294,7 +294,7 @@ def _check_quantized(ffn: SparseFFN, device: torch.device) -> None:
 def distribute(model: nn.Module, ffns: dict[str, SparseFFN], device: torch.device | str,
                move_non_ffn: bool = True) -> None:
     """Put the model on `device` as planned: every non-FFN parameter and buffer, each block's
-    predictor (float16 on a GPU) and its hot rows (block.hot_neurons of them, hot-first order
+    predictor (float16 on a GPU) and its hot rows (block.decided.hot_neurons of them, hot-first order
     already applied); cold rows stay on the CPU."""
     device = torch.device(device)
     for ffn in ffns.values():  # before anything moves
@@ -311,7 +311,7 @@ def distribute(model: nn.Module, ffns: dict[str, SparseFFN], device: torch.devic
     for ffn in ffns.values():
         if ffn.predictor is not None:  # float16 on a GPU: half the bytes the budget counts
             ffn.predictor.to(device=device, dtype=torch.float16 if device.type == "cuda" else None)
-        ffn.hybrid = HybridFFN(ffn, device, ffn.block.hot_neurons)
+        ffn.hybrid = HybridFFN(ffn, device, ffn.block.decided.hot_neurons)
         # The views hold the rows now; the full copy stays on the CPU only (for save, explain).
         for name in ("w_gate", "w_up", "w_down_t", "b_gate", "b_up", "b_down"):
             p = getattr(ffn, name)

@@ -176,7 +176,7 @@ class SparseFFN(KernelModule):
         self.block = block
         self.act = block.act
         self.drelu = block.kind == "drelu"
-        self.threshold = float(block.threshold)
+        self.threshold = float(block.decided.threshold)
 
         def param(t):
             return None if t is None else nn.Parameter(t.detach().contiguous(), requires_grad=False)

@@ -1,0 +1,140 @@
+"""compile()'s arguments, checked before the model is touched, as one typed value.
+
+Every check that can fail runs here, so a bad argument never leaves a model half rewritten."""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from picompile.budget import parse_budget
+from picompile.compiled_model import CompiledModel, check_predictor_policy
+from picompile.passes import calibrate as calibrate_pass
+from picompile.plan import QUANT_FORMATS, Mode, PredictorPolicy
+from picompile.runtime.sparse_ffn import SparseFFN
+
+WEIGHT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Options:
+    mode: Mode
+    sparsity: float | None  # target share of neurons skipped by threshold (SiLU / GELU blocks)
+    budget: int | None  # GPU bytes; None: no placement
+    predictors: PredictorPolicy
+    dtype: torch.dtype | None  # convert the weights first; None: the model's own
+    quantize: str | None  # one of QUANT_FORMATS, or None: float weights
+    gguf: str | pathlib.Path | None  # the GGUF file the model was loaded from
+    target_recall: float
+    max_context: int
+    quiet: bool
+
+    @property
+    def needs_profile(self) -> bool:
+        """Predictors train on the profile's samples, placement ranks neurons by its counts."""
+        return self.mode == Mode.PREDICTED or self.budget is not None
+
+
+def check_options(model, *, mode, sparsity, gpu_budget, predictors, dtype, quantize, gguf,
+                  target_recall, max_context, quiet) -> Options:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"picompile.compile needs a torch.nn.Module, got {type(model).__name__}")
+    if mode not in Mode.values():
+        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(map(repr, Mode.values()))}")
+    if sparsity is not None:
+        if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0 <= sparsity < 1:
+            raise ValueError(f"sparsity must be a number in [0, 1), got {sparsity!r}")
+    budget = parse_budget(gpu_budget)
+    if gguf is not None and quantize is None:
+        quantize = "gguf"
+    _check_quantize(quantize, budget, gguf)
+    check_not_compiled(model, "compile")
+    return Options(mode=Mode(mode), sparsity=sparsity, budget=budget,
+                   predictors=check_predictor_policy(predictors), dtype=check_dtype(dtype),
+                   quantize=quantize, gguf=gguf, target_recall=target_recall,
+                   max_context=max_context, quiet=quiet)
+
+
+def check_dtype(dtype) -> torch.dtype | None:
+    if dtype is None:
+        return None
+    name = dtype.removeprefix("torch.") if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if name not in WEIGHT_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")
+    return WEIGHT_DTYPES[name]
+
+
+def _check_quantize(quantize, budget, gguf) -> None:
+    if quantize is None:
+        return
+    if quantize not in QUANT_FORMATS:
+        raise ValueError(f"quantize must be one of {', '.join(QUANT_FORMATS)} (GGUF's block "
+                         f"formats, or the GGUF file's own) or None for float weights, got "
+                         f"{quantize!r}")
+    if quantize == "gguf" and (gguf is None or not pathlib.Path(gguf).is_file()):
+        raise ValueError(f"quantize='gguf' keeps the tensors of the GGUF file the model was "
+                         f"loaded from: pass gguf=<that file> (got {gguf!r})")
+    if budget is not None:
+        raise ValueError("quantize= runs on the CPU only so far: the GPU kernels read float "
+                         "weights. Drop gpu_budget, or quantize=")
+
+
+def check_not_compiled(model, what: str) -> None:
+    if isinstance(model, CompiledModel) or any(isinstance(m, SparseFFN) for m in model.modules()):
+        raise ValueError(
+            f"picompile.{what}: this model is already compiled by picompile (its FFN blocks are "
+            "rewritten in place). Start from a fresh model: load it again, or keep "
+            "copy.deepcopy(model) before the first compile")
+
+
+def calibration_ids(model, calibration, tokenizer, n_tokens: int, opts: Options):
+    """Token ids [batch, seq] to calibrate on: the user's, or the built-in corpus when only a
+    tokenizer is given (its calibration split, topped up from its train split when more tokens
+    are asked for; never its held-out split); None when neither is given and none is needed."""
+    if calibration is not None:
+        ids = calibrate_pass.calibration_ids(calibration, tokenizer)
+    elif tokenizer is not None:
+        ids = _corpus_ids(tokenizer, n_tokens)
+    else:
+        ids = None
+    _check_ids_in_vocab(model, ids)
+    if ids is None and (opts.sparsity or opts.needs_profile):
+        what = f"sparsity={opts.sparsity}" if opts.sparsity else (
+            "mode='predicted'" if opts.mode == Mode.PREDICTED else "gpu_budget (placement)")
+        raise ValueError(
+            f"{what} needs calibration data: pass calibration= (a LongTensor of token ids "
+            "[batch, seq], or strings with tokenizer=), or just tokenizer= to calibrate on the "
+            "built-in English corpus"
+        )
+    return ids
+
+
+def _corpus_ids(tokenizer, n_tokens: int) -> torch.Tensor:
+    from picompile import corpus
+
+    seq = 256
+    rows = max(1, n_tokens // seq)
+    calib_rows = min(rows, corpus.available_tokens(tokenizer, "calibration") // seq)
+    parts = [corpus.token_batches(tokenizer, "calibration", calib_rows * seq, seq)]
+    if rows > calib_rows:
+        train_rows = min(rows - calib_rows, corpus.available_tokens(tokenizer, "train") // seq)
+        parts.append(corpus.token_batches(tokenizer, "train", train_rows * seq, seq))
+    return torch.cat(parts)
+
+
+def _check_ids_in_vocab(model, ids) -> None:
+    """Calibration ids must index the model's embedding (a bad id fails deep in profiling)."""
+    if ids is None or not hasattr(model, "get_input_embeddings"):
+        return
+    emb = model.get_input_embeddings()
+    vocab = getattr(emb, "num_embeddings", None)
+    if vocab is None:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"calibration token ids must be in [0, {vocab}) for this model's "
+                         f"vocabulary; got ids from {lo} to {hi}. Tokenize with the model's own "
+                         "tokenizer (or pass tokenizer=)")
