@@ -23,17 +23,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import picompile
 from picompile import corpus
+from picompile.runtime.generate import cache_kwarg
 
 
 @torch.no_grad()
 def step_ms(model, prompt: torch.Tensor, steps: int) -> float:
     """Median milliseconds of one greedy decode step after `prompt`."""
-    cache = DynamicCache()
-    nxt = model(prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    kv = {cache_kwarg(model): DynamicCache(), "use_cache": True}
+    nxt = model(prompt, **kv).logits[:, -1:].argmax(-1)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        nxt = model(nxt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        nxt = model(nxt, **kv).logits[:, -1:].argmax(-1)
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
 

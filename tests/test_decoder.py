@@ -15,7 +15,7 @@ from transformers import StaticCache
 
 import picompile
 from picompile.runtime.decoder import Decoder
-from picompile.runtime.generate import generate
+from picompile.runtime.generate import cache_kwarg, generate
 from tests import zoo
 
 RUNS = ["llama_relu", "llama_silu", "mistral", "qwen2"]
@@ -51,15 +51,16 @@ def _step_logits(cm, decoder, ids, prompt: int):
     [n - prompt, vocab] each. Per module: T = 1 calls with HF's static cache, as decode runs."""
     n = ids.shape[1]
     cache = StaticCache(config=cm.config, max_cache_len=n)
-    cm._orig_mod(ids[:, :prompt], past_key_values=cache, use_cache=True)
+    kv = cache_kwarg(cm._orig_mod)
+    cm._orig_mod(ids[:, :prompt], **{kv: cache}, use_cache=True)
     assert decoder.reserve(n)
     decoder.load_cache(cache, prompt)
     decoder.set_threads()
     want, got = [], []
     for pos in range(prompt, n):
         tok = ids[:, pos]
-        want.append(cm._orig_mod(tok[:, None], past_key_values=cache, use_cache=True,
-                             position_ids=torch.tensor([[pos]])).logits[0, -1].float())
+        want.append(cm._orig_mod(tok[:, None], **{kv: cache}, use_cache=True,
+                                 position_ids=torch.tensor([[pos]])).logits[0, -1].float())
         got.append(decoder.step(tok, pos)[0].clone())
     return torch.stack(want), torch.stack(got)
 

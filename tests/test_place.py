@@ -279,7 +279,8 @@ def test_account_on_hf_models(arch, dtype):
     assert acc["kv_cache"] == 2 * c.num_hidden_layers * kv_heads * head_dim * 40 * 3 * esize
     dense = zoo.make(arch, dtype)
     with torch.no_grad():
-        cache = dense(torch.zeros(3, 40, dtype=torch.long), use_cache=True).past_key_values
+        out = dense(torch.zeros(3, 40, dtype=torch.long), use_cache=True)
+    cache = out.cache if "cache" in out else out.past_key_values  # renamed in transformers 5.24
     real = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     assert acc["kv_cache"] == real
     assert acc["workspace"] > 0

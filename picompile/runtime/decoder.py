@@ -336,6 +336,8 @@ def verify(model: nn.Module, decoder: Decoder) -> None:
     the largest logit). The probe's statistics are not reset here (the compiler resets)."""
     from transformers import StaticCache
 
+    from picompile.runtime.generate import cache_kwarg
+
     n = VERIFY_TOKENS
     ids = (torch.arange(1, n + 1) * 7919 % decoder.vocab).unsqueeze(0)  # [1, n]
     ffns = [ffn for _, _, ffn in decoder.layers]
@@ -343,7 +345,7 @@ def verify(model: nn.Module, decoder: Decoder) -> None:
     try:
         want = model(ids, use_cache=False).logits[0, -1].float()  # [vocab]
         cache = StaticCache(config=model.config, max_cache_len=n)
-        model(ids[:, :-1], past_key_values=cache, use_cache=True)
+        model(ids[:, :-1], **{cache_kwarg(model): cache}, use_cache=True)
     finally:  # the probe is not the user's run
         for f, (active, total) in zip(ffns, stats):
             f.active_pairs, f.total_pairs = active, total

@@ -68,7 +68,7 @@ def model_reason(model) -> str | None:
     if not getattr(model, "_can_compile_fullgraph", False) or getattr(model, "_is_stateful", False):
         return f"{type(model).__name__} does not support transformers' StaticCache"
     params = _forward_params(model)
-    for name in ("attention_mask", "position_ids", "past_key_values"):
+    for name in ("attention_mask", "position_ids", cache_kwarg(model)):
         if name not in params:
             return f"{type(model).__name__}.forward takes no {name}"
     try:
@@ -80,6 +80,12 @@ def model_reason(model) -> str | None:
 
 def _forward_params(model) -> frozenset[str]:
     return frozenset(inspect.signature(model.forward).parameters)
+
+
+def cache_kwarg(model) -> str:
+    """The forward's keyword for the KV cache: `cache` since transformers 5.24 (which still
+    takes `past_key_values` with a deprecation warning), `past_key_values` before."""
+    return "cache" if "cache" in _forward_params(model) else "past_key_values"
 
 
 def _new_cache(model, max_cache_len: int):
@@ -162,7 +168,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     cache = _new_cache(model, total)
     if decoder is not None and not (b == 1 and mask is None and decoder.reserve(total)):
         decoder = None  # batches, padding, past a sliding window: the model's own steps
-    common = dict(attention_mask=mask, past_key_values=cache, use_cache=True)
+    common = {"attention_mask": mask, cache_kwarg(model): cache, "use_cache": True}
     cache_pos = "cache_position" in params  # transformers 4.x models want it
     prefill = dict(common, input_ids=input_ids, position_ids=pos)
     if "logits_to_keep" in params:
