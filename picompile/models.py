@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import pathlib
 import struct
 
@@ -281,12 +282,62 @@ def check_gguf(path: pathlib.Path) -> None:
                                    f"{size} bytes ({data_start + end - size} missing)", _REDOWNLOAD)
 
 
-def load(model: str | None = None, dtype: torch.dtype = torch.float32):
-    """-> (model, tokenizer). `model`: None (the default), a GGUF file, or an HF directory.
-    Raises ModelLoadError, naming the file, for a path that cannot be a loadable model."""
+def parameter_count(path: pathlib.Path) -> int:
+    """Weights in the model at `path` (a checked GGUF file or HF directory), from headers only."""
+    if path.is_file():
+        import gguf
+
+        return sum(int(t.n_elements) for t in gguf.GGUFReader(path).tensors)
+    count = 0
+    for w in sorted(path.glob("*.safetensors")):
+        with open(w, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        count += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+    return count
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the system can give a new allocation now (Linux), else None."""
+    try:
+        for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_memory(path: pathlib.Path, dtype: torch.dtype, copies: int = 1,
+                 available: int | None = None) -> None:
+    """ModelLoadError when `copies` of the model, as float weights of `dtype`, cannot fit in
+    the memory available: a GGUF file dequantizes to floats on loading (4-8x its size), and a
+    load that runs out of memory is killed without a word. `available`: bytes (default: what
+    the system says now)."""
+    free = available if available is not None else available_memory()
+    if free is None:
+        return
+    need = parameter_count(path) * torch.empty((), dtype=dtype).element_size() * copies
+    if need > free:
+        smaller = ("; pass --dtype bfloat16 to load it at half the size" if
+                   dtype == torch.float32 else "")
+        what = f"{copies} copies need" if copies > 1 else "it needs"
+        raise ModelLoadError(path, f"loaded as {str(dtype).removeprefix('torch.')}, {what} "
+                                   f"{need / 2**30:.1f} GiB; {free / 2**30:.1f} GiB of memory is "
+                                   f"available", f"free memory or use a smaller model{smaller}")
+
+
+def load(model: str | None = None, dtype: torch.dtype | None = None, copies: int = 1):
+    """-> (model, tokenizer). `model`: None (the default), a GGUF file, or an HF directory;
+    loaded with float weights of `dtype` (default float32), converted tensor by tensor, so a
+    GGUF file never becomes a float32 model when another dtype is asked for. Raises
+    ModelLoadError, naming the file, for a path that cannot be a loadable model, or whose
+    `copies` would not fit in memory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dtype = dtype or torch.float32
     path = check(model)
+    check_memory(path, dtype, copies)
     if path.is_file():
         kw = dict(gguf_file=path.name)
         path = path.parent

@@ -8,6 +8,7 @@ import pathlib
 import shutil
 
 import numpy as np
+import torch
 import pytest
 
 from picompile import cli, models
@@ -214,3 +215,24 @@ def test_model_load_error_is_a_value_error_naming_the_path(tmp_path):
         models.check(tmp_path / "missing.gguf")
     assert isinstance(e.value, ValueError) and e.value.path == tmp_path / "missing.gguf"
     assert "\n" not in str(e.value)
+
+
+def test_a_model_that_cannot_fit_in_memory_is_refused_before_loading():
+    """A GGUF file dequantizes to floats (SmolLM2's 4-bit file: ~135M weights, 540 MB as
+    float32): loading what cannot fit would be killed without a word."""
+    gguf, hf = smollm2_gguf(), FIXTURE
+    n = models.parameter_count(gguf)
+    assert 130e6 < n < 140e6
+    from safetensors import safe_open
+
+    with safe_open(hf / "model.safetensors", "pt") as f:
+        assert models.parameter_count(hf) == sum(int(np.prod(f.get_slice(k).get_shape()))
+                                                 for k in f.keys())
+    models.check_memory(gguf, torch.float32, available=4 * n + 1)
+    with pytest.raises(models.ModelLoadError, match=r"as float32, it needs 0\.5 GiB.*--dtype bfloat16") as e:
+        models.check_memory(gguf, torch.float32, available=4 * n - 1)
+    assert e.value.path == gguf
+    with pytest.raises(models.ModelLoadError, match=r"as bfloat16, 2 copies need") as e:
+        models.check_memory(gguf, torch.bfloat16, copies=2, available=3 * n)
+    assert "--dtype" not in str(e.value)
+    models.check_memory(gguf, torch.bfloat16, available=3 * n)

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import picompile
-from picompile import cli, corpus
+from picompile import cli, corpus, models
 from picompile.evaluate import perplexity
 from picompile.runtime.sparse_ffn import down_input
 
@@ -67,6 +67,16 @@ def test_cli_explain_on_a_local_model(capsys):
     assert cli.main(["explain", "--model", str(FIXTURE), "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "model.layers.3.mlp.sparse_ffn" in out and "exact zeros" in out
+
+
+def test_cli_loads_the_model_in_the_dtype_asked_for(capsys):
+    """--dtype reaches the loader (a GGUF file is dequantized straight to it), and the weights
+    the kernels read are in it."""
+    assert cli.main(["explain", "--model", str(FIXTURE), "--dtype", "bfloat16", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "FFN bfloat16" in out and "float32" not in out.split("weights:")[1].split("\n")[0]
+    model, _ = models.load(FIXTURE, torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
 def test_cli_reports_bad_input_without_a_traceback(capsys):
