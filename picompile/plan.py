@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, fields
 
+from picompile.activations import ACTIVATIONS
 from picompile.quant import FORMATS
 
-ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh")
 MODES = ("exact", "predicted")
 # Which trained predictors run: "auto" those that make a block's decode faster (measured on the
 # CPU at compile time; all of them in the hybrid runtime, where they run on the GPU), "all" every
