@@ -17,7 +17,6 @@ from picompile.activations import ACTIVATIONS
 ACTS = ACTIVATIONS  # "relu" | "silu" | "gelu" | "gelu_tanh"
 DTYPES = ("float16", "bfloat16", "float32")  # float weight formats
 QFORMATS = tuple(quant.FORMATS)  # GGUF block formats: "q8_0", "q4_0", "q4_1" (picompile/quant.py)
-KINDS = ("plain", "gated", "drelu")
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Short names, for the identifiers of CUDA kernels (`tag`).
@@ -25,7 +24,7 @@ _SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 
 
 def _dtype_name(dtype) -> str:
-    """"float16" for torch.float16."""
+    """The name of a torch dtype: float16 for torch.float16."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -82,7 +81,7 @@ class Variant:
 
     @property
     def kind(self) -> str:
-        """One of KINDS, as BlockPlan.kind names it."""
+        """plain, gated or drelu, as BlockPlan.kind names the block's form."""
         return "drelu" if self.drelu else "gated" if self.gated else "plain"
 
     @property
