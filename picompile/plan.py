@@ -14,6 +14,7 @@ import enum
 import math
 from dataclasses import asdict, dataclass, field, fields
 
+from picompile.activations import ACTIVATIONS
 from picompile.quant import FORMATS
 
 class Choice(str, enum.Enum):
@@ -24,6 +25,9 @@ class Choice(str, enum.Enum):
 
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
+
+    def __hash__(self) -> int:  # as its value's: a member finds its value's entry in a dict
+        return str.__hash__(self)
 
     @classmethod
     def values(cls) -> tuple[str, ...]:
@@ -36,11 +40,8 @@ class Kind(Choice):
     DRELU = "drelu"  # down(relu(gate x) * relu(up x)) (TurboSparse)
 
 
-class Act(Choice):
-    RELU = "relu"
-    SILU = "silu"
-    GELU = "gelu"
-    GELU_TANH = "gelu_tanh"
+# RELU, SILU, GELU, GELU_TANH: the names of picompile/activations.py's table
+Act = Choice("Act", [(name.upper(), name) for name in ACTIVATIONS])
 
 
 class Mode(Choice):
@@ -58,7 +59,6 @@ class PredictorPolicy(Choice):
     NONE = "none"
 
 
-ACTIVATIONS = Act.values()
 MODES = Mode.values()
 PREDICTOR_POLICIES = PredictorPolicy.values()
 KINDS = Kind.values()

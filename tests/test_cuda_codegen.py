@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import fnmatch
+import importlib.resources
+import pathlib
 import re
 import shutil
 import sys
 
 import pytest
 
-from picompile.codegen import cuda
+from picompile.activations import ACT_MACROS, ACTIVATIONS
+from picompile.codegen import build, cuda
+from picompile.codegen.variant import Variant
 from picompile.plan import BlockPlan, Decisions
 
 VARIANTS = cuda.all_variants()
@@ -35,57 +40,86 @@ def test_all_variants_enumerates_the_space():
         assert re.fullmatch(r"[a-z0-9_]+", v.tag)
         assert not v.drelu or (v.gated and v.act == "relu")
     assert {v.dtype for v in VARIANTS} == set(cuda.DTYPES)
-    assert {v.act for v in VARIANTS} == set(cuda.ACTS)
+    assert {v.act for v in VARIANTS} == set(cuda.ACTS) == set(ACTIVATIONS)
 
 
 def test_variant_validation():
     with pytest.raises(ValueError, match="dtype"):
-        cuda.CudaVariant(dtype="float64")
+        Variant("float64", gated=True, drelu=False, bias=False, act="silu")
     with pytest.raises(ValueError, match="act"):
-        cuda.CudaVariant(act="tanh")
+        Variant("float16", gated=True, drelu=False, bias=False, act="tanh")
     with pytest.raises(ValueError, match="gated"):
-        cuda.CudaVariant(gated=False, drelu=True)
+        Variant("float16", gated=False, drelu=True, bias=False, act="relu")
+    # One variant type for C and CUDA: the CUDA kernels refuse what only the C ones take.
+    with pytest.raises(ValueError, match="CUDA kernels take"):
+        cuda.source(Variant("q8_0", gated=True, drelu=False, bias=False, act="relu"))
+    with pytest.raises(ValueError, match="CUDA kernels take"):
+        cuda.source(Variant("float16", gated=True, drelu=False, bias=False, act="relu",
+                            down_dtype="float32"))
 
 
 def test_variant_for_block():
     block = BlockPlan(name="m.mlp", module="m", kind="drelu", act="relu", d_model=8, d_ff=16,
                       bias=True, dtype="bfloat16", decided=Decisions(threshold=0.25))
-    v = cuda.CudaVariant.for_block(block)
-    assert v == cuda.CudaVariant("bfloat16", gated=True, drelu=True, bias=True, act="relu",
-                                 threshold=True)
+    v = Variant.for_block(block)
+    assert v == Variant("bfloat16", gated=True, drelu=True, bias=True, act="relu", threshold=True)
+    assert v.kind == block.kind
     block = dataclasses.replace(block, kind="plain", act="gelu", bias=False, decided=Decisions(),
                                 dtype="float32")
-    assert cuda.CudaVariant.for_block(block) == cuda.CudaVariant(
+    assert Variant.for_block(block) == Variant(
         "float32", gated=False, drelu=False, bias=False, act="gelu", threshold=False)
 
 
-def _kernel_defs(src: str) -> dict[str, str]:
-    """extern "C" kernel name -> its parameter list text."""
-    pat = re.compile(r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))? (\w+)\('
-                     r'(.*?\)[ \t]*(?://[^\n]*)?)\n\{', re.S)
-    return {m.group(1): m.group(2) for m in pat.finditer(src)}
+_KERNEL = re.compile(r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))?\s+'
+                     r'(PI_CAT\(\w+, PI_(?:DT|TAG)\)|\w+)\((.*?\)[ \t]*(?://[^\n]*)?)\n\{', re.S)
+
+
+def _kernel_defs(src: str) -> list[tuple[str, str]]:
+    """(extern "C" kernel name, its parameter list text) of each kernel a source defines, in order,
+    with the name macros expanded as the preprocessor does: PI_CAT(pi_down_1_, PI_DT) after
+    `#define PI_DT f16` is pi_down_1_f16. (Each part of a source is there once; test below.)"""
+    out = []
+    suffix = {}
+    for part in re.split(r"(?=^#define PI_(?:DT|TAG) )", src, flags=re.M):
+        m = re.match(r"#define (PI_DT|PI_TAG) (\w+)", part)
+        if m:
+            suffix[m.group(1)] = m.group(2)
+        for name, params in _KERNEL.findall(part):
+            call = re.fullmatch(r"PI_CAT\((\w+), (PI_\w+)\)", name)
+            out.append((call.group(1) + suffix[call.group(2)] if call else name, params))
+    return out
+
+
+def test_kernel_files_document_every_parameter():
+    """Each extern "C" kernel of the .cuh files: one parameter per line, each with a comment."""
+    files = importlib.resources.files("picompile") / "kernels"
+    n = 0
+    for name in ("ffn_cuda.cuh", "ffn_cuda_dtype.cuh", "ffn_cuda_variant.cuh"):
+        for kernel, params in _KERNEL.findall((files / name).read_text()):
+            n += 1
+            lines = [ln for ln in params.strip().splitlines() if ln.strip()]
+            assert lines, kernel
+            for ln in lines:
+                assert "//" in ln, f"{kernel}: parameter without a comment: {ln.strip()}"
+            if re.search(r"pi_(gate_up|down_1|down_b|pred)", kernel):
+                assert re.search(r"\[\w+, \w+\]", params), f"{kernel}: no [rows, cols] shape comment"
+    assert n == 2 + 7 + 2  # mask bits, compaction; per dtype; per variant
 
 
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.tag)
-def test_source_has_the_kernels_with_shape_comments(v):
+def test_source_has_the_kernels(v):
     src = cuda.source(v)
-    defs = _kernel_defs(src)
-    assert set(v.kernel_names().values()) == set(defs)
-    for name, params in defs.items():
-        lines = [ln for ln in params.strip().splitlines() if ln.strip()]
-        assert lines, name
-        for ln in lines:  # one parameter per line, each with a comment (shape or meaning)
-            assert "//" in ln, f"{name}: parameter without a comment: {ln.strip()}"
-        if name.startswith(("pi_gate_up", "pi_down_1", "pi_down_b", "pi_pred")):
-            assert re.search(r"\[\w+, \w+\]", params), f"{name}: no [rows, cols] shape comment"
-    # No headers beyond the two allowed ones (none, in fact), and no fast math.
+    names = [name for name, _ in _kernel_defs(src)]
+    assert sorted(names) == sorted(cuda.kernel_names(v).values())
+    # Self-contained: the kernels headers are spliced in, no other header is included (nvcc and
+    # NVRTC compile the same text), and no fast math.
     includes = re.findall(r"#include\s*[<\"]([^>\"]+)", src)
     assert set(includes) <= {"cuda_fp16.h", "cuda_bf16.h"}
     assert "use_fast_math" not in " ".join(cuda.NVCC_FLAGS)
-    # The variant is baked in as constants.
-    b = "true" if v.gated else "false"
-    assert f"static const bool gated = {b};" in src
-    assert f"PiVariant_{v.tag}" in src
+    # The variant is baked in by #defines in front of the kernel files.
+    assert f"#define PI_TAG {v.tag}\n" in src
+    assert f"#define PI_GATED {int(v.gated)}\n" in src
+    assert f"#define PI_ACT {ACT_MACROS[v.act]}\n" in src
 
 
 def test_sources_differ_where_variants_differ():
@@ -98,41 +132,60 @@ def test_sources_differ_where_variants_differ():
                        else [x for x in (cuda.DTYPES if field == "dtype" else cuda.ACTS)
                              if x != getattr(v, field)])
             for c in choices:
+                # (down_dtype follows dtype only when left out: the CUDA kernels take one dtype)
+                change = {"dtype": c, "down_dtype": c} if field == "dtype" else {field: c}
                 try:
-                    w = dataclasses.replace(v, **{field: c})
+                    w = dataclasses.replace(v, **change)
                 except ValueError:  # e.g. plain dReLU
                     continue
                 assert cuda.source(w) != sources[v], (v, field, c)
     # What changes is what the field means.
-    base = cuda.CudaVariant("float16", gated=True, drelu=False, bias=False, act="silu")
+    base = Variant("float16", gated=True, drelu=False, bias=False, act="silu")
     src = sources[base]
-    assert "expf(-v)" in src and "PiF16" in src
-    assert "erff(" in cuda.source(dataclasses.replace(base, act="gelu"))
-    assert "tanhf(" in cuda.source(dataclasses.replace(base, act="gelu_tanh"))
-    assert "PiBF16" in cuda.source(dataclasses.replace(base, dtype="bfloat16"))
-    assert "static const bool threshold = true;" in cuda.source(dataclasses.replace(base, threshold=True))
-    assert "static const bool drelu = true;" in cuda.source(
-        dataclasses.replace(base, drelu=True, act="relu"))
+    assert "#define PI_ACT PIC_SILU\n" in src and "#define PI_FMT PiF16\n" in src
+    assert "#define PI_ACT PIC_GELU\n" in cuda.source(dataclasses.replace(base, act="gelu"))
+    assert "#define PI_ACT PIC_GELU_TANH\n" in cuda.source(dataclasses.replace(base, act="gelu_tanh"))
+    bf16 = dataclasses.replace(base, dtype="bfloat16", down_dtype="bfloat16")
+    assert "#define PI_FMT PiBF16\n" in cuda.source(bf16)
+    assert "#define PI_THRESHOLD 1\n" in cuda.source(dataclasses.replace(base, threshold=True))
+    assert "#define PI_DRELU 1\n" in cuda.source(dataclasses.replace(base, drelu=True, act="relu"))
+    # ... and each activation macro selects its own implementation (shared numbering, act.h).
+    prelude = (importlib.resources.files("picompile") / "kernels" / "ffn_cuda.cuh").read_text()
+    for act, code in (("PIC_SILU", "expf(-v)"), ("PIC_GELU", "erff("), ("PIC_GELU_TANH", "tanhf(")):
+        body = prelude.split(f"pi_act<{act}>(float v) {{", 1)[1].split("}", 1)[0]
+        assert code in body, act
+    act_h = (importlib.resources.files("picompile") / "kernels" / "act.h").read_text()
+    for macro in ACT_MACROS.values():
+        assert re.search(rf"^#define {macro} \d+$", act_h, re.M), macro
 
 
 def test_combined_source_defines_each_kernel_once():
-    src = cuda.combined_source(VARIANTS)
-    names = [m.group(1) for m in re.finditer(r'__global__ void(?: __launch_bounds__\([^)]*\))? (\w+)\(', src)]
-    # Guards drop repeated prelude / dtype blocks, so count what survives the preprocessor: every
-    # name is textually repeated, but each guarded block is entered once. Emulate the guards.
-    seen, defined = set(), []
-    for block in re.split(r"(?=#ifndef PICOMPILE_CUDA_)", src):
-        m = re.match(r"#ifndef (PICOMPILE_CUDA_\w+)", block)
-        if m:
-            if m.group(1) in seen:
-                continue
-            seen.add(m.group(1))
-        defined += re.findall(r'__global__ void(?: __launch_bounds__\([^)]*\))? (\w+)\(', block)
+    src = cuda.combined_source(VARIANTS + VARIANTS[:3])  # repeats are dropped
+    assert src.count("#define PICOMPILE_CUDA_PRELUDE") == 1
+    assert src.count("#define PI_DT ") == len(cuda.DTYPES)
+    assert src.count("#define PI_TAG ") == len(VARIANTS)
+    defined = [name for name, _ in _kernel_defs(src)]
     assert len(defined) == len(set(defined))
-    expected = {n for v in VARIANTS for n in v.kernel_names().values()}
-    assert set(defined) == expected == set(names)
+    expected = {n for v in VARIANTS for n in cuda.kernel_names(v).values()}
+    assert set(defined) == expected
     # 3 dtypes x 7 dtype kernels + mask bits + compaction + 2 gate/up kernels per variant
     assert len(defined) == 3 * 7 + 2 + 2 * len(VARIANTS)
+
+
+def test_kernel_sources_are_package_data():
+    """The kernel files are found through importlib.resources, and pyproject's package-data
+    globs name every one of them (so a wheel ships them)."""
+    files = importlib.resources.files("picompile") / "kernels"
+    names = sorted(f.name for f in files.iterdir() if f.is_file())
+    for name in ("ffn.c", "qblocks.h", "act.h", "ffn_cuda.cuh", "ffn_cuda_dtype.cuh",
+                 "ffn_cuda_variant.cuh"):
+        assert name in names
+        assert build.package_source(name)  # spliced without error
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    pyproject = pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml"
+    globs = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]["picompile"]
+    for name in names:
+        assert any(fnmatch.fnmatch(f"kernels/{name}", g) for g in globs), name
 
 
 # ------------------------------------------------------------------------------------------------
@@ -156,18 +209,18 @@ def test_nvcc_builds_every_variant(cubins, arch):
     data = path.read_bytes()
     assert data[:4] == b"\x7fELF" and path.suffix == ".cubin"
     for v in VARIANTS:
-        for name in v.kernel_names().values():
+        for name in cuda.kernel_names(v).values():
             assert name.encode() in data, f"{name} missing from the {arch} cubin"
 
 
 @needs_nvcc
 @pytest.mark.parametrize("dtype", cuda.DTYPES)
 def test_compile_with_nvcc_one_variant(dtype):
-    v = cuda.CudaVariant(dtype, gated=True, drelu=False, bias=True, act="gelu_tanh", threshold=True)
+    v = Variant(dtype, gated=True, drelu=False, bias=True, act="gelu_tanh", threshold=True)
     path = cuda.compile_with_nvcc(v, "sm_90")
     data = path.read_bytes()
     assert data[:4] == b"\x7fELF"
-    assert all(name.encode() in data for name in v.kernel_names().values())
+    assert all(name.encode() in data for name in cuda.kernel_names(v).values())
     assert cuda.compile_with_nvcc(v, "sm_90") == path  # cached
 
 

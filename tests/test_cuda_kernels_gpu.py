@@ -39,6 +39,7 @@ if _REASON is not None:
     pytest.skip(_REASON, allow_module_level=True)
 
 from picompile.codegen import cuda  # noqa: E402
+from picompile.codegen.variant import Variant  # noqa: E402
 
 DEV = torch.device("cuda")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -54,13 +55,13 @@ SHAPES = [(64, 40), (72, 100), (100, 77), (203, 333), (576, 1536), (1000, 31), (
 # ------------------------------------------------------------------------------------------------
 
 
-def make_block(d: int, n: int, v: cuda.CudaVariant, seed: int = 0) -> dict:
+def make_block(d: int, n: int, v: Variant, seed: int = 0) -> dict:
     """CPU weights in ffn_reference's keywords; unit-scale pre-activations, O(1) outputs."""
     return dict(_make_block(d, n, v, seed))
 
 
 @functools.lru_cache(maxsize=8)
-def _make_block(d: int, n: int, v: cuda.CudaVariant, seed: int) -> dict:
+def _make_block(d: int, n: int, v: Variant, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     dt = DTYPES[v.dtype]
 
@@ -83,7 +84,7 @@ def make_x(T: int, d: int, dtype: str, seed: int = 1) -> torch.Tensor:
     return torch.randn(T, d, generator=g).to(DTYPES[dtype])
 
 
-def h_reference(x, w, v: cuda.CudaVariant, idx) -> torch.Tensor:
+def h_reference(x, w, v: Variant, idx) -> torch.Tensor:
     """h [T, m] in float64 (the contract, before the |h| > threshold test)."""
     def rows(t):
         return t.index_select(0, idx.long()).double()
@@ -204,7 +205,7 @@ def test_every_variant_given_idx(v):
 @pytest.mark.parametrize("d,n", SHAPES)
 @pytest.mark.parametrize("act,gated", [("relu", True), ("silu", True), ("gelu", False)])
 def test_shapes_tokens_sparsity(dtype, d, n, act, gated):
-    v = cuda.CudaVariant(dtype, gated=gated, drelu=False, bias=False, act=act, threshold=False)
+    v = Variant(dtype, gated=gated, drelu=False, bias=False, act=act, threshold=False)
     for T in range(1, 9):
         for density in (0.0, 0.02, 0.5, 1.0):
             assert_given_idx(v, d, n, T, density, seed=T)
@@ -212,7 +213,7 @@ def test_shapes_tokens_sparsity(dtype, d, n, act, gated):
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_thresholds_from_dense_to_empty(dtype):
-    v = cuda.CudaVariant(dtype, gated=True, drelu=False, bias=True, act="silu", threshold=True)
+    v = Variant(dtype, gated=True, drelu=False, bias=True, act="silu", threshold=True)
     d, n, T = 203, 333, 4
     w = make_block(d, n, v)
     x = make_x(T, d, dtype)
@@ -230,7 +231,7 @@ def test_thresholds_from_dense_to_empty(dtype):
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_empty_index_list(dtype):
-    v = cuda.CudaVariant(dtype, gated=True, drelu=False, bias=False, act="relu")
+    v = Variant(dtype, gated=True, drelu=False, bias=False, act="relu")
     d, n, T = 100, 77, 3
     w = make_block(d, n, v)
     x = make_x(T, d, dtype)
@@ -248,7 +249,7 @@ def test_empty_index_list(dtype):
 
 @pytest.mark.parametrize("d,n", [(100, 40), (576, 1536)])  # one range / partials + reduction
 def test_accumulate_into_out(d, n):
-    v = cuda.CudaVariant("float16", gated=True, drelu=False, bias=False, act="silu")
+    v = Variant("float16", gated=True, drelu=False, bias=False, act="silu")
     w = make_block(d, n, v)
     x = make_x(5, d, "float16")
     idx = subset(n, 0.6, 3)
@@ -265,7 +266,7 @@ def test_accumulate_into_out(d, n):
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_unaligned_tensors_take_the_scalar_path(dtype):
     """x and the weights at an odd element offset: no 16-byte loads, same results."""
-    v = cuda.CudaVariant(dtype, gated=True, drelu=False, bias=True, act="gelu_tanh")
+    v = Variant(dtype, gated=True, drelu=False, bias=True, act="gelu_tanh")
     d, n, T = 64, 100, 2
     w = make_block(d, n, v)
     x = make_x(T, d, dtype)
@@ -287,7 +288,7 @@ def test_unaligned_tensors_take_the_scalar_path(dtype):
 
 
 def test_duplicate_and_int64_indices():
-    v = cuda.CudaVariant("bfloat16", gated=False, drelu=False, bias=True, act="gelu")
+    v = Variant("bfloat16", gated=False, drelu=False, bias=True, act="gelu")
     d, n = 72, 100
     w = make_block(d, n, v)
     x = make_x(2, d, "bfloat16")
@@ -298,7 +299,7 @@ def test_duplicate_and_int64_indices():
 
 
 def test_runs_on_the_current_stream():
-    v = cuda.CudaVariant("float16", gated=True, drelu=False, bias=False, act="silu")
+    v = Variant("float16", gated=True, drelu=False, bias=False, act="silu")
     d, n = 576, 1536
     w = make_block(d, n, v)
     x = make_x(4, d, "float16")
@@ -313,7 +314,7 @@ def test_runs_on_the_current_stream():
 
 
 def test_rejects_bad_inputs():
-    v = cuda.CudaVariant("float16", gated=True, drelu=False, bias=False, act="silu")
+    v = Variant("float16", gated=True, drelu=False, bias=False, act="silu")
     w = to_dev(make_block(64, 40, v))
     ffn = cuda.CudaFFN(w["w_up"], w["w_down_t"], w_gate=w["w_gate"], act="silu")
     with pytest.raises(ValueError, match="tokens"):
@@ -345,7 +346,7 @@ def predicted_sets(ffn, x, p, tau):
 @pytest.mark.parametrize("d,n,r", [(64, 40, 16), (100, 77, 20), (576, 1536, 64), (203, 333, 100),
                                    (1000, 31, 8), (2050, 700, 256), (4096, 2048, 1024)])
 def test_predictor_and_compaction(dtype, d, n, r):
-    v = cuda.CudaVariant(dtype, gated=True, drelu=False, bias=False, act="relu")
+    v = Variant(dtype, gated=True, drelu=False, bias=False, act="relu")
     w = to_dev(make_block(d, n, v))
     p = make_predictor(d, n, r, dtype)
     for T in (1, 2, 5, 8):
@@ -374,10 +375,10 @@ def test_predictor_and_compaction(dtype, d, n, r):
 
 
 @pytest.mark.parametrize("v", [
-    cuda.CudaVariant("float16", gated=True, drelu=False, bias=False, act="relu"),
-    cuda.CudaVariant("bfloat16", gated=True, drelu=True, bias=True, act="relu", threshold=True),
-    cuda.CudaVariant("float32", gated=False, drelu=False, bias=True, act="gelu", threshold=True),
-    cuda.CudaVariant("float16", gated=True, drelu=False, bias=False, act="silu", threshold=True),
+    Variant("float16", gated=True, drelu=False, bias=False, act="relu"),
+    Variant("bfloat16", gated=True, drelu=True, bias=True, act="relu", threshold=True),
+    Variant("float32", gated=False, drelu=False, bias=True, act="gelu", threshold=True),
+    Variant("float16", gated=True, drelu=False, bias=False, act="silu", threshold=True),
 ], ids=lambda v: v.tag)
 def test_hot_ffn_end_to_end(v):
     for (d, n, r) in [(576, 1536, 64), (203, 333, 32), (4096, 2048, 256)]:
@@ -408,7 +409,7 @@ def test_hot_ffn_end_to_end(v):
 
 def test_cuda_ffn_reuses_buffers_safely_across_calls():
     """Two calls in flight on one stream, different inputs: each result is its own."""
-    v = cuda.CudaVariant("float16", gated=True, drelu=False, bias=False, act="silu")
+    v = Variant("float16", gated=True, drelu=False, bias=False, act="silu")
     d, n, r = 576, 1536, 64
     w = make_block(d, n, v)
     p = make_predictor(d, n, r, "float16")
@@ -435,7 +436,7 @@ def test_given_mask_compacts_on_the_device(dtype, d, n, T):
     """The hybrid path: a predictor's bool mask [T, n] on the device -> the rows set for any
     token (pi_mask_bits, then pi_compact, no host sync) -> the block over them. The mask is a
     column slice of a wider one, as the hot part's is (rows strided)."""
-    v = cuda.CudaVariant(dtype=dtype, gated=True, drelu=False, bias=False, act="relu",
+    v = Variant(dtype=dtype, gated=True, drelu=False, bias=False, act="relu",
                          threshold=False)
     w = make_block(d, n, v)
     x = make_x(T, d, dtype)

@@ -380,7 +380,6 @@ def test_build_failure_falls_back(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(cc))
     monkeypatch.setenv("PICOMPILE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(c, "_warned", False)  # the one picompile C-kernel warning
-    monkeypatch.setattr(c, "_compiler_identity", lambda argv: "badcc 1.0")
     lin = nn.Linear(8, 4)
     with pytest.warns(RuntimeWarning, match="no dense C kernel"):
         mod = DenseLinear.from_linear(lin)

@@ -112,6 +112,7 @@ def test_cuda_cubins_are_verified_too(fresh, tmp_path, monkeypatch):
     nvcc = tmp_path / "nvcc"
     nvcc.write_text(textwrap.dedent(f"""\
         #!/bin/sh
+        [ "$1" = --version ] && {{ echo "fake nvcc"; exit 0; }}
         while [ $# -gt 0 ]; do [ "$1" = -o ] && out="$2"; shift; done
         echo run >> {log}
         printf 'fake cubin %01000d' 7 > "$out"

@@ -1,9 +1,10 @@
 """C code generation for SparseFFN: one small shared library per block variant.
 
-A variant (`Variant`: weight formats, gated / plain / dReLU, bias, activation) is baked into the
-kernel source (picompile/kernels/ffn.c, package data, with kernels/qblocks.h spliced in) as
-#defines in front of it, compiled once with the system C compiler (`$CC`, default `cc`)
-through the build cache (`picompile.codegen.cache`), and loaded with ctypes. `kernel_for(ffn)`
+A variant (`picompile.codegen.variant.Variant`, shared with the CUDA generator: weight formats,
+gated / plain / dReLU, bias, activation) is baked into the kernel source (picompile/kernels/ffn.c,
+package data, with kernels/qblocks.h and act.h spliced in) as #defines in front of it, compiled
+once with the system C compiler (`$CC`, default `cc`) through the build cache
+(`picompile.codegen.build.compile_cached`), and loaded with ctypes. `kernel_for(ffn)`
 binds a module's weights to that library and returns the callable `SparseFFN.forward` uses:
 
     kernel(x [T, d] float tensor, threshold: float, idx: Tensor | None = None)
@@ -37,98 +38,30 @@ import logging
 import os
 import pathlib
 import platform
-import re
 import shlex
 import shutil
-import subprocess
 import sys
 import threading
 import warnings
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from picompile import quant
-from picompile.codegen.cache import cached_build
+from picompile.activations import ACT_MACROS
+from picompile.codegen.build import (BuildFailed, CompilerNotFound, compile_cached, one_line,
+                                     package_source)
+from picompile.codegen.variant import ACTS, DTYPES, QFORMATS, Variant
 from picompile.config import reference_forced
 
 log = logging.getLogger(__name__)
 
-DTYPES = ("float32", "float16", "bfloat16")
-QFORMATS = tuple(quant.FORMATS)  # GGUF block formats: "q8_0", "q4_0", "q4_1" (picompile/quant.py)
-ACTS = ("relu", "silu", "gelu", "gelu_tanh")
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _FORMAT_MACROS = {"float32": "PIC_F32", "float16": "PIC_F16", "bfloat16": "PIC_BF16",
                   "q8_0": "PIC_Q8_0", "q4_0": "PIC_Q4_0", "q4_1": "PIC_Q4_1"}
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
 Kernel = Callable[..., "tuple[torch.Tensor, int]"]
-
-
-@dataclass(frozen=True)
-class Variant:
-    """Everything about a block that changes the generated code."""
-
-    dtype: str  # gate / up format: "float32" | "float16" | "bfloat16" | "q8_0" | "q4_0" | "q4_1"
-    gated: bool  # down(act(gate x) * up x); False: down(act(up x))
-    drelu: bool  # gated with relu on the up branch too (implies gated)
-    bias: bool  # the block has bias vectors (any of b_gate, b_up, b_down)
-    act: str  # "relu" | "silu" | "gelu" | "gelu_tanh"
-    down_dtype: str | None = None  # w_down_t's format (same choices); None: dtype's
-
-    def __post_init__(self):
-        if self.down_dtype is None:  # normalized: Variant(f, ...) == Variant(f, ..., down_dtype=f)
-            object.__setattr__(self, "down_dtype", self.dtype)
-        for what, fmt in (("weight dtype", self.dtype), ("down weight dtype", self.down_dtype)):
-            if fmt not in DTYPES + QFORMATS:
-                raise ValueError(f"unsupported {what} {fmt!r} (C kernels take "
-                                 f"{DTYPES + QFORMATS})")
-        if self.act not in ACTS:
-            raise ValueError(f"unsupported activation {self.act!r}")
-        if self.drelu and not self.gated:
-            raise ValueError("a dReLU block is gated")
-
-    @classmethod
-    def of(cls, ffn) -> Variant:
-        """The variant of a SparseFFN module. Float blocks are read in w_up's dtype throughout
-        (the kernel converts the others); quantized ones: gate / up in `qformat`, down in
-        `down_qformat`, or w_down_t's own float dtype where that is None."""
-        qformat = getattr(ffn, "qformat", None)
-        dtype = qformat or _dtype_name(ffn.w_up.dtype)
-        down = dtype
-        if qformat is not None:
-            down = getattr(ffn, "down_qformat", None) or _dtype_name(ffn.w_down_t.dtype)
-        return cls(
-            dtype=dtype,
-            gated=ffn.w_gate is not None,
-            drelu=bool(ffn.drelu),
-            bias=any(getattr(ffn, b) is not None for b in ("b_gate", "b_up", "b_down")),
-            act=ffn.act,
-            down_dtype=down,
-        )
-
-    @property
-    def quantized(self) -> bool:
-        """The gate and up rows are GGUF blocks (uint8), not float elements."""
-        return self.dtype in QFORMATS
-
-    def row_bytes(self, d: int, fmt: str | None = None) -> int:
-        """Bytes of one weight row of d weights in `fmt` (None: the gate / up format, a neuron's
-        row of w_gate or w_up; `down_dtype` for one of w_down_t)."""
-        fmt = fmt or self.dtype
-        if fmt in QFORMATS:
-            return quant.row_bytes(d, fmt)
-        return d * _TORCH_DTYPES[fmt].itemsize
-
-    @property
-    def name(self) -> str:
-        kind = "drelu" if self.drelu else "gated" if self.gated else "plain"
-        down = f"_down_{self.down_dtype}" if self.down_dtype != self.dtype else ""
-        return f"{kind}_{self.act}_{self.dtype}{down}{'_bias' if self.bias else ''}"
 
 
 # (gate / up, down) format pairs besides the uniform ones that picompile makes: compile(gguf=)
@@ -195,17 +128,13 @@ _HEADER = """\
 #define PIC_Q8_0 3   /* GGUF blocks of 32 weights: f16 d, int8 q[32]          w = d * q */
 #define PIC_Q4_0 4   /*                            f16 d, uint8 qs[16]        w = d * (nibble - 8) */
 #define PIC_Q4_1 5   /*                            f16 d, f16 m, uint8 qs[16] w = d * nibble + m */
-#define PIC_RELU 0
-#define PIC_SILU 1
-#define PIC_GELU 2
-#define PIC_GELU_TANH 3
 
 #define PIC_WDTYPE {wdtype}   /* gate and up rows: {dtype} */
 #define PIC_DDTYPE {ddtype}   /* down rows: {down_dtype} */
 #define PIC_GATED {gated}     /* 1: h = act(gate x + b_gate) * (up x + b_up); 0: h = act(up x + b_up) */
 #define PIC_DRELU {drelu}     /* 1: relu on the up branch too */
 #define PIC_BIAS {bias}       /* 1: bias pointers may be non-NULL */
-#define PIC_ACT {act_macro}   /* {act} */
+#define PIC_ACT {act_macro}   /* {act} (act.h) */
 /* 1: h is known after the first phase (plain blocks; gated blocks whose activation is nonzero
  * almost everywhere, SiLU / GELU: their up rows are needed anyway, and reading the block's gate
  * rows and then its up rows keeps both streams sequential), so the second phase reads only the
@@ -229,8 +158,7 @@ def source(v: Variant, tuning: dict[str, int] | None = None) -> str:
         gated=int(v.gated),
         drelu=int(v.drelu),
         bias=int(v.bias),
-        act_macro={"relu": "PIC_RELU", "silu": "PIC_SILU", "gelu": "PIC_GELU",
-                   "gelu_tanh": "PIC_GELU_TANH"}[v.act],
+        act_macro=ACT_MACROS[v.act],
         act=v.act,
     ) + extra + package_source("ffn.c")
 
@@ -240,44 +168,8 @@ def source(v: Variant, tuning: dict[str, int] | None = None) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-class CompilerNotFound(RuntimeError):
-    """No usable C compiler. `label`: the cause, short (for "reference (<label>)")."""
-
-    def __init__(self, message: str, label: str = "no C compiler found: set $CC"):
-        super().__init__(message)
-        self.label = label
-
-
-class BuildFailed(RuntimeError):
-    """The C compiler ran and failed. str(): the command and the compiler's whole stderr;
-    `summary`: its first error line."""
-
-    def __init__(self, message: str, summary: str):
-        super().__init__(message)
-        self.summary = summary
-
-
 class LoadFailed(RuntimeError):
     """The library was built (and matched its checksum) but does not load or lacks a symbol."""
-
-
-def _one_line(text: str, limit: int = 200) -> str:
-    line = " ".join(text.split())
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-def _first_error(stderr: str, build_dir: pathlib.Path) -> str | None:
-    """The line of a compiler's stderr that says what went wrong (temporary paths removed):
-    the first one naming an error, else the first that is not context ("In function 'f':",
-    "collect2: ..."), else the first."""
-    text = stderr.replace(str(build_dir) + os.sep, "")
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    context = [ln for ln in lines if ln.endswith(":") or ln.startswith("collect2:")]
-    rest = [ln for ln in lines if ln not in context]
-    for ln in rest:
-        if "error" in ln.lower():
-            return _one_line(ln)
-    return _one_line((rest or lines)[0]) if lines else None
 
 
 @functools.lru_cache(maxsize=1)
@@ -316,55 +208,10 @@ def compiler() -> list[str]:
     return [exe, *argv[1:]]
 
 
-@functools.lru_cache(maxsize=8)
-def _compiler_identity(argv: tuple[str, ...]) -> str:
-    try:
-        r = subprocess.run([*argv, "--version"], capture_output=True, text=True, timeout=30)
-        first = (r.stdout or r.stderr).splitlines()
-        return f"{' '.join(argv)} | {first[0] if first else '?'} | {platform.machine()}"
-    except (OSError, subprocess.SubprocessError) as e:
-        raise CompilerNotFound(f"the C compiler {' '.join(argv)} does not run ({e})",
-                               label="C compiler does not run: set $CC") from e
-
-
-def build_with(cc: list[str], flags: list[str]) -> Callable[[pathlib.Path, pathlib.Path], None]:
-    """The `build(src, out)` that cached_build calls: `cc flags -o out src -lm`, failures raised
-    as BuildFailed with the compiler's first error line as the summary (shared with dense.py)."""
-    def build(src: pathlib.Path, out: pathlib.Path) -> None:
-        cmd = [*cc, *flags, "-o", str(out), str(src), "-lm"]
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        except subprocess.TimeoutExpired as e:
-            raise BuildFailed(f"C compiler timed out ({shlex.join(cmd)})",
-                              summary=f"{os.path.basename(cc[0])} timed out after 300 s") from e
-        except OSError as e:
-            raise BuildFailed(f"C compiler does not run ({shlex.join(cmd)}): {e}",
-                              summary=_one_line(f"{os.path.basename(cc[0])}: {e}")) from e
-        if r.returncode != 0:
-            summary = (_first_error(r.stderr or "", src.parent)
-                       or _first_error(r.stdout or "", src.parent))
-            raise BuildFailed(
-                f"C compiler failed ({shlex.join(cmd)}):\n{(r.stderr or r.stdout).strip()}",
-                summary=summary or f"{os.path.basename(cc[0])} exited with status {r.returncode}",
-            )
-
-    return build
-
-
-def package_source(name: str) -> str:
-    """The text of picompile/kernels/<name> (package data), its `#include "<header>.h"` lines of
-    kernels headers replaced by their text (splice_headers)."""
-    import importlib.resources
-
-    return splice_headers(importlib.resources.files("picompile").joinpath("kernels", name).read_text())
-
-
-def splice_headers(text: str) -> str:
-    """`text` with each line `#include "<name>.h"` replaced by picompile/kernels/<name>.h: a
-    generated source is one self-contained file, so the build cache's key (a hash of it) covers
-    the headers it uses."""
-    return re.sub(r'^#include "(\w+\.h)"$', lambda m: package_source(m.group(1)), text,
-                  flags=re.MULTILINE)
+def build_library(source: str, flags: list[str], tag: str) -> pathlib.Path:
+    """`source` built into a shared library by the C compiler with `flags` (through the build
+    cache; `tag` names the library in its key); its path. Shared with dense.py."""
+    return compile_cached(source, compiler(), flags, suffix=".so", tag=tag, libs=("-lm",))
 
 
 def load_package_library(name: str, symbols: dict[str, tuple[list, object]]) -> ctypes.CDLL:
@@ -377,9 +224,8 @@ def load_package_library(name: str, symbols: dict[str, tuple[list, object]]) -> 
 
 @functools.lru_cache(maxsize=16)
 def _load_package_library(name, cc, flags, symbols) -> ctypes.CDLL:
-    tag = f"picompile-{name} " + _compiler_identity(cc)
-    path = cached_build(package_source(name), suffix=".so", flags=list(flags),
-                        build=build_with(list(cc), list(flags)), tag=tag)
+    path = compile_cached(package_source(name), list(cc), list(flags), suffix=".so",
+                          tag=f"picompile-{name}", libs=("-lm",))
     try:
         lib = ctypes.CDLL(str(path))
         for fn, argtypes, restype in symbols:
@@ -391,10 +237,7 @@ def _load_package_library(name, cc, flags, symbols) -> ctypes.CDLL:
 
 def build(v: Variant) -> pathlib.Path:
     """Compile (or fetch from the cache) the shared library of a variant; its path."""
-    cc = compiler()
-    tag = "picompile-c " + _compiler_identity(tuple(cc))
-    flags = build_flags()
-    return cached_build(source(v), suffix=".so", flags=flags, build=build_with(cc, flags), tag=tag)
+    return build_library(source(v), build_flags(), tag="picompile-c")
 
 
 _c_int64, _vp = ctypes.c_int64, ctypes.c_void_p
@@ -492,16 +335,16 @@ def try_load(v: Variant) -> ctypes.CDLL | None:
         )
         log.debug("C kernel build failed: %s", e)
     except LoadFailed as e:
-        _failures[v] = f"C kernel failed to load: {_one_line(str(e))}"
+        _failures[v] = f"C kernel failed to load: {one_line(str(e))}"
         _warn_once(
-            f"picompile: loading the C FFN kernel ({v.name}) failed: {_one_line(str(e))}: the "
+            f"picompile: loading the C FFN kernel ({v.name}) failed: {one_line(str(e))}: the "
             "sparse FFN blocks run the slower PyTorch reference path. Fix: check OpenMP "
             f"(libgomp) and the C compiler ($CC); {_SILENCE}."
         )
         log.debug("C kernel load failed", exc_info=True)
     except Exception as e:  # noqa: BLE001 - a failed build must never break the model
         lines = str(e).strip().splitlines()
-        cause = _one_line(lines[0]) if lines else type(e).__name__
+        cause = one_line(lines[0]) if lines else type(e).__name__
         _failures[v] = f"C build failed: {cause}"
         _warn_once(
             f"picompile: building the C FFN kernel ({v.name}) failed: {cause} (full error in the "

@@ -22,15 +22,18 @@ token fires, it is loaded once for all T tokens, and h is computed for every tok
 ReLU / threshold test then zeroes the per-token inactive ones, exactly as `ffn_reference` with
 that index list does). T = 1 has its own kernels (`*_1_*`, the token loops compile away).
 
-Every variant (`CudaVariant`) is its own generated source: shared templates (number formats,
-loads, warp sums, the kernel bodies) in a guarded prelude, then per dtype the predictor and down
-kernels, then per variant a struct with the variant baked in as constants plus its activation, and
-the gate/up kernels instantiated on it. Kernel names carry the dtype or the variant tag, and the
-shared parts are include-guarded, so any set of variants also concatenates into one translation
-unit (`combined_source`, what the CI compile test builds in one nvcc call per arch).
+Every variant (`picompile.codegen.variant.Variant`, the type the C generator uses too) is its own
+source, assembled from package data: picompile/kernels/ffn_cuda.cuh (number formats, loads, warp
+sums, activations and every kernel body as a template, include-guarded), then, with the dtype's
+#defines in front, ffn_cuda_dtype.cuh (the predictor and down kernels), then, with the variant's
+#defines in front, ffn_cuda_variant.cuh (the gate/up kernels, the body instantiated on the
+variant). Kernel names carry the dtype or the variant tag, so any set of variants also makes one
+translation unit, each part once (`combined_source`, what the CI compile test builds in one nvcc
+call per arch). The kernels files are spliced in (`build.splice_headers`): a source is one text,
+for NVRTC and for the build cache's key.
 
-No headers are included: float16 / bfloat16 are read as raw 16-bit words and widened with one PTX
-`cvt` (f16) or a shift (bf16), so the same source builds with nvcc and with NVRTC (cupy).
+No system headers are included: float16 / bfloat16 are read as raw 16-bit words and widened with
+one PTX `cvt` (f16) or a shift (bf16), so the same source builds with nvcc and with NVRTC (cupy).
 
 Fast math: not used (no --use_fast_math, no -use_fast_math in NVRTC). The kernels are memory bound
 (a few FLOPs per weight byte), so approximate math buys nothing measurable, while it would swap
@@ -51,15 +54,13 @@ import functools
 import math
 import os
 import shutil
-import string
-import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
+from picompile.activations import ACT_MACROS
+from picompile.codegen.build import BuildFailed, compile_cached, splice_headers
+from picompile.codegen.variant import ACTS, DTYPES, Variant
 from picompile.config import KERNEL_MAX_TOKENS
 
-DTYPES = ("float16", "bfloat16", "float32")
-ACTS = ("relu", "silu", "gelu", "gelu_tanh")
 ARCHS = ("sm_80", "sm_90")
 
 MAX_TOKENS = KERNEL_MAX_TOKENS  # the small-batch kernels are built for this many tokens
@@ -70,14 +71,14 @@ NVCC_FLAGS = ["-O3", "-std=c++17", "-x", "cu"]
 BACKEND_ENV = "PICOMPILE_CUDA_BACKEND"  # "nvrtc" (default) | "nvcc"
 NVCC_ENV = "PICOMPILE_NVCC"  # path to nvcc, else $PATH, $CUDA_HOME/bin, /usr/local/cuda/bin
 
-# Per dtype: the prelude's number-format struct, the C element type, the tag, elements per 16 B.
+# Per float dtype: its number format in ffn_cuda.cuh and that format's elements per 16 B (VEC).
 _FORMATS = {
-    "float32": ("PiF32", "float", "f32", 4),
-    "float16": ("PiF16", "pi_u16", "f16", 8),
-    "bfloat16": ("PiBF16", "pi_u16", "bf16", 8),
+    "float32": ("PiF32", 4),
+    "float16": ("PiF16", 8),
+    "bfloat16": ("PiBF16", 8),
 }
 
-# Block sizes; the kernels' __launch_bounds__ below use the same numbers.
+# Block sizes; the kernels' __launch_bounds__ (ffn_cuda.cuh's PI_* macros) use the same numbers.
 _WARPS_PER_BLOCK = 8  # pred_hidden, pred_mask, gate_up: 256 threads
 _DOWN_THREADS = 128
 _REDUCE_THREADS = 256
@@ -89,7 +90,7 @@ class CudaUnavailable(RuntimeError):
     """cupy or a CUDA device is missing where a GPU path was asked for."""
 
 
-class NvccError(RuntimeError):
+class NvccError(BuildFailed):
     """nvcc is missing or failed; the message carries its stderr."""
 
 
@@ -98,73 +99,32 @@ class NvccError(RuntimeError):
 # ------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class CudaVariant:
-    """What is baked into one generated source."""
-
-    dtype: str = "float16"  # weights, biases, x and predictor weights: "float16" | "bfloat16" | "float32"
-    gated: bool = True  # h = act(gate) * up   (else plain: h = act(up))
-    drelu: bool = False  # gated with u = relu(up) (TurboSparse dReLU); needs gated
-    bias: bool = False  # b_gate / b_up are added (b_down is optional at run time in every variant)
-    act: str = "silu"  # one of ACTS
-    threshold: bool = False  # a |h| > threshold test is compiled in (else exact: h != 0)
-
-    def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, not {self.dtype!r}")
-        if self.act not in ACTS:
-            raise ValueError(f"act must be one of {ACTS}, not {self.act!r}")
-        if self.drelu and not self.gated:
-            raise ValueError("drelu blocks are gated: CudaVariant(drelu=True) needs gated=True")
-
-    @property
-    def kind(self) -> str:
-        return "drelu" if self.drelu else "gated" if self.gated else "plain"
-
-    @property
-    def dtag(self) -> str:
-        return _FORMATS[self.dtype][2]
-
-    @property
-    def tag(self) -> str:
-        """A C identifier naming the variant, e.g. "f16_gated_silu_nobias_exact"."""
-        return "_".join(
-            (self.dtag, self.kind, self.act, "bias" if self.bias else "nobias",
-             "thr" if self.threshold else "exact")
-        )
-
-    @property
-    def vec(self) -> int:
-        """Elements per 16-byte load."""
-        return _FORMATS[self.dtype][3]
-
-    def kernel_names(self) -> dict[str, str]:
-        """Role -> extern "C" kernel name in `source(self)`."""
-        dt = self.dtag
-        return {
-            "pred_hidden_1": f"pi_pred_hidden_1_{dt}",
-            "pred_hidden_b": f"pi_pred_hidden_b_{dt}",
-            "pred_mask_1": f"pi_pred_mask_1_{dt}",
-            "pred_mask_b": f"pi_pred_mask_b_{dt}",
-            "compact": "pi_compact",
-            "mask_bits": "pi_mask_bits",
-            "gate_up_1": f"pi_gate_up_1_{self.tag}",
-            "gate_up_b": f"pi_gate_up_b_{self.tag}",
-            "down_1": f"pi_down_1_{dt}",
-            "down_b": f"pi_down_b_{dt}",
-            "down_reduce": f"pi_down_reduce_{dt}",
-        }
-
-    @classmethod
-    def for_block(cls, block) -> CudaVariant:
-        """The variant of a `picompile.plan.BlockPlan`."""
-        return cls(
-            dtype=block.dtype, gated=block.kind in ("gated", "drelu"), drelu=block.kind == "drelu",
-            bias=bool(block.bias), act=block.act, threshold=float(block.decided.threshold) != 0.0,
-        )
+def _check(v: Variant) -> None:
+    """The CUDA kernels read float weights, all of one dtype."""
+    if v.dtype not in _FORMATS or v.down_dtype != v.dtype:
+        raise ValueError(f"the CUDA kernels take weights in one dtype of {DTYPES}, not "
+                         f"{v.dtype!r} gate / up and {v.down_dtype!r} down")
 
 
-def all_variants() -> list[CudaVariant]:
+def kernel_names(v: Variant) -> dict[str, str]:
+    """Role -> extern "C" kernel name in `source(v)`."""
+    dt = v.dtag
+    return {
+        "pred_hidden_1": f"pi_pred_hidden_1_{dt}",
+        "pred_hidden_b": f"pi_pred_hidden_b_{dt}",
+        "pred_mask_1": f"pi_pred_mask_1_{dt}",
+        "pred_mask_b": f"pi_pred_mask_b_{dt}",
+        "compact": "pi_compact",
+        "mask_bits": "pi_mask_bits",
+        "gate_up_1": f"pi_gate_up_1_{v.tag}",
+        "gate_up_b": f"pi_gate_up_b_{v.tag}",
+        "down_1": f"pi_down_1_{dt}",
+        "down_b": f"pi_down_b_{dt}",
+        "down_reduce": f"pi_down_reduce_{dt}",
+    }
+
+
+def all_variants() -> list[Variant]:
     """Every variant the compiler can ask for: dtype x kind x act x bias x threshold, where dReLU
     blocks come with act="relu" only (relu(gate) * relu(up); `source` still accepts any act)."""
     out = []
@@ -173,700 +133,55 @@ def all_variants() -> list[CudaVariant]:
             for act in acts:
                 for bias in (False, True):
                     for threshold in (False, True):
-                        out.append(CudaVariant(dtype, gated, drelu, bias, act, threshold))
+                        out.append(Variant(dtype, gated, drelu, bias, act, threshold))
     return out
 
 
 # ------------------------------------------------------------------------------------------------
-# Source templates. string.Template ($name) so that C braces need no escaping.
+# Sources: the kernel files, specialised by #defines
 # ------------------------------------------------------------------------------------------------
 
-_PRELUDE = r"""
-// ============================================================================================
-// picompile CUDA prelude: number formats, loads, warp sums, and every kernel body as a template.
-// Include-guarded so that any number of variants can share one translation unit.
-// ============================================================================================
-#ifndef PICOMPILE_CUDA_PRELUDE
-#define PICOMPILE_CUDA_PRELUDE
 
-#define PI_WARP 32
-#define PI_FULL 0xffffffffu
-#define PI_WARPS_PER_BLOCK 8      // pred_hidden, pred_mask, gate_up: 256 threads
-#define PI_DOWN_THREADS 128       // down: threads per block, one tile of the index list each
-#define PI_REDUCE_THREADS 256
-#define PI_COMPACT_THREADS 1024
-#define PI_MAXT 8                 // small-batch path: at most 8 tokens per call
-
-typedef unsigned short pi_u16;    // float16 / bfloat16 as raw bits (no cuda_fp16.h needed)
-
-// A number format: its element type, how many elements one 16-byte load holds (VEC), and how
-// to widen them to fp32. All arithmetic is fp32.
-struct PiF32 {
-  typedef float elem;
-  enum { VEC = 4 };
-  static __device__ __forceinline__ float widen(float v) { return v; }
-  static __device__ __forceinline__ void unpack(const uint4 q, float* f) {
-    f[0] = __uint_as_float(q.x); f[1] = __uint_as_float(q.y);
-    f[2] = __uint_as_float(q.z); f[3] = __uint_as_float(q.w);
-  }
-};
-
-struct PiF16 {
-  typedef pi_u16 elem;
-  enum { VEC = 8 };
-  static __device__ __forceinline__ float widen(pi_u16 v) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
-    return f;
-  }
-  static __device__ __forceinline__ void unpack2(unsigned w, float* f) {
-    f[0] = widen((pi_u16)(w & 0xffffu));  // little endian: the lower address is the low half
-    f[1] = widen((pi_u16)(w >> 16));
-  }
-  static __device__ __forceinline__ void unpack(const uint4 q, float* f) {
-    unpack2(q.x, f); unpack2(q.y, f + 2); unpack2(q.z, f + 4); unpack2(q.w, f + 6);
-  }
-};
-
-struct PiBF16 {
-  typedef pi_u16 elem;
-  enum { VEC = 8 };
-  static __device__ __forceinline__ float widen(pi_u16 v) {
-    return __uint_as_float(((unsigned)v) << 16);  // bfloat16 is the top half of a float
-  }
-  static __device__ __forceinline__ void unpack2(unsigned w, float* f) {
-    f[0] = __uint_as_float(w << 16);
-    f[1] = __uint_as_float(w & 0xffff0000u);
-  }
-  static __device__ __forceinline__ void unpack(const uint4 q, float* f) {
-    unpack2(q.x, f); unpack2(q.y, f + 2); unpack2(q.z, f + 4); unpack2(q.w, f + 6);
-  }
-};
-
-// 16-byte loads: read-only (non-coherent) path for weights, plain path for x and shared memory.
-__device__ __forceinline__ uint4 pi_ldg16(const void* p) {
-  return __ldg(reinterpret_cast<const uint4*>(p));
-}
-__device__ __forceinline__ uint4 pi_ld16(const void* p) {
-  return *reinterpret_cast<const uint4*>(p);
-}
-
-// N consecutive elements of format F at p (16-byte aligned) as floats; N % F::VEC == 0.
-template <class F, int N>
-__device__ __forceinline__ void pi_load_run(const typename F::elem* p, float* f) {
-#pragma unroll
-  for (int q = 0; q < N / F::VEC; ++q) F::unpack(pi_ld16(p + q * F::VEC), f + q * F::VEC);
-}
-
-__device__ __forceinline__ float pi_warp_sum(float v) {
-#pragma unroll
-  for (int o = PI_WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(PI_FULL, v, o);
-  return v;
-}
-
-// acc[t] += sum over this caller's part of the row of row[e] * x[t, e], for t < T.
-//   row: [n] one weight row, format FW.   x: [T, x_stride] tokens, format FX (FW or fp32).
-//   The caller's part: chunks (of FW::VEC elements) first, first + step, ...: a warp passes
-//   (lane, 32) and reduces afterwards, a lone thread passes (0, 1).
-//   vec: 16-byte loads allowed (n % FW::VEC == 0, row and x rows 16-byte aligned); else the
-//   same parts element by element.
-template <class FW, class FX, int MAXT>
-__device__ __forceinline__ void pi_dot_part(const typename FW::elem* __restrict__ row,
-                                            const typename FX::elem* x, int x_stride, int T,
-                                            int n, int vec, int first, int step,
-                                            float (&acc)[MAXT]) {
-  if (vec) {
-    const int n_chunks = n / FW::VEC;
-#pragma unroll 4
-    for (int c = first; c < n_chunks; c += step) {
-      float w[FW::VEC];
-      FW::unpack(pi_ldg16(row + c * FW::VEC), w);
-#pragma unroll
-      for (int t = 0; t < MAXT; ++t) {
-        if (t < T) {
-          float xv[FW::VEC];
-          pi_load_run<FX, FW::VEC>(x + (size_t)t * x_stride + c * FW::VEC, xv);
-#pragma unroll
-          for (int k = 0; k < FW::VEC; ++k) acc[t] = fmaf(w[k], xv[k], acc[t]);
-        }
-      }
-    }
-  } else {
-    // The same chunk ownership, element by element (unaligned rows or n % VEC != 0).
-    for (int e = first * FW::VEC; e < n; e += step * FW::VEC) {
-#pragma unroll
-      for (int k = 0; k < FW::VEC; ++k) {
-        if (e + k < n) {
-          const float w = FW::widen(__ldg(row + e + k));
-#pragma unroll
-          for (int t = 0; t < MAXT; ++t)
-            if (t < T) acc[t] = fmaf(w, FX::widen(x[(size_t)t * x_stride + e + k]), acc[t]);
-        }
-      }
-    }
-  }
-}
-
-// ---- 1a. predictor, layer 1: z[t, k] = relu(p1[k] . x[t] + pb1[k]); one warp per row k. ----
-template <class F, int MAXT>
-__device__ __forceinline__ void pi_pred_hidden_body(
-    const typename F::elem* __restrict__ x, const typename F::elem* __restrict__ p1,
-    const typename F::elem* __restrict__ pb1, float* __restrict__ z, int T, int d, int r,
-    int vec) {
-  const int lane = threadIdx.x & (PI_WARP - 1);
-  const int first = (blockIdx.x * blockDim.x + threadIdx.x) / PI_WARP;
-  const int step = (gridDim.x * blockDim.x) / PI_WARP;
-  for (int k = first; k < r; k += step) {  // warp-uniform
-    float acc[MAXT];
-#pragma unroll
-    for (int t = 0; t < MAXT; ++t) acc[t] = 0.0f;
-    pi_dot_part<F, F, MAXT>(p1 + (size_t)k * d, x, d, T, d, vec, lane, PI_WARP, acc);
-    const float b = F::widen(__ldg(pb1 + k));
-#pragma unroll
-    for (int t = 0; t < MAXT; ++t) {
-      if (t < T) {
-        const float s = pi_warp_sum(acc[t]) + b;
-        if (lane == 0) z[(size_t)t * r + k] = fmaxf(s, 0.0f);
-      }
-    }
-  }
-}
-
-// ---- 1b. predictor, layer 2: neuron j fires iff p2[j] . z[t] + pb2[j] > tau for some t. ----
-// One thread per neuron (p2 rows are short, r <= 1024), one warp per 32 neurons = one mask word
-// (__ballot_sync). z [T, r] is staged in shared memory (dynamic, T * r floats).
-extern __shared__ float4 pi_dyn_smem[];
-
-template <class F, int MAXT>
-__device__ __forceinline__ void pi_pred_mask_body(
-    const float* __restrict__ z, const typename F::elem* __restrict__ p2,
-    const typename F::elem* __restrict__ pb2, float tau, unsigned* __restrict__ mask, int T,
-    int r, int n_hot, int vec) {
-  float* zs = reinterpret_cast<float*>(pi_dyn_smem);
-  for (int e = threadIdx.x; e < T * r; e += blockDim.x) zs[e] = z[e];
-  __syncthreads();
-  const int lane = threadIdx.x & (PI_WARP - 1);
-  const int first = (blockIdx.x * blockDim.x + threadIdx.x) / PI_WARP;
-  const int step = (gridDim.x * blockDim.x) / PI_WARP;
-  const int n_words = (n_hot + PI_WARP - 1) / PI_WARP;
-  for (int w = first; w < n_words; w += step) {  // warp-uniform
-    const int j = w * PI_WARP + lane;
-    bool fire = false;
-    if (j < n_hot) {
-      float acc[MAXT];
-#pragma unroll
-      for (int t = 0; t < MAXT; ++t) acc[t] = 0.0f;
-      pi_dot_part<F, PiF32, MAXT>(p2 + (size_t)j * r, zs, r, T, r, vec, 0, 1, acc);
-      const float b = F::widen(__ldg(pb2 + j));
-#pragma unroll
-      for (int t = 0; t < MAXT; ++t)
-        if (t < T) fire = fire || (acc[t] + b > tau);
-    }
-    const unsigned bits = __ballot_sync(PI_FULL, fire);
-    if (lane == 0) mask[w] = bits;
-  }
-}
-
-// ---- 2a. mask -> bitmask: a predictor's bool mask [T, n] (one byte each, rows `stride` bytes
-// apart) -> bits [ceil(n / 32)], bit b of word w set when neuron 32 w + b is on for any token.
-// One thread per word: the hybrid runtime's mask from PyTorch, in one launch, no host sync.
-extern "C" __global__ void __launch_bounds__(256) pi_mask_bits(
-    const unsigned char* __restrict__ mask,  // [T, stride] bool, n used per row
-    int T,                                   //            tokens
-    int n,                                   //            neurons
-    int stride,                              //            bytes between rows (>= n)
-    unsigned* __restrict__ bits)             // [ceil(n / 32)] out
-{
-  const int n_words = (n + PI_WARP - 1) / PI_WARP;
-  for (int w = blockIdx.x * blockDim.x + threadIdx.x; w < n_words; w += gridDim.x * blockDim.x) {
-    unsigned word = 0u;
-    for (int t = 0; t < T; ++t) {
-      const unsigned char* row = mask + (size_t)t * stride + (size_t)w * PI_WARP;
-      const int in_word = min(PI_WARP, n - w * PI_WARP);
-      for (int b = 0; b < in_word; ++b) word |= (row[b] != 0 ? 1u : 0u) << b;
-    }
-    bits[w] = word;
-  }
-}
-
-// ---- 2. compaction: bitmask [n_words] -> idx (ascending neuron ids) + count. ----
-// One block of PI_COMPACT_THREADS threads, one mask word per thread per pass: popc, a warp
-// scan (__shfl_up_sync), a scan of the warp totals, then each thread writes its word's bits.
-extern "C" __global__ void __launch_bounds__(PI_COMPACT_THREADS) pi_compact(
-    const unsigned* __restrict__ mask,  // [n_words]  bit b of word w: neuron 32 w + b fires
-    int n_words,                        //            = ceil(n_hot / 32)
-    int* __restrict__ idx,              // [n_hot]    out: the firing neurons, ascending
-    int* __restrict__ count)            // [1]        out: how many
-{
-  __shared__ int warp_off[PI_COMPACT_THREADS / PI_WARP];
-  __shared__ int pass_total;
-  const int tid = threadIdx.x, lane = tid & (PI_WARP - 1), wid = tid / PI_WARP;
-  const int n_warps = blockDim.x / PI_WARP;
-  int base = 0;
-  for (int start = 0; start < n_words; start += blockDim.x) {
-    const int w = start + tid;
-    const unsigned bits = w < n_words ? mask[w] : 0u;
-    const int c = __popc(bits);
-    int incl = c;  // inclusive scan of c over the warp
-#pragma unroll
-    for (int o = 1; o < PI_WARP; o <<= 1) {
-      const int y = __shfl_up_sync(PI_FULL, incl, o);
-      if (lane >= o) incl += y;
-    }
-    if (lane == PI_WARP - 1) warp_off[wid] = incl;
-    __syncthreads();
-    if (wid == 0) {  // exclusive scan of the warp totals
-      const int v = lane < n_warps ? warp_off[lane] : 0;
-      int s = v;
-#pragma unroll
-      for (int o = 1; o < PI_WARP; o <<= 1) {
-        const int y = __shfl_up_sync(PI_FULL, s, o);
-        if (lane >= o) s += y;
-      }
-      if (lane < n_warps) warp_off[lane] = s - v;
-      if (lane == PI_WARP - 1) pass_total = s;
-    }
-    __syncthreads();
-    int pos = base + warp_off[wid] + incl - c;
-    for (unsigned b = bits; b != 0u; b &= b - 1u) idx[pos++] = w * PI_WARP + (__ffs(b) - 1);
-    base += pass_total;
-    __syncthreads();  // warp_off / pass_total are rewritten by the next pass
-  }
-  if (tid == 0) *count = base;
-}
-
-// ---- 3. gate / up GEMV over the listed rows, activation fused; one warp per listed row. ----
-// V: the variant (format, gated, drelu, bias, relu, threshold, act), see the variant structs.
-template <class V, int MAXT>
-__device__ __forceinline__ void pi_gate_up_body(
-    const typename V::Fmt::elem* __restrict__ x, const typename V::Fmt::elem* __restrict__ w_gate,
-    const typename V::Fmt::elem* __restrict__ w_up, const typename V::Fmt::elem* __restrict__ b_gate,
-    const typename V::Fmt::elem* __restrict__ b_up, const int* __restrict__ idx,
-    const int* __restrict__ count, float threshold, float* __restrict__ h,
-    int* __restrict__ n_active, int T, int d, int h_stride, int vec) {
-  typedef typename V::Fmt F;
-  const int lane = threadIdx.x & (PI_WARP - 1);
-  const int first = (blockIdx.x * blockDim.x + threadIdx.x) / PI_WARP;
-  const int step = (gridDim.x * blockDim.x) / PI_WARP;
-  const int m = *count;
-  int n_on = 0;  // active (token, neuron) pairs seen by this warp
-  for (int i = first; i < m; i += step) {  // warp-uniform
-    const int j = idx[i];
-    const size_t row = (size_t)j * d;
-    float a[MAXT];  // gated: act(gate x + b_gate)
-#pragma unroll
-    for (int t = 0; t < MAXT; ++t) a[t] = 0.0f;
-    bool need_up = true;
-    if (V::gated) {
-      float g[MAXT];
-#pragma unroll
-      for (int t = 0; t < MAXT; ++t) g[t] = 0.0f;
-      pi_dot_part<F, F, MAXT>(w_gate + row, x, d, T, d, vec, lane, PI_WARP, g);
-      const float bg = V::bias ? F::widen(__ldg(b_gate + j)) : 0.0f;
-      bool any = false;
-#pragma unroll
-      for (int t = 0; t < MAXT; ++t) {
-        if (t < T) {
-          a[t] = V::act(pi_warp_sum(g[t]) + bg);
-          any = any || a[t] != 0.0f;
-        }
-      }
-      // ReLU gate zero for every token: h = 0 exactly, the up row is never read.
-      need_up = any || !V::relu;
-    }
-    float u[MAXT];
-#pragma unroll
-    for (int t = 0; t < MAXT; ++t) u[t] = 0.0f;
-    if (need_up) pi_dot_part<F, F, MAXT>(w_up + row, x, d, T, d, vec, lane, PI_WARP, u);
-    const float bu = V::bias ? F::widen(__ldg(b_up + j)) : 0.0f;
-#pragma unroll
-    for (int t = 0; t < MAXT; ++t) {
-      if (t < T) {
-        float hv = 0.0f;
-        if (need_up) {
-          const float s = pi_warp_sum(u[t]) + bu;
-          if (V::gated) hv = a[t] * (V::drelu ? fmaxf(s, 0.0f) : s);
-          else hv = V::act(s);
-        }
-        const bool on = V::threshold ? fabsf(hv) > threshold : hv != 0.0f;
-        if (!on) hv = 0.0f;
-        n_on += on ? 1 : 0;
-        if (lane == 0) h[(size_t)t * h_stride + i] = hv;
-      }
-    }
-  }
-  if (lane == 0 && n_on != 0) atomicAdd(n_active, n_on);  // one atomic per warp
-}
-
-// ---- 4. down: out[t, c] = sum_i h[t, i] * w_down_t[idx[i], c] (+ b_down[c] + old out). ----
-// Grid (column slices, row ranges). A block owns PI_DOWN_THREADS * F::VEC columns (F::VEC per
-// thread, one 16-byte load per row) and one contiguous range of the list, walked in tiles of
-// PI_DOWN_THREADS entries: the tile's idx / h are staged in shared memory, keeping only rows with
-// a nonzero h for some token (ballot, order kept), so the row loads of the inner loop depend on
-// nothing but shared memory and pipeline. One range: the block writes out itself; several: it
-// writes its partial sums and pi_down_reduce adds them up in range order. No atomics, no races.
-template <class F, int MAXT>
-__device__ __forceinline__ void pi_down_body(
-    const float* __restrict__ h, int h_stride, const int* __restrict__ idx,
-    const int* __restrict__ count, const typename F::elem* __restrict__ w_down_t,
-    const typename F::elem* __restrict__ b_down, float* __restrict__ out,
-    float* __restrict__ partial, int T, int d, int vec, int accumulate) {
-  __shared__ int s_row[PI_DOWN_THREADS];
-  __shared__ float s_h[MAXT][PI_DOWN_THREADS];
-  __shared__ int s_warp[PI_DOWN_THREADS / PI_WARP];
-  const int tid = threadIdx.x, lane = tid & (PI_WARP - 1), wid = tid / PI_WARP;
-  const int col0 = (blockIdx.x * PI_DOWN_THREADS + tid) * F::VEC;
-  const bool has_cols = col0 < d;
-  const int m = *count;
-  const int per_range = (m + gridDim.y - 1) / gridDim.y;
-  const int begin = min(m, (int)blockIdx.y * per_range);
-  const int end = min(m, begin + per_range);
-
-  float acc[MAXT][F::VEC];
-#pragma unroll
-  for (int t = 0; t < MAXT; ++t)
-#pragma unroll
-    for (int k = 0; k < F::VEC; ++k) acc[t][k] = 0.0f;
-
-  for (int tile = begin; tile < end; tile += PI_DOWN_THREADS) {  // block-uniform
-    const int i = tile + tid;
-    int j = 0;
-    float hv[MAXT];
-    bool keep = false;
-#pragma unroll
-    for (int t = 0; t < MAXT; ++t) hv[t] = 0.0f;
-    if (i < end) {
-      j = idx[i];
-#pragma unroll
-      for (int t = 0; t < MAXT; ++t) {
-        if (t < T) {
-          hv[t] = h[(size_t)t * h_stride + i];
-          keep = keep || hv[t] != 0.0f;
-        }
-      }
-    }
-    const unsigned ballot = __ballot_sync(PI_FULL, keep);
-    if (lane == 0) s_warp[wid] = __popc(ballot);
-    __syncthreads();
-    int pos = __popc(ballot & ((1u << lane) - 1u));
-    int n_keep = 0;
-#pragma unroll
-    for (int q = 0; q < PI_DOWN_THREADS / PI_WARP; ++q) {
-      if (q < wid) pos += s_warp[q];
-      n_keep += s_warp[q];
-    }
-    if (keep) {
-      s_row[pos] = j;
-#pragma unroll
-      for (int t = 0; t < MAXT; ++t) s_h[t][pos] = hv[t];
-    }
-    __syncthreads();
-    if (has_cols) {
-      const typename F::elem* cols = w_down_t + col0;
-      if (vec) {
-#pragma unroll 4
-        for (int q = 0; q < n_keep; ++q) {
-          float w[F::VEC];
-          F::unpack(pi_ldg16(cols + (size_t)s_row[q] * d), w);
-#pragma unroll
-          for (int t = 0; t < MAXT; ++t) {
-            if (t < T) {
-              const float ht = s_h[t][q];
-#pragma unroll
-              for (int k = 0; k < F::VEC; ++k) acc[t][k] = fmaf(ht, w[k], acc[t][k]);
-            }
-          }
-        }
-      } else {
-        for (int q = 0; q < n_keep; ++q) {
-          const typename F::elem* p = cols + (size_t)s_row[q] * d;
-          float w[F::VEC];
-#pragma unroll
-          for (int k = 0; k < F::VEC; ++k) w[k] = col0 + k < d ? F::widen(__ldg(p + k)) : 0.0f;
-#pragma unroll
-          for (int t = 0; t < MAXT; ++t) {
-            if (t < T) {
-              const float ht = s_h[t][q];
-#pragma unroll
-              for (int k = 0; k < F::VEC; ++k) acc[t][k] = fmaf(ht, w[k], acc[t][k]);
-            }
-          }
-        }
-      }
-    }
-    __syncthreads();  // s_row / s_h / s_warp are rewritten by the next tile
-  }
-
-  if (!has_cols) return;
-#pragma unroll
-  for (int t = 0; t < MAXT; ++t) {
-    if (t < T) {
-#pragma unroll
-      for (int k = 0; k < F::VEC; ++k) {
-        const int c = col0 + k;
-        if (c < d) {
-          if (gridDim.y == 1) {
-            float v = acc[t][k];
-            if (b_down != 0) v += F::widen(__ldg(b_down + c));
-            if (accumulate) v += out[(size_t)t * d + c];
-            out[(size_t)t * d + c] = v;
-          } else {
-            partial[((size_t)blockIdx.y * T + t) * d + c] = acc[t][k];
-          }
-        }
-      }
-    }
-  }
-}
-
-// out[t, c] = sum over ranges s (in order) of partial[s, t, c]  (+ b_down[c]) (+ old out[t, c])
-template <class F>
-__device__ __forceinline__ void pi_down_reduce_body(
-    const float* __restrict__ partial, const typename F::elem* __restrict__ b_down,
-    float* __restrict__ out, int T, int d, int n_split, int accumulate) {
-  const int n = T * d;
-  for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < n; e += gridDim.x * blockDim.x) {
-    float v = 0.0f;
-    for (int s = 0; s < n_split; ++s) v += partial[(size_t)s * n + e];
-    if (b_down != 0) v += F::widen(__ldg(b_down + e % d));
-    if (accumulate) v += out[e];
-    out[e] = v;
-  }
-}
-
-#endif  // PICOMPILE_CUDA_PRELUDE
-"""
-
-# Per dtype: the predictor and down kernels (they depend on nothing else of the variant).
-_DTYPE_KERNELS = string.Template(r"""
-// ============================================================================================
-// $dtype kernels: predictor, down projection. Weights / x: $elem ($fmt), VEC = $vec per 16 B.
-// ============================================================================================
-#ifndef PICOMPILE_CUDA_$DT
-#define PICOMPILE_CUDA_$DT
-
-// 1a. predictor layer 1, batch-1 decode (T = 1) and small batch (T <= 8). Grid-stride, 1 warp/row.
-extern "C" __global__ void __launch_bounds__(PI_WARPS_PER_BLOCK * PI_WARP) pi_pred_hidden_1_$dt(
-    const $elem* __restrict__ x,    // [1, d]   the token
-    const $elem* __restrict__ p1,   // [r, d]   predictor layer 1
-    const $elem* __restrict__ pb1,  // [r]
-    float* __restrict__ z,          // [1, r]   out: relu(p1 x + pb1), fp32
-    int T,                          //          1 (the argument list is the batch one's)
-    int d,                          //          model width
-    int r,                          //          predictor rank
-    int vec)                        //          1: 16-byte loads (d % $vec == 0, aligned)
-{
-  pi_pred_hidden_body<$fmt, 1>(x, p1, pb1, z, 1, d, r, vec);
-}
-
-extern "C" __global__ void __launch_bounds__(PI_WARPS_PER_BLOCK * PI_WARP) pi_pred_hidden_b_$dt(
-    const $elem* __restrict__ x,    // [T, d]   the tokens
-    const $elem* __restrict__ p1,   // [r, d]   predictor layer 1
-    const $elem* __restrict__ pb1,  // [r]
-    float* __restrict__ z,          // [T, r]   out: relu(x p1^T + pb1), fp32
-    int T,                          //          tokens, 1..8
-    int d,                          //          model width
-    int r,                          //          predictor rank
-    int vec)                        //          1: 16-byte loads (d % $vec == 0, aligned)
-{
-  pi_pred_hidden_body<$fmt, PI_MAXT>(x, p1, pb1, z, T, d, r, vec);
-}
-
-// 1b. predictor layer 2 + test: mask bit j = (p2[j] . z[t] + pb2[j] > tau for some t).
-//     Dynamic shared memory: T * r * 4 bytes.
-extern "C" __global__ void __launch_bounds__(PI_WARPS_PER_BLOCK * PI_WARP) pi_pred_mask_1_$dt(
-    const float* __restrict__ z,     // [1, r]       from pi_pred_hidden
-    const $elem* __restrict__ p2,    // [n_hot, r]   predictor layer 2, hot rows
-    const $elem* __restrict__ pb2,   // [n_hot]
-    float tau,                       //              fire iff logit > tau
-    unsigned* __restrict__ mask,     // [ceil(n_hot / 32)]  out: firing bits
-    int T,                           //              1
-    int r,                           //              predictor rank, <= 1024
-    int n_hot,                       //              hot neurons
-    int vec)                         //              1: 16-byte loads (r % $vec == 0, aligned)
-{
-  pi_pred_mask_body<$fmt, 1>(z, p2, pb2, tau, mask, 1, r, n_hot, vec);
-}
-
-extern "C" __global__ void __launch_bounds__(PI_WARPS_PER_BLOCK * PI_WARP) pi_pred_mask_b_$dt(
-    const float* __restrict__ z,     // [T, r]       from pi_pred_hidden
-    const $elem* __restrict__ p2,    // [n_hot, r]   predictor layer 2, hot rows
-    const $elem* __restrict__ pb2,   // [n_hot]
-    float tau,                       //              fire iff logit > tau (union over tokens)
-    unsigned* __restrict__ mask,     // [ceil(n_hot / 32)]  out: firing bits
-    int T,                           //              tokens, 1..8
-    int r,                           //              predictor rank, <= 1024
-    int n_hot,                       //              hot neurons
-    int vec)                         //              1: 16-byte loads (r % $vec == 0, aligned)
-{
-  pi_pred_mask_body<$fmt, PI_MAXT>(z, p2, pb2, tau, mask, T, r, n_hot, vec);
-}
-
-// 4. down projection over the listed rows. Grid (ceil(d / (PI_DOWN_THREADS * $vec)), n_split).
-extern "C" __global__ void __launch_bounds__(PI_DOWN_THREADS) pi_down_1_$dt(
-    const float* __restrict__ h,          // [1, h_stride]  h of listed row i at [0, i], fp32
-    int h_stride,                         //                row stride of h (>= count)
-    const int* __restrict__ idx,          // [count]        listed rows of w_down_t
-    const int* __restrict__ count,        // [1]            list length (device)
-    const $elem* __restrict__ w_down_t,   // [n_rows, d]    down weights, one row per neuron
-    const $elem* __restrict__ b_down,     // [d] or null
-    float* __restrict__ out,              // [1, d]         out (n_split == 1), fp32
-    float* __restrict__ partial,          // [n_split, 1, d] partial sums (n_split > 1)
-    int T,                                //                1
-    int d,                                //                model width
-    int vec,                              //                1: 16-byte loads (d % $vec == 0)
-    int accumulate)                       //                1: out += ..., 0: out = ...
-{
-  pi_down_body<$fmt, 1>(h, h_stride, idx, count, w_down_t, b_down, out, partial, 1, d, vec,
-                        accumulate);
-}
-
-extern "C" __global__ void __launch_bounds__(PI_DOWN_THREADS) pi_down_b_$dt(
-    const float* __restrict__ h,          // [T, h_stride]  h of token t, listed row i at [t, i]
-    int h_stride,                         //                row stride of h (>= count)
-    const int* __restrict__ idx,          // [count]        listed rows of w_down_t
-    const int* __restrict__ count,        // [1]            list length (device)
-    const $elem* __restrict__ w_down_t,   // [n_rows, d]    down weights, one row per neuron
-    const $elem* __restrict__ b_down,     // [d] or null
-    float* __restrict__ out,              // [T, d]         out (n_split == 1), fp32
-    float* __restrict__ partial,          // [n_split, T, d] partial sums (n_split > 1)
-    int T,                                //                tokens, 1..8
-    int d,                                //                model width
-    int vec,                              //                1: 16-byte loads (d % $vec == 0)
-    int accumulate)                       //                1: out += ..., 0: out = ...
-{
-  pi_down_body<$fmt, PI_MAXT>(h, h_stride, idx, count, w_down_t, b_down, out, partial, T, d,
-                              vec, accumulate);
-}
-
-extern "C" __global__ void __launch_bounds__(PI_REDUCE_THREADS) pi_down_reduce_$dt(
-    const float* __restrict__ partial,    // [n_split, T, d] from pi_down_*
-    const $elem* __restrict__ b_down,     // [d] or null
-    float* __restrict__ out,              // [T, d]          out, fp32
-    int T,                                //                 tokens, 1..8
-    int d,                                //                 model width
-    int n_split,                          //                 row ranges
-    int accumulate)                       //                 1: out += ..., 0: out = ...
-{
-  pi_down_reduce_body<$fmt>(partial, b_down, out, T, d, n_split, accumulate);
-}
-
-#endif  // PICOMPILE_CUDA_$DT
-""")
-
-# Per variant: the variant as constants, its activation, and the gate/up kernels.
-_VARIANT_KERNELS = string.Template(r"""
-// ============================================================================================
-// variant $tag
-//   dtype $dtype, $kind_doc, act $act, bias $bias_doc, $threshold_doc
-// ============================================================================================
-#ifndef PICOMPILE_CUDA_VARIANT_$tag
-#define PICOMPILE_CUDA_VARIANT_$tag
-
-struct PiVariant_$tag {
-  typedef $fmt Fmt;                      // weights and x: $dtype
-  static const bool gated = $gated;      // h = act(gate x + b_gate) * u   (else h = act(up x + b_up))
-  static const bool drelu = $drelu;      // u = relu(up x + b_up)          (else u = up x + b_up)
-  static const bool bias = $bias;        // b_gate / b_up are read
-  static const bool relu = $relu;        // act is ReLU: a zero gate skips the up row
-  static const bool threshold = $threshold;  // active iff |h| > threshold (else iff h != 0)
-  static __device__ __forceinline__ float act(float v) {
-    $act_code
-  }
-};
-
-// 3. gate / up over the listed rows -> h, batch-1 decode (T = 1) and small batch (T <= 8).
-//    Grid-stride: any grid works; one warp per listed row.
-extern "C" __global__ void __launch_bounds__(PI_WARPS_PER_BLOCK * PI_WARP) pi_gate_up_1_$tag(
-    const $elem* __restrict__ x,       // [1, d]        the token
-    const $elem* __restrict__ w_gate,  // [n_rows, d]   gate rows (unused when plain)
-    const $elem* __restrict__ w_up,    // [n_rows, d]   up rows
-    const $elem* __restrict__ b_gate,  // [n_rows]      (read only with bias, gated)
-    const $elem* __restrict__ b_up,    // [n_rows]      (read only with bias)
-    const int* __restrict__ idx,       // [count]       listed rows
-    const int* __restrict__ count,     // [1]           list length (device)
-    float threshold,                   //               |h| > threshold (threshold variants)
-    float* __restrict__ h,             // [1, h_stride] out: h of listed row i at [0, i], fp32
-    int* __restrict__ n_active,        // [1]           += active (token, neuron) pairs
-    int T,                             //               1
-    int d,                             //               model width
-    int h_stride,                      //               row stride of h (>= count)
-    int vec)                           //               1: 16-byte loads (d % $vec == 0, aligned)
-{
-  pi_gate_up_body<PiVariant_$tag, 1>(x, w_gate, w_up, b_gate, b_up, idx, count, threshold, h,
-                                      n_active, 1, d, h_stride, vec);
-}
-
-extern "C" __global__ void __launch_bounds__(PI_WARPS_PER_BLOCK * PI_WARP) pi_gate_up_b_$tag(
-    const $elem* __restrict__ x,       // [T, d]        the tokens
-    const $elem* __restrict__ w_gate,  // [n_rows, d]   gate rows (unused when plain)
-    const $elem* __restrict__ w_up,    // [n_rows, d]   up rows
-    const $elem* __restrict__ b_gate,  // [n_rows]      (read only with bias, gated)
-    const $elem* __restrict__ b_up,    // [n_rows]      (read only with bias)
-    const int* __restrict__ idx,       // [count]       listed rows (union over the tokens)
-    const int* __restrict__ count,     // [1]           list length (device)
-    float threshold,                   //               |h| > threshold (threshold variants)
-    float* __restrict__ h,             // [T, h_stride] out: h of token t, listed row i at [t, i]
-    int* __restrict__ n_active,        // [1]           += active (token, neuron) pairs
-    int T,                             //               tokens, 1..8
-    int d,                             //               model width
-    int h_stride,                      //               row stride of h (>= count)
-    int vec)                           //               1: 16-byte loads (d % $vec == 0, aligned)
-{
-  pi_gate_up_body<PiVariant_$tag, PI_MAXT>(x, w_gate, w_up, b_gate, b_up, idx, count, threshold,
-                                            h, n_active, T, d, h_stride, vec);
-}
-
-#endif  // PICOMPILE_CUDA_VARIANT_$tag
-""")
-
-# The activations, fp32, as torch computes them (F.relu / F.silu / F.gelu / F.gelu(tanh)).
-_ACT_CODE = {
-    "relu": "return fmaxf(v, 0.0f);",
-    "silu": "return v / (1.0f + expf(-v));  // v * sigmoid(v); -inf -> -0, +inf -> v",
-    "gelu": "return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));  // erf GELU",
-    "gelu_tanh": (
-        "const float k = 0.79788456080286536f;  // sqrt(2 / pi)\n"
-        "    return 0.5f * v * (1.0f + tanhf(k * (v + 0.044715f * v * v * v)));"
-    ),
-}
+def _dtype_part(v: Variant) -> str:
+    """ffn_cuda_dtype.cuh for v's dtype: the predictor and down kernels."""
+    return (f"#define PI_DT {v.dtag}\n"
+            f"#define PI_FMT {_FORMATS[v.dtype][0]}\n"
+            '#include "ffn_cuda_dtype.cuh"\n')
 
 
-def _cbool(b: bool) -> str:
-    return "true" if b else "false"
-
-
-def _dtype_block(dtype: str) -> str:
-    fmt, elem, dt, vec = _FORMATS[dtype]
-    return _DTYPE_KERNELS.substitute(dtype=dtype, fmt=fmt, elem=elem, dt=dt, DT=dt.upper(), vec=vec)
-
-
-def _variant_block(v: CudaVariant) -> str:
-    fmt, elem, _, vec = _FORMATS[v.dtype]
-    kind_doc = {
-        "plain": "plain h = act(up x + b_up)",
-        "gated": "gated h = act(gate x + b_gate) * (up x + b_up)",
-        "drelu": "dReLU h = act(gate x + b_gate) * relu(up x + b_up)",
-    }[v.kind]
-    return _VARIANT_KERNELS.substitute(
-        tag=v.tag, dtype=v.dtype, fmt=fmt, elem=elem, vec=vec, act=v.act, kind_doc=kind_doc,
-        bias_doc="yes" if v.bias else "no",
-        threshold_doc="threshold test |h| > threshold" if v.threshold else "exact (h != 0)",
-        gated=_cbool(v.gated), drelu=_cbool(v.drelu), bias=_cbool(v.bias),
-        relu=_cbool(v.act == "relu"), threshold=_cbool(v.threshold), act_code=_ACT_CODE[v.act],
-    )
-
-
-def source(v: CudaVariant) -> str:
-    """The CUDA C source of one variant: prelude, its dtype's kernels, its gate/up kernels."""
-    head = f"// picompile generated CUDA source, variant {v.tag}; kernels: "
-    head += ", ".join(v.kernel_names().values()) + "\n"
-    return head + _PRELUDE + _dtype_block(v.dtype) + _variant_block(v)
+def _variant_part(v: Variant) -> str:
+    """ffn_cuda_variant.cuh for one variant: its gate/up kernels."""
+    return (f"#define PI_TAG {v.tag}\n"
+            f"#define PI_FMT {_FORMATS[v.dtype][0]}\n"
+            f"#define PI_GATED {int(v.gated)}\n"
+            f"#define PI_DRELU {int(v.drelu)}\n"
+            f"#define PI_BIAS {int(v.bias)}\n"
+            f"#define PI_ACT {ACT_MACROS[v.act]}\n"
+            f"#define PI_THRESHOLD {int(v.threshold)}\n"
+            '#include "ffn_cuda_variant.cuh"\n')
 
 
 def combined_source(variants) -> str:
-    """Several variants in one translation unit (shared parts appear once, by their guards)."""
-    return "".join(source(v) for v in variants)
+    """The CUDA C source of `variants` as one translation unit: ffn_cuda.cuh, then the dtype
+    kernels of each dtype (once, before its first variant) and the gate/up kernels of each
+    variant, the kernels headers spliced in."""
+    variants = list(dict.fromkeys(variants))
+    parts = [f"// picompile CUDA source, generated by picompile/codegen/cuda.py from "
+             f"picompile/kernels/ffn_cuda*.cuh: {len(variants)} variant(s)\n",
+             '#include "ffn_cuda.cuh"\n']
+    dtypes = set()
+    for v in variants:
+        _check(v)
+        if v.dtype not in dtypes:
+            dtypes.add(v.dtype)
+            parts.append(_dtype_part(v))
+        parts.append(_variant_part(v))
+    return splice_headers("".join(parts))
+
+
+def source(v: Variant) -> str:
+    """The CUDA C source of one variant: ffn_cuda.cuh, its dtype's kernels, its gate/up kernels."""
+    return combined_source([v])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -896,9 +211,8 @@ def _check_arch(arch: str) -> None:
 
 
 def compile_source_with_nvcc(src: str, arch: str, *, tag: str = "") -> Path:
-    """Compile CUDA source to a cubin for `arch` (cached by cache.cached_build). -> its path."""
-    from picompile.codegen import cache
-
+    """Compile CUDA source to a cubin for `arch` through the build cache (the same path as the C
+    libraries: build.compile_cached). -> its path."""
     _check_arch(arch)
     nvcc = nvcc_path()
     if nvcc is None:
@@ -908,24 +222,12 @@ def compile_source_with_nvcc(src: str, arch: str, *, tag: str = "") -> Path:
             "NVRTC through cupy"
         )
     flags = ["-cubin", f"-arch={arch}", *NVCC_FLAGS]
-
-    def build(src_path: Path, out_path: Path) -> None:
-        cmd = [nvcc, *flags, "-o", str(out_path), str(src_path)]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-        except OSError as e:
-            raise NvccError(f"could not run {nvcc}: {e}") from e
-        if proc.returncode != 0:
-            raise NvccError(
-                f"nvcc failed (exit {proc.returncode}) for {arch}: {' '.join(cmd)}\n"
-                f"--- nvcc stderr ---\n{proc.stderr.strip()}\n{proc.stdout.strip()}"
-            )
-
-    return cache.cached_build(src, suffix=".cubin", flags=flags, build=build,
-                              tag=f"cuda:{arch}:{tag}")
+    return compile_cached(src, [nvcc], flags, suffix=".cubin", tag=f"cuda:{arch}:{tag}",
+                          what=f"nvcc ({arch})", timeout=None, error=NvccError,
+                          identity_label="nvcc does not run: set PICOMPILE_NVCC")
 
 
-def compile_with_nvcc(v: CudaVariant, arch: str) -> Path:
+def compile_with_nvcc(v: Variant, arch: str) -> Path:
     """nvcc -cubin -arch=<arch> -O3 one variant (no fast math, see above). -> cached cubin path.
 
     Raises NvccError naming nvcc's stderr on failure, or saying that nvcc is absent."""
@@ -961,7 +263,7 @@ def _torch_dtype(name: str):
 
 
 @functools.lru_cache(maxsize=None)
-def load(v: CudaVariant, backend: str | None = None) -> CudaKernels:
+def load(v: Variant, backend: str | None = None) -> CudaKernels:
     """Compile (NVRTC via cupy by default, or nvcc's cubin) and load one variant."""
     cp = _cupy()
     backend = backend or os.environ.get(BACKEND_ENV, "nvrtc")
@@ -1033,10 +335,11 @@ class CudaKernels:
     `torch_stream(device)` around them). Arguments are torch CUDA tensors, passed by pointer;
     shapes are documented at each kernel in `source`."""
 
-    def __init__(self, variant: CudaVariant, module):
+    def __init__(self, variant: Variant, module):
         self.variant = variant
         self.module = module
-        self.names = variant.kernel_names()
+        self.names = kernel_names(variant)
+        self.vec = _FORMATS[variant.dtype][1]  # elements per 16-byte load
         self._fns: dict[str, object] = {}
 
     def _fn(self, role: str):
@@ -1055,7 +358,7 @@ class CudaKernels:
         """x [T, d], p1 [r, d], pb1 [r] -> z [T, r] fp32."""
         T, d = x.shape
         r = p1.shape[0]
-        vec = int(d % self.variant.vec == 0 and _aligned16(x, p1))
+        vec = int(d % self.vec == 0 and _aligned16(x, p1))
         blocks = max(1, min(math.ceil(r / _WARPS_PER_BLOCK), 8 * self._sms(x)))
         self._launch("pred_hidden_1" if T == 1 else "pred_hidden_b", (blocks,),
                      (_WARPS_PER_BLOCK * 32,),
@@ -1068,7 +371,7 @@ class CudaKernels:
         if smem > MAX_SMEM_BYTES:
             raise ValueError(f"predictor rank {r} x {T} tokens needs {smem} B of shared memory")
         n_words = math.ceil(n_hot / 32)
-        vec = int(r % self.variant.vec == 0 and _aligned16(p2))
+        vec = int(r % self.vec == 0 and _aligned16(p2))
         blocks = max(1, min(math.ceil(n_words / _WARPS_PER_BLOCK), 8 * self._sms(z)))
         self._launch("pred_mask_1" if T == 1 else "pred_mask_b", (blocks,),
                      (_WARPS_PER_BLOCK * 32,),
@@ -1093,7 +396,7 @@ class CudaKernels:
                 h, n_active) -> None:
         """x [T, d]; rows idx[:count] (count <= cap) of w_gate / w_up -> h [T, cap] fp32."""
         T, d = x.shape
-        vec = int(d % self.variant.vec == 0 and _aligned16(x, w_gate, w_up))
+        vec = int(d % self.vec == 0 and _aligned16(x, w_gate, w_up))
         blocks = max(1, min(math.ceil(cap / _WARPS_PER_BLOCK), 8 * self._sms(x)))
         self._launch("gate_up_1" if T == 1 else "gate_up_b", (blocks,), (_WARPS_PER_BLOCK * 32,),
                      (_ptr(x), _ptr(w_gate), _ptr(w_up), _ptr(b_gate), _ptr(b_up), _ptr(idx),
@@ -1102,7 +405,7 @@ class CudaKernels:
 
     def n_split(self, cap: int, d: int, device_index: int) -> int:
         """Row ranges per column slice of the down projection (1: no partials / reduction)."""
-        col_blocks = math.ceil(d / (_DOWN_THREADS * self.variant.vec))
+        col_blocks = math.ceil(d / (_DOWN_THREADS * self.vec))
         want = math.ceil(2 * _sm_count(device_index) / col_blocks)
         return max(1, min(_MAX_SPLIT, cap // 32, want))
 
@@ -1111,8 +414,8 @@ class CudaKernels:
         import torch
 
         T, d = out.shape
-        vec = int(d % self.variant.vec == 0 and _aligned16(w_down_t))
-        col_blocks = math.ceil(d / (_DOWN_THREADS * self.variant.vec))
+        vec = int(d % self.vec == 0 and _aligned16(w_down_t))
+        col_blocks = math.ceil(d / (_DOWN_THREADS * self.vec))
         n_split = self.n_split(cap, d, out.device.index)
         partial = None
         if n_split > 1:
@@ -1159,7 +462,7 @@ class CudaFFN:
         _require_cuda(w_up)
         dtype = str(w_up.dtype).removeprefix("torch.")
         bias = b_up is not None or b_gate is not None
-        self.variant = CudaVariant(
+        self.variant = Variant(
             dtype=dtype, gated=w_gate is not None, drelu=drelu, bias=bias, act=act,
             threshold=float(threshold) != 0.0,
         )

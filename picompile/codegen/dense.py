@@ -2,7 +2,7 @@
 
 One shared library per weight format and vector width, built from the package's `kernels/dense.c`
 with `-DPI_WDTYPE=...` by the same compiler, flags and build cache as
-the C FFN kernels (`picompile.codegen.c`, `picompile.codegen.cache.cached_build`), and loaded with
+the C FFN kernels (`picompile.codegen.c.build_library`), and loaded with
 ctypes (the GIL is released during a call). The AVX2 build runs one token; where the CPU has
 AVX-512F, a second build with `-mavx512f` runs AVX512_MIN_TOKENS tokens and more (measured on
 AMD EPYC Zen 4 with benchmarks/gemv.py: 256-bit vectors read memory faster for one token,
@@ -46,7 +46,6 @@ import torch
 
 from picompile import quant
 from picompile.codegen import c
-from picompile.codegen.cache import cached_build
 from picompile.config import reference_forced
 
 log = logging.getLogger(__name__)
@@ -94,10 +93,7 @@ def flags(variant: str, avx512: bool = False, tuning: dict[str, int] | None = No
 
 def build(variant: str, avx512: bool = False, tuning: dict[str, int] | None = None) -> pathlib.Path:
     """Compile (or fetch from the build cache) the library for one weight format; its path."""
-    cc = c.compiler()
-    fl = flags(variant, avx512, tuning)
-    tag = "picompile-dense " + c._compiler_identity(tuple(cc))
-    return cached_build(source(), suffix=".so", flags=fl, build=c.build_with(cc, fl), tag=tag)
+    return c.build_library(source(), flags(variant, avx512, tuning), tag="picompile-dense")
 
 
 _vp, _i64 = ctypes.c_void_p, ctypes.c_int64

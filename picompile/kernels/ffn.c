@@ -1,14 +1,15 @@
 /* picompile sparse FFN kernel: the body of every variant's source.
  * picompile/codegen/c.py's `source(variant)` puts the variant's #defines (PIC_WDTYPE, PIC_DDTYPE,
  * PIC_GATED, PIC_DRELU, PIC_BIAS, PIC_ACT, ...) and the exported functions' documentation in front
- * of this file and splices qblocks.h in; the result is built once per variant (build cache keyed
- * by its hash). This file does not compile on its own.
+ * of this file and splices qblocks.h and act.h in; the result is built once per variant (build
+ * cache keyed by its hash). This file does not compile on its own.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include "qblocks.h"
+#include "act.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif

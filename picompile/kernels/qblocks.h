@@ -2,7 +2,7 @@
  * float16 -> float32, activations rounded to 8 bits per block of 32, and the dot product of a row
  * of 4-bit blocks (q4_0 / q4_1) with them in integers.
  *
- * Spliced into both sources (picompile.codegen.c.package_source inlines `#include "qblocks.h"`),
+ * Spliced into both sources (picompile.codegen.build.package_source inlines `#include "qblocks.h"`),
  * so a kernel's cache key covers it. The int8 activations are llama.cpp's scheme: a 4-bit block
  * dotted with float32 x costs more instructions per weight than two cores can issue at memory
  * speed (BENCHMARKS.md, session 6); with x as int8 it is one widening of the nibbles and one
