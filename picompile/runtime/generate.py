@@ -68,9 +68,11 @@ def model_reason(model) -> str | None:
     if not getattr(model, "_can_compile_fullgraph", False) or getattr(model, "_is_stateful", False):
         return f"{type(model).__name__} does not support transformers' StaticCache"
     params = _forward_params(model)
-    for name in ("attention_mask", "position_ids", "past_key_values"):
+    for name in ("attention_mask", "position_ids"):
         if name not in params:
             return f"{type(model).__name__}.forward takes no {name}"
+    if cache_keyword(model) not in params:
+        return f"{type(model).__name__}.forward takes no cache (nor past_key_values)"
     try:
         _new_cache(model, 1)  # lazily allocated: this checks the config and the signature only
     except (TypeError, ValueError, KeyError, AttributeError) as e:
@@ -80,6 +82,12 @@ def model_reason(model) -> str | None:
 
 def _forward_params(model) -> frozenset[str]:
     return frozenset(inspect.signature(model.forward).parameters)
+
+
+def cache_keyword(model) -> str:
+    """The forward's KV cache argument: `cache` (transformers >= 5.2x; `past_key_values`, its
+    old name, is deprecated there), else `past_key_values`."""
+    return "cache" if "cache" in _forward_params(model) else "past_key_values"
 
 
 def _new_cache(model, max_cache_len: int):
@@ -162,7 +170,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     cache = _new_cache(model, total)
     if decoder is not None and not (b == 1 and mask is None and decoder.reserve(total)):
         decoder = None  # batches, padding, past a sliding window: the model's own steps
-    common = dict(attention_mask=mask, past_key_values=cache, use_cache=True)
+    common = {"attention_mask": mask, cache_keyword(model): cache, "use_cache": True}
     cache_pos = "cache_position" in params  # transformers 4.x models want it
     prefill = dict(common, input_ids=input_ids, position_ids=pos)
     if "logits_to_keep" in params:
