@@ -55,13 +55,15 @@ def _lowered(cm) -> int:
     return sum(isinstance(m, (DenseLinear, QuantLinear)) for m in cm.model.modules())
 
 
-CASES = [(arch, "exact") for arch in zoo.HF_ARCHS] + [("llama_silu", "threshold")]
+CASES = [(arch, "exact") for arch in zoo.HF_ARCHS] + [("llama_silu", "threshold"),
+                                                     ("gpt_neox", "q8_0")]
+COMPILE_KW = {"exact": {}, "threshold": dict(sparsity=0.5, calibration=_calibration()),
+              "q8_0": dict(quantize="q8_0")}
 
 
 @pytest.mark.parametrize("arch,how", CASES)
 def test_exported_steps_equal_eager(arch, how):
-    kw = dict(sparsity=0.5, calibration=_calibration()) if how == "threshold" else {}
-    cm = picompile.compile(zoo.make(arch), quiet=True, **kw)
+    cm = picompile.compile(zoo.make(arch), quiet=True, **COMPILE_KW[how])
     if how == "threshold":
         assert any(f.threshold > 0 for f in cm.ffns().values())
     steps = cm.capture_steps(max_len=MAX_LEN)
@@ -79,6 +81,10 @@ def test_exported_steps_equal_eager(arch, how):
         assert _count(program, "linear") == _lowered(cm) > 0
         assert "torch.ops.picompile.sparse_ffn" in program.graph_module.code
     assert steps.eager_us > 0 and steps.graph_us > 0
+    if cm.decoder() is not None:  # Llama family: the C decode step runs, not the graph
+        assert not steps.use and steps.why.startswith("generate runs the C whole-step decoder")
+    if how == "q8_0":
+        assert _lowered(cm) == sum(isinstance(m, QuantLinear) for m in cm.model.modules())
     assert "exported" in picompile.explain(cm).split("whole-model graph: ")[1]
 
 
