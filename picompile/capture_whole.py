@@ -49,6 +49,9 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {first[:300]}" if first else type(e).__name__
 
 
+_CACHE_TENSORS = ("keys", "values", "cumulative_length")  # a StaticLayer's state
+
+
 class _Step(nn.Module):
     """The model and a StaticCache of max_len positions whose tensors are this module's buffers,
     so that torch.export treats the cache as state mutated in place, not as inputs.
@@ -79,10 +82,10 @@ class _Step(nn.Module):
         # One eager step allocates every layer's tensors, shaped as the model's attention
         # really writes them.
         with torch.no_grad():
-            self(torch.zeros(1, 1, dtype=torch.long, device=_device(model)),
-                 torch.zeros(1, dtype=torch.long, device=_device(model)))
+            self._run_model(torch.zeros(1, 1, dtype=torch.long, device=_device(model)),
+                            torch.zeros(1, dtype=torch.long, device=_device(model)))
         for i, layer in enumerate(self.cache.layers):
-            for name in ("keys", "values", "cumulative_length"):
+            for name in _CACHE_TENSORS:
                 t = getattr(layer, name, None)
                 if not isinstance(t, torch.Tensor):
                     raise TypeError(f"cache layer {i} ({type(layer).__name__}) has no {name} "
@@ -90,9 +93,16 @@ class _Step(nn.Module):
                 self.register_buffer(f"{name}_{i}", t, persistent=False)
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
-        for layer in self.cache.layers:  # StaticLayer writes at its cumulative_length
-            if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
-                layer.cumulative_length.copy_(cache_position[0])
+        # The cache layers read and write this module's buffers as they are now: while
+        # torch.export traces, those are its tracked stand-ins, so the writes become buffer
+        # mutations of the program (the layers' own references would be lifted as constants).
+        for i, layer in enumerate(self.cache.layers):
+            for name in _CACHE_TENSORS:
+                setattr(layer, name, self._buffers[f"{name}_{i}"])
+            layer.cumulative_length.copy_(cache_position[0])  # StaticLayer writes there
+        return self._run_model(input_ids, cache_position)
+
+    def _run_model(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         kwargs = {self._cache_kw: self.cache, "use_cache": True,
                   "position_ids": cache_position.unsqueeze(0)}  # [1, T]
         if self._logits_to_keep:
