@@ -33,7 +33,8 @@ def _model(name: str):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=5)
@@ -77,7 +78,8 @@ def main():
     print("|---|---|")
     for k, v in rows.items():
         if v:
-            print(f"| {k} | {' '.join(f'{x:.2f}' for x in v)} (median {statistics.median(v):.2f}) |")
+            per_round = " ".join(f"{x:.2f}" for x in v)
+            print(f"| {k} | {per_round} (median {statistics.median(v):.2f}) |")
     ratio = [e / g for e, g in zip(rows["eager"], rows["graph"])]
     print(f"\neager / graph per round: {' '.join(f'{r:.2f}' for r in ratio)}")
 

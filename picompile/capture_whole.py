@@ -16,6 +16,9 @@ transformers' own export recipe (integrations/executorch.py) sizes its cache fro
 which is wrong for some models (Falcon's multi-query heads); here one eager step allocates the
 cache with the shapes the model really produces, and then its tensors become buffers.
 
+The programs stay as exported; what runs is each program as a module (`ExportedProgram.module()`,
+sharing the model's parameters and the cache), rewritten by passes/step_graph.py.
+
 Where a step cannot be exported, its reason (exception type and first line) is recorded instead
 of raising; explain() prints it and generate keeps running the model eagerly.
 
@@ -35,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from picompile.passes import step_graph
 from picompile.runtime import generate as hf_loop
 from picompile.runtime.decoder import VERIFY_RTOL, Decoder
 
@@ -135,6 +139,7 @@ class StepGraphs:
     use: bool = False  # generate runs the graphs (see decide())
     why: str = ""  # why `use` is what it is
     key: tuple = ()  # runtime.decoder.Decoder.key of the model when captured (see current())
+    gqa_rewrites: dict = field(default_factory=dict)  # step kind -> SDPAs given enable_gqa
     _step: _Step | None = None
     _run: dict = field(default_factory=dict)  # step kind -> ep.module(): callable, shares buffers
 
@@ -174,7 +179,10 @@ class StepGraphs:
             return f"not captured: {self.reasons.get('decode', 'not tried')}"
         kinds = " and ".join(k for k in ("decode", "prefill") if k in self.programs)
         n_ops = len(picompile_ops(self.programs["decode"]))
-        text = f"{kinds} exported (max_len {self.max_len}, {n_ops} picompile ops per decode step)"
+        text = f"{kinds} exported (max_len {self.max_len}, {n_ops} picompile ops per decode step"
+        if self.gqa_rewrites.get("decode"):
+            text += f", {self.gqa_rewrites['decode']} attentions without repeated KV heads"
+        text += ")"
         if "prefill" in self.reasons:
             text += f"; prefill not captured: {self.reasons['prefill']}"
         return f"{text}; {self.why}"
@@ -215,7 +223,8 @@ def capture(cm, max_len: int = 256, time_steps: bool = True) -> StepGraphs:
                 steps.reasons[kind] = _reason(e)
                 continue
             steps.programs[kind] = ep
-            steps._run[kind] = ep.module()
+            steps._run[kind] = run = ep.module()  # the program as a module, for running it
+            steps.gqa_rewrites[kind] = step_graph.gqa_attention(run)
     steps.key = Decoder.key(model)
     if time_steps:
         decide(steps, step)

@@ -80,6 +80,10 @@ def test_exported_steps_equal_eager(arch, how):
         assert _count(program, "sparse_ffn") == len(cm.ffns()) == 2
         assert _count(program, "linear") == _lowered(cm) > 0
         assert "torch.ops.picompile.sparse_ffn" in program.graph_module.code
+    # passes/step_graph.gqa_attention: the runnable graphs attend over the KV heads as cached
+    gqa = arch in ("llama_relu", "llama_silu", "mistral", "qwen2", "gemma")  # fewer KV heads
+    assert steps.gqa_rewrites == {"decode": 2 * gqa, "prefill": 2 * gqa}
+    assert steps._run["decode"].code.count("enable_gqa = True") == 2 * gqa
     assert steps.eager_us > 0 and steps.graph_us > 0
     if cm.decoder() is not None:  # Llama family: the C decode step runs, not the graph
         assert not steps.use and steps.why.startswith("generate runs the C whole-step decoder")
@@ -109,7 +113,8 @@ def test_predictor_is_an_op_node():
         if node.op == "call_function" and "sparse_ffn" in str(node.target):
             assert "predictor" in str(node.args[2].target)
     tokens = PROMPT + DECODE
-    for w, g_ in zip(_eager_logits(cm, tokens, len(PROMPT)), _graph_logits(steps, tokens, len(PROMPT))):
+    want = _eager_logits(cm, tokens, len(PROMPT))
+    for w, g_ in zip(want, _graph_logits(steps, tokens, len(PROMPT))):
         torch.testing.assert_close(g_, w, rtol=1e-5, atol=1e-5)
     cm.use_predictors("none")  # the graph baked in the switch: no longer current
     assert not steps.current(cm.model)

@@ -54,40 +54,51 @@ def module_of(h: int) -> nn.Module:
 
 
 # ---- the ops -------------------------------------------------------------------------------
+# Defined with torch.library.Library rather than the torch.library.custom_op decorator: the
+# decorator's Python autograd and aliasing wrappers run on every call, a cost per op node that
+# a decode step of a 30-layer model pays some 150 times. Under CompositeExplicitAutograd the
+# implementation is called directly; the ops have no gradient.
+
+_lib = torch.library.Library("picompile", "DEF")  # the namespace: defined once per process
+_lib.define("sparse_ffn(Tensor x, int handle, Tensor? predicted=None) -> Tensor")
+_lib.define("predictor(Tensor x, int handle, int n_ff) -> Tensor")
+_lib.define("linear(Tensor x, int handle, int out_features) -> Tensor")
 
 
-@torch.library.custom_op("picompile::sparse_ffn", mutates_args=())
-def sparse_ffn(x: torch.Tensor, handle: int, predicted: torch.Tensor | None = None) -> torch.Tensor:
+def _sparse_ffn(x: torch.Tensor, handle: int,
+                predicted: torch.Tensor | None = None) -> torch.Tensor:
     """SparseFFN.forward: x [..., d] -> [..., d] in x's dtype; predicted [T, n_ff] bool or None."""
     return module_of(handle).forward(x, predicted)
 
 
-@sparse_ffn.register_fake
-def _(x, handle, predicted=None):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("picompile::predictor", mutates_args=())
-def predictor(x: torch.Tensor, handle: int, n_ff: int) -> torch.Tensor:
+def _predictor(x: torch.Tensor, handle: int, n_ff: int) -> torch.Tensor:
     """Predictor.forward of an enabled predictor: x [..., d] -> mask [T, n_ff] bool."""
     return module_of(handle).forward(x)
 
 
-@predictor.register_fake
-def _(x, handle, n_ff):
-    tokens = x.numel() // x.shape[-1]
-    return x.new_empty(tokens, n_ff, dtype=torch.bool)
-
-
-@torch.library.custom_op("picompile::linear", mutates_args=())
-def linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+def _linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
     """DenseLinear / QuantLinear .forward: x [..., K] -> [..., out_features] in x's dtype."""
     return module_of(handle).forward(x)
 
 
-@linear.register_fake
-def _(x, handle, out_features):
+def _sparse_ffn_fake(x, handle, predicted=None):
+    return torch.empty_like(x)
+
+
+def _predictor_fake(x, handle, n_ff):
+    tokens = x.numel() // x.shape[-1]
+    return x.new_empty(tokens, n_ff, dtype=torch.bool)
+
+
+def _linear_fake(x, handle, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
+
+
+for _name, _impl, _fake in (("sparse_ffn", _sparse_ffn, _sparse_ffn_fake),
+                            ("predictor", _predictor, _predictor_fake),
+                            ("linear", _linear, _linear_fake)):
+    _lib.impl(_name, _impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"picompile::{_name}", _fake, lib=_lib)
 
 
 # ---- what the modules call while traced ---------------------------------------------------
