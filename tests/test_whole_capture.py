@@ -83,7 +83,7 @@ def test_exported_steps_equal_eager(arch, how):
     # passes/step_graph.gqa_attention: the runnable graphs attend over the KV heads as cached
     gqa = arch in ("llama_relu", "llama_silu", "mistral", "qwen2", "gemma")  # fewer KV heads
     assert steps.gqa_rewrites == {"decode": 2 * gqa, "prefill": 2 * gqa}
-    assert steps._run["decode"].code.count("enable_gqa = True") == 2 * gqa
+    assert steps._run["decode"].gm.code.count("enable_gqa = True") == 2 * gqa
     assert steps.eager_us > 0 and steps.graph_us > 0
     if cm.decoder() is not None:  # Llama family: the C decode step runs, not the graph
         assert not steps.use and steps.why.startswith("generate runs the C whole-step decoder")
@@ -162,8 +162,7 @@ def test_generate_runs_the_decode_graph_where_used():
     ids = torch.tensor([PROMPT])
     want = cm.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
     steps = cm.capture_steps(max_len=MAX_LEN)
-    keys = steps._run["decode"].keys_0  # [1, heads, MAX_LEN, head_dim], shared by both steps
-    assert keys is steps._run["prefill"].keys_0
+    keys = steps._step.keys_0  # [1, heads, MAX_LEN, head_dim], the cache both graphs write
     steps.use = True
     keys.zero_()
     assert torch.equal(cm.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0), want)
