@@ -269,7 +269,10 @@ def capture(cm, max_len: int = 256, time_steps: bool = True) -> StepGraphs:
             steps.gqa_rewrites[kind] = step_graph.gqa_attention(run.gm)
     steps.key = Decoder.key(model)
     if time_steps:
-        decide(steps, step)
+        try:
+            decide(steps, step)
+        except Exception as e:  # noqa: BLE001 - a graph that fails to run is not used
+            steps.why = f"generate runs the modules eagerly: the decode graph failed: {_reason(e)}"
     else:
         steps.why = "not timed: generate runs the modules eagerly"
     if cm.decoder() is not None:  # picompile's C decode step takes precedence in generate
