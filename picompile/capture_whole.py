@@ -23,9 +23,12 @@ Where a step cannot be exported, its reason (exception type and first line) is r
 of raising; explain() prints it and generate keeps running the model eagerly.
 
 Runtime: generate runs the captured steps for a single unpadded row within max_len only where
-capture measured the graph's decode step faster than the eager one and its logits equal the
-eager step's (`use`). Both run on the same cache here, step by step, alternating, so that the
-shared machine's drift hits both alike.
+no C whole-step decoder runs (runtime/decoder.py, faster still) and capture measured the graph's
+decode step faster than the eager one, with the same logits (`use`). Capture times both on the
+same cache, step by step, alternating, so that a shared machine's drift hits both alike. The
+graphs bake in dtypes and which predictors run: after a change there (`current()` is False)
+generate runs the model eagerly until capture_steps() is called again. A sliding-window cache
+is captured only where max_len fits in its window.
 """
 
 from __future__ import annotations
