@@ -48,7 +48,9 @@ from picompile.runtime import generate as hf_loop
 from picompile.runtime.decoder import VERIFY_RTOL, Decoder
 
 TIMED_STEPS = 16  # decode steps per path timed at capture (after one untimed step each)
-MIN_SPEEDUP = 1.0  # the graph runs only where its decode step is faster than this times eager's
+# The graph runs only where its decode step is this much faster than eager's: a smaller gain is
+# within the timing noise of a shared machine, and the eager path is the one tested everywhere.
+MIN_SPEEDUP = 1.05
 
 
 def _reason(e: BaseException) -> str:

@@ -86,7 +86,8 @@ def test_exported_steps_equal_eager(arch, how):
     assert steps._run["decode"].gm.code.count("enable_gqa = True") == 2 * gqa
     # never silently slower: the graph runs only where it timed faster, and explain says so
     assert steps.eager_us > 0 and steps.graph_us > 0
-    assert steps.use == (cm.decoder() is None and steps.graph_us < steps.eager_us)
+    faster = steps.eager_us / steps.graph_us > capture_whole.MIN_SPEEDUP
+    assert steps.use == (cm.decoder() is None and faster)
     line = picompile.explain(cm).split("whole-model graph: ")[1].splitlines()[0]
     assert f"({steps.graph_us:.0f} vs {steps.eager_us:.0f} us per step)" in line
     if cm.decoder() is not None:  # Llama family: the C decode step runs, not the graph
