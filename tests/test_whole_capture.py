@@ -224,3 +224,25 @@ def test_handles_are_per_module_and_freed_modules_raise():
     del b
     with pytest.raises(RuntimeError, match="no longer exists"):
         torch.ops.picompile.linear(torch.randn(1, 8), hb, 4)
+
+
+def test_dynamo_traces_the_ops_as_nodes():
+    """torch.compile (Dynamo) traces the compiled model in one graph, each kernel module one
+    picompile op node (the handles are constants), with the eager model's logits."""
+    cm = picompile.compile(zoo.make("gpt_neox"), quiet=True)
+    ids = torch.tensor([PROMPT])
+    want = cm.model(ids).logits
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    try:
+        got = torch.compile(cm.model, backend=backend, fullgraph=True)(ids).logits
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(got, want)
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum(t.startswith("picompile.sparse_ffn") for t in targets) == len(cm.ffns()) == 2
+    assert sum(t.startswith("picompile.linear") for t in targets) == _lowered(cm)

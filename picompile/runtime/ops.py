@@ -35,6 +35,7 @@ _modules: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDiction
 _handles: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
 
+@torch.compiler.assume_constant_result  # Dynamo calls it while tracing, a constant in the graph
 def handle(module: nn.Module) -> int:
     """The module's handle (given on first use, the same for its lifetime)."""
     h = _handles.get(module)
