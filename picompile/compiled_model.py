@@ -49,6 +49,8 @@ class CompiledModel(nn.Module):
         # the whole-step decoder (runtime/decoder.py) for the kernels bound now: see decoder()
         self._decoder_key = self._decoder = None
         self.decoder_reason = "not built yet"
+        # whole-model capture (capture_whole.py): the exported decode / prefill steps, or None
+        self.step_graphs = None
 
     def forward(self, *args, **kwargs):
         return self._orig_mod(*self._to_input_device(args), **self._to_input_device(kwargs))
@@ -63,7 +65,11 @@ class CompiledModel(nn.Module):
         args, kwargs = self._to_input_device(args), self._to_input_device(kwargs)
         reason = fast.supported(self._orig_mod, kwargs, args)
         if reason is None:
-            return fast.generate_hf(self._orig_mod, *args, decoder=self.decoder(), **kwargs)
+            decoder = self.decoder()
+            steps = self.step_graphs  # whole-model capture: only where no C decoder runs
+            if decoder is not None or steps is None or not steps.current(self._orig_mod):
+                steps = None
+            return fast.generate_hf(self._orig_mod, *args, decoder=decoder, steps=steps, **kwargs)
         note(f"generate: Hugging Face's generate runs this call (picompile's loop does not "
              f"handle {reason})")
         return self._orig_mod.generate(*args, **kwargs)
@@ -83,6 +89,7 @@ class CompiledModel(nn.Module):
     def __getstate__(self):
         state = dict(super().__getstate__())
         state["_decoder"] = state["_decoder_key"] = None  # raw pointers: rebuilt when used
+        state["step_graphs"] = None  # graphs of this process's modules: capture again
         return state
 
     def _to_input_device(self, values):
@@ -132,7 +139,16 @@ class CompiledModel(nn.Module):
             return getattr(super().__getattr__("_orig_mod"), name)
 
     _OWN = frozenset({"plan", "graphs", "paths", "linear_paths", "quant_notes", "training",
-                      "decoder_reason", "firing"})
+                      "decoder_reason", "firing", "step_graphs"})
+
+    def capture_steps(self, max_len: int = 256):
+        """Export the decode and prefill steps of the whole model (capture_whole.py) over a
+        static KV cache of max_len positions; generate then runs them where they measured
+        faster than the eager modules and no C decoder runs. Returns cm.step_graphs."""
+        from picompile import capture_whole
+
+        self.step_graphs = capture_whole.capture(self, max_len)
+        return self.step_graphs
 
     def __setattr__(self, name: str, value) -> None:
         """Attributes are the wrapped model's (cm.generation_config = ... must reach the model

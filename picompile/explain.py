@@ -99,6 +99,8 @@ def explain(cm: CompiledModel) -> str:
     lines.append("decode step: " + ("picompile decoder (kernels/decoder.c, one C call per token)"
                                     if cm._decoder is not None else
                                     f"per module in PyTorch (whole-step decoder: {cm.decoder_reason})"))
+    lines.append("whole-model graph: " + ("not captured (cm.capture_steps() exports it)"
+                                          if cm.step_graphs is None else cm.step_graphs.line(cm._orig_mod)))
     if predicted:
         lines.append(f"  B/token: weight bytes read per decoded token; us: measured microseconds "
                      f"per decoded token; used: the block runs its predictor "

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from picompile.runtime import ops
 from picompile.runtime.kernel_module import KernelModule
 from picompile.config import KERNEL_MAX_TOKENS, reference_forced
 
@@ -104,6 +105,8 @@ class DenseLinear(KernelModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., O] in x's dtype."""
+        if torch.compiler.is_compiling():  # traced (torch.export): one op node, runtime/ops.py
+            return ops.call_linear(self, x)
         params = self._parameters  # (faster than attribute lookups: this runs per token)
         weight, bias = params["weight"], params["bias"]
         kernel = self.kernel
@@ -276,6 +279,8 @@ class QuantLinear(KernelModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., O] in x's dtype."""
+        if torch.compiler.is_compiling():  # traced (torch.export): one op node, runtime/ops.py
+            return ops.call_linear(self, x)
         kernel = self.kernel
         if kernel is None or not x.is_cpu or x.dim() == 0 or not x.is_floating_point():
             return self.forward_native(x)

@@ -68,9 +68,11 @@ def model_reason(model) -> str | None:
     if not getattr(model, "_can_compile_fullgraph", False) or getattr(model, "_is_stateful", False):
         return f"{type(model).__name__} does not support transformers' StaticCache"
     params = _forward_params(model)
-    for name in ("attention_mask", "position_ids", cache_kwarg(model)):
+    for name in ("attention_mask", "position_ids"):
         if name not in params:
             return f"{type(model).__name__}.forward takes no {name}"
+    if cache_kwarg(model) not in params:
+        return f"{type(model).__name__}.forward takes no cache (nor past_key_values)"
     try:
         _new_cache(model, 1)  # lazily allocated: this checks the config and the signature only
     except (TypeError, ValueError, KeyError, AttributeError) as e:
@@ -100,7 +102,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
              eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
              streamer=None, callback: Callable[[torch.Tensor], None] | None = None,
-             min_new_tokens: int = 0, decoder=None) -> torch.Tensor:
+             min_new_tokens: int = 0, decoder=None, steps=None) -> torch.Tensor:
     """Prompt + up to max_new_tokens new tokens, [B, S + n] (HF's output for the same options).
 
     input_ids [B, S]; attention_mask [B, S] with left padding (zeros first) or None.
@@ -112,6 +114,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     new token [B]), end()). callback(tokens [B]) per new token, on the model's device.
     decoder: a runtime.decoder.Decoder bound to `model`: it runs the decode steps of a single
     unpadded row (one C call each) after the model's own prefill.
+    steps: a capture_whole.StepGraphs of `model`: its exported prefill and decode steps run a
+    single unpadded row within their max_len (the decoder, when given, takes precedence).
     """
     reason = model_reason(model)
     if reason is not None:
@@ -168,6 +172,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     cache = _new_cache(model, total)
     if decoder is not None and not (b == 1 and mask is None and decoder.reserve(total)):
         decoder = None  # batches, padding, past a sliding window: the model's own steps
+    if steps is not None and (decoder is not None or not steps.fits(b, total, mask is not None)):
+        steps = None
     common = {"attention_mask": mask, cache_kwarg(model): cache, "use_cache": True}
     cache_pos = "cache_position" in params  # transformers 4.x models want it
     prefill = dict(common, input_ids=input_ids, position_ids=pos)
@@ -176,7 +182,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     if cache_pos:
         prefill["cache_position"] = torch.arange(s, device=device)
         step_cache_pos = torch.tensor([s], device=device)
-    logits = model(**prefill).logits[:, -1]
+    logits = steps.prefill(input_ids) if steps is not None else model(**prefill).logits[:, -1]
     if decoder is not None:
         decoder.load_cache(cache, s)
         decoder.set_threads()
@@ -211,6 +217,9 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
             break
         if decoder is not None:
             logits = decoder.step(tokens, s + i)
+            continue
+        if steps is not None:
+            logits = steps.decode(tokens, s + i)
             continue
         step = dict(common, input_ids=tokens.unsqueeze(1), position_ids=next_pos)
         if cache_pos:
@@ -366,12 +375,13 @@ def supported(model, kwargs: dict, args: tuple = ()) -> str | None:
     return None
 
 
-def generate_hf(model, *args, decoder=None, **kwargs) -> torch.Tensor:
+def generate_hf(model, *args, decoder=None, steps=None, **kwargs) -> torch.Tensor:
     """picompile's loop called with Hugging Face generate() arguments (check supported() first:
-    raises TypeError naming what it does not handle); `decoder` as generate() takes it."""
+    raises TypeError naming what it does not handle); `decoder`, `steps` as generate() takes
+    them."""
     try:
         call = _resolve(model, args, kwargs, quiet=False)
     except _Unsupported as e:
         raise TypeError(f"picompile generate does not handle {e}; "
                         "use the model's own generate()") from None
-    return generate(model, **call, decoder=decoder)
+    return generate(model, **call, decoder=decoder, steps=steps)

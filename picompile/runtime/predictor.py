@@ -11,6 +11,7 @@ from torch import nn
 
 from picompile.codegen import c as c_codegen
 from picompile.config import KERNEL_MAX_TOKENS
+from picompile.runtime import ops
 from picompile.runtime.kernel_module import KernelModule
 
 
@@ -52,6 +53,8 @@ class Predictor(KernelModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:  # [..., d] -> [T, n_ff] bool
         if not self.enabled:
             return None
+        if torch.compiler.is_compiling():  # traced (torch.export): one op node, runtime/ops.py
+            return ops.call_predictor(self, x)
         x = x.reshape(-1, self.p1.shape[1])
         if self.kernel is not None and x.shape[0] <= KERNEL_MAX_TOKENS and x.device.type == "cpu":
             return self.kernel(x, self.tau)

@@ -34,6 +34,7 @@ from torch import nn
 from picompile import quant
 from picompile.config import KERNEL_MAX_TOKENS, reference_forced
 from picompile.plan import BlockPlan
+from picompile.runtime import ops
 from picompile.runtime.kernel_module import KernelModule
 
 
@@ -368,6 +369,8 @@ class SparseFFN(KernelModule):
     def forward(self, x: torch.Tensor, predicted: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., d] -> [..., d]. `predicted` [T, n_ff] bool (from the block's predictor):
         only those neurons are computed; without it every neuron is a candidate."""
+        if torch.compiler.is_compiling():  # traced (torch.export): one op node, runtime/ops.py
+            return ops.call_sparse_ffn(self, x, predicted)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [T, d]
         tokens = x2.shape[0]
