@@ -45,7 +45,7 @@
 #define PIC_PF_ROWS 2           /* software prefetch distance: rows ahead in a list of rows */
 #endif
 #ifndef PIC_DOWN_ROWS
-#define PIC_DOWN_ROWS 2         /* down rows added in one pass over the output (one token), <= 4 */
+#define PIC_DOWN_ROWS 4         /* down rows added in one pass over the output (one token), <= 4 */
 #endif
 /* The down rows' prefetch distance: whole groups of PIC_DOWN_ROWS, at least PIC_PF_ROWS rows */
 #define PIC_DOWN_AHEAD ((PIC_PF_ROWS + PIC_DOWN_ROWS - 1) / PIC_DOWN_ROWS * PIC_DOWN_ROWS)
