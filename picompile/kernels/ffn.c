@@ -8,6 +8,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+/* Software prefetches go to L2 (_MM_HINT_T1), not L1: a core has few L1 miss buffers and many
+ * more in L2, so rows prefetched into L2 keep more bytes in flight; the L1 prefetchers and
+ * the loads take them from L2. */
+#ifndef PQ_PF_HINT
+#define PQ_PF_HINT 2
+#endif
 #include "qblocks.h"
 #ifdef _OPENMP
 #include <omp.h>
@@ -129,7 +135,7 @@ PIC_INLINE float act_fn(float g) {
  * nothing beyond a needed row is fetched. Only the first rows of a list are prefetched whole
  * (row_prefetch). */
 #if PIC_SIMD
-#define PIC_PREFETCH(p) _mm_prefetch((const char*)(p), _MM_HINT_T0)
+#define PIC_PREFETCH(p) _mm_prefetch((const char*)(p), PQ_PF_HINT)
 #else
 #define PIC_PREFETCH(p) __builtin_prefetch((const void*)(p), 0, 3)
 #endif

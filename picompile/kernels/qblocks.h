@@ -44,6 +44,9 @@
 #define PQ_SIMD 0
 #endif
 #define PQ_INLINE static inline __attribute__((always_inline))
+#ifndef PQ_PF_HINT
+#define PQ_PF_HINT 3 /* software prefetches: _MM_HINT_T0 (3), into every cache level */
+#endif
 
 #define PQ_QK 32 /* values per block */
 
@@ -251,7 +254,7 @@ PQ_INLINE void pq_q4_dot(const uint8_t* row, const int q4_1, int64_t nb, const p
         const uint8_t* blk = row + g * sbb;
         if (pf != 0)
             for (int64_t l = 0; l < (sbb + 63) / 64; ++l)
-                _mm_prefetch((const char*)(blk + pf + 64 * l), _MM_HINT_T0);
+                _mm_prefetch((const char*)(blk + pf + 64 * l), PQ_PF_HINT);
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
         const __m256 mw = q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16)))
                                : _mm256_setzero_ps();
