@@ -6,12 +6,13 @@ streaming read; optionally against the kernel source of another git revision, in
     .venv/bin/python benchmarks/ffn_rows.py --kernels base new --base a2d4f38 --rounds 8
     .venv/bin/python benchmarks/ffn_rows.py --kernels new new:PIC_PF_ROWS=4  # a tuning knob
 
-The block: d 4096, n_ff 11008, gated ReLU, no bias, random weights; formats q4_0 (gate / up rows
-in the dot layout, down rows q8_0, as `quantize="q4_0"` makes them) and float16. One token x; the
-candidates are what a predictor hands the kernel (a mask [1, n_ff], the decoder's path): at
-density p, p * n_ff neurons, 90% of them drawn from the neurons whose gate fires for x and 10%
-from the others (a predictor with 90% precision; the planted model's predictors predict about
-11% where 10% fire). Their order is the neurons' (the kernel walks them ascending).
+The block: d 4096, n_ff 11008 (--shape smollm2: 576, 1536), gated ReLU, no bias, random weights;
+formats q4_0 (gate / up rows in the dot layout, down rows q8_0, as `quantize="q4_0"` makes them)
+and float16. One token x; the candidates are what a predictor hands the kernel (a mask [1, n_ff],
+the decoder's path): at density p, p * n_ff neurons, 90% of them drawn from the neurons whose gate
+fires for x and 10% from the others (a predictor with 90% precision; the planted model's
+predictors predict about 11% where 10% fire). Their order is the neurons' (the kernel walks them
+ascending). Density 1 is exact mode: no mask, every gate row read in order.
 
 Bytes read per call: every candidate's gate row, and the up and down rows of those whose gate
 fired (the kernel's access pattern for gated ReLU), with row bytes d / 32 * 18 (q4_0), d / 32 *
@@ -21,10 +22,10 @@ fired (the kernel's access pattern for gated ReLU), with row bytes d / 32 * 18 (
 
 Kernels: `new` is this tree's picompile/kernels/ffn.c; `base` the ffn.c and qblocks.h of the git
 revision --base (built with this tree's variant header); `NAME:K=V,K=V` adds -D tuning knobs
-(codegen.c.source's `tuning`); `NAME+vnni` builds with -mavx512f/vl/bw/vnni added (AVX-512 VNNI
-integer dots, 32 vector registers). Kernels run in alternating order within each round (A B A B ...)
-so that other processes' load hits all alike; each kernel's output is checked against the first
-one's. Printed: the streaming-read probe before and after, and the share of CPU time other
+(codegen.c.source's `tuning`); `NAME+vnni` builds with -mavx512f/vl/bw/vnni added (AVX-512
+VNNI integer dots, 32 vector registers). Kernels run in alternating order within each round
+(A B A B ...) so that other processes' load hits all alike; each kernel's output is checked
+against the first one's. Printed: the streaming-read probe before and after, and the share of CPU time other
 processes used.
 """
 
@@ -46,7 +47,8 @@ from picompile.codegen.cache import cached_build
 from picompile.plan import BlockPlan
 from picompile.runtime.sparse_ffn import SparseFFN, down_input
 
-D, N_FF = 4096, 11008
+SHAPES = {"llama7b": (4096, 11008), "smollm2": (576, 1536)}  # (d, n_ff)
+D, N_FF = SHAPES["llama7b"]  # the shape measured (--shape)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -116,8 +118,11 @@ class Subject:
         return h[0]
 
 
-def candidates(fires: torch.Tensor, density: float, gen: torch.Generator) -> torch.Tensor:
-    """mask [1, n_ff] bool: density * n_ff neurons, 90% among `fires`, 10% among the others."""
+def candidates(fires: torch.Tensor, density: float, gen: torch.Generator) -> torch.Tensor | None:
+    """mask [1, n_ff] bool: density * n_ff neurons, 90% among `fires`, 10% among the others;
+    None (exact mode: every neuron a candidate) at density 1."""
+    if density >= 1:
+        return None
     m = int(round(density * N_FF))
     on, off = fires.nonzero().flatten(), (~fires).nonzero().flatten()
     k_on = min(len(on), int(round(0.9 * m)))
@@ -133,7 +138,9 @@ def main() -> None:
     ap.add_argument("--kernels", nargs="+", default=["new"])
     ap.add_argument("--base", default="a2d4f38", help="git revision of the `base` kernel")
     ap.add_argument("--formats", nargs="+", default=["q4_0", "float16"])
-    ap.add_argument("--densities", nargs="+", type=float, default=[0.1, 0.5])
+    ap.add_argument("--densities", nargs="+", type=float, default=[0.1, 0.5],
+                    help="predicted share of the neurons; 1: exact mode (no mask)")
+    ap.add_argument("--shape", choices=list(SHAPES), default="llama7b")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--calls", type=int, default=8, help="timed calls per kernel per round")
     ap.add_argument("--threads", type=int, default=2)
@@ -141,6 +148,8 @@ def main() -> None:
                     help="one copy of the weights: the rows read stay in the caches (the "
                          "kernel's compute ceiling, not a decoding figure)")
     args = ap.parse_args()
+    global D, N_FF
+    D, N_FF = SHAPES[args.shape]
     torch.set_num_threads(args.threads)
     other = OtherLoad()
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, {cpu_name()}, "
@@ -169,7 +178,8 @@ def main() -> None:
         w = s.copies[s.i]
         s.i = (s.i + 1) % len(s.copies)
         lib.ffn(x.data_ptr(), 1, D, N_FF, w["w_gate"].data_ptr(), w["w_up"].data_ptr(),
-                w["w_down_t"].data_ptr(), None, None, None, None, N_FF, mask.data_ptr(), 0.0,
+                w["w_down_t"].data_ptr(), None, None, None, None, N_FF,
+                None if mask is None else mask.data_ptr(), 0.0,
                 out.data_ptr(), ctypes.byref(n_active))
 
     configs = []
@@ -177,8 +187,8 @@ def main() -> None:
         fires = s.h(x) != 0
         for p in args.densities:
             mask = candidates(fires, p, gen)
-            m = int(mask.sum())
-            fired = int((mask[0] & fires).sum())
+            m = N_FF if mask is None else int(mask.sum())
+            fired = int(fires.sum()) if mask is None else int((mask[0] & fires).sum())
             outs = []
             for k in args.kernels:
                 call(s, libs[(s.fmt, k)], mask)
@@ -211,7 +221,7 @@ def main() -> None:
             ts = cfg["times"][k]
             med = statistics.median(ts)
             fmt = cfg["s"].fmt + (" (down q8_0)" if cfg["s"].fmt == "q4_0" else "")
-            print(f"| {fmt} | {cfg['p']:.0%} | {cfg['m']} | {cfg['fired']} "
+            print(f"| {fmt} | {'exact' if cfg['p'] >= 1 else format(cfg['p'], '.0%')} | {cfg['m']} | {cfg['fired']} "
                   f"| {cfg['bytes'] / 1e6:.1f} | {k} | {med * 1e6:.0f} "
                   f"| {cfg['bytes'] / med / 1e9:.1f} | {cfg['bytes'] / min(ts) / 1e9:.1f} "
                   f"| {first / med:.2f}x |")
