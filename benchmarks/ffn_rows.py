@@ -26,7 +26,9 @@ revision --base (built with this tree's variant header); `NAME:K=V,K=V` adds -D 
 VNNI integer dots, 32 vector registers). Kernels run in alternating order within each round
 (A B A B ...) so that other processes' load hits all alike; each kernel's output is checked
 against the first one's. Printed: the streaming-read probe before and after, and the share of CPU time other
-processes used.
+processes used. On a machine other processes keep busy, set OMP_WAIT_POLICY=PASSIVE (README):
+with spinning OpenMP threads a call whose second thread is descheduled waits for a time slice,
+and the medians measure the scheduler.
 """
 
 from __future__ import annotations
@@ -154,7 +156,8 @@ def main() -> None:
     other = OtherLoad()
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, {cpu_name()}, "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}, threads={args.threads}, T=1, "
-          f"d={D}, n_ff={N_FF}, gated ReLU, predicted (mask), build flags "
+          f"d={D}, n_ff={N_FF}, gated ReLU, predicted (mask), "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, build flags "
           f"{' '.join(c_codegen.build_flags())}, kernels {args.kernels} (base = {args.base})"
           f"{', HOT: rows from the caches' if args.hot else ''}")
     print(f"streaming read (torch sum of 1 GB float32): {stream_probe(15):.1f} GB/s\n", flush=True)
