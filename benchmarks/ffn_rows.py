@@ -25,10 +25,10 @@ revision --base (built with this tree's variant header); `NAME:K=V,K=V` adds -D 
 (codegen.c.source's `tuning`); `NAME+vnni` builds with -mavx512f/vl/bw/vnni added (AVX-512
 VNNI integer dots, 32 vector registers). Kernels run in alternating order within each round
 (A B A B ...) so that other processes' load hits all alike; each kernel's output is checked
-against the first one's. Printed: the streaming-read probe before and after, and the share of CPU time other
-processes used. On a machine other processes keep busy, set OMP_WAIT_POLICY=PASSIVE (README):
-with spinning OpenMP threads a call whose second thread is descheduled waits for a time slice,
-and the medians measure the scheduler.
+against the first one's. Printed: the streaming-read probe before and after, and the share of
+CPU time other processes used. On a machine other processes keep busy, set
+OMP_WAIT_POLICY=PASSIVE (README): with spinning OpenMP threads a call whose second thread is
+descheduled waits for a time slice, and the medians measure the scheduler.
 """
 
 from __future__ import annotations
