@@ -60,7 +60,7 @@ def _git_show(rev: str, path: str) -> str:
 
 
 def kernel_source(v: c_codegen.Variant, spec: str, base: str) -> str:
-    """The generated source of variant v for a kernel spec ("new", "base", with ":K=V,..." knobs)."""
+    """The generated source of variant v for a kernel spec ("new", "base"; ":K=V,..." knobs)."""
     name, _, knobs = spec.partition(":")
     name = name.removesuffix("+vnni")
     tuning = {k: int(val) for k, val in (kv.split("=") for kv in knobs.split(",") if kv)}
@@ -170,7 +170,8 @@ def main() -> None:
               for k in ("w_gate", "w_up", "w_down_t")}
         subjects.append(Subject(fmt, ws, args.hot))
         del ws
-    libs = {(s.fmt, k): load_kernel(s.variant, k, args.base) for s in subjects for k in args.kernels}
+    libs = {(s.fmt, k): load_kernel(s.variant, k, args.base)
+            for s in subjects for k in args.kernels}
     for lib in libs.values():
         lib.pic_set_num_threads(args.threads)
 
@@ -224,7 +225,8 @@ def main() -> None:
             ts = cfg["times"][k]
             med = statistics.median(ts)
             fmt = cfg["s"].fmt + (" (down q8_0)" if cfg["s"].fmt == "q4_0" else "")
-            print(f"| {fmt} | {'exact' if cfg['p'] >= 1 else format(cfg['p'], '.0%')} | {cfg['m']} | {cfg['fired']} "
+            density = "exact" if cfg["p"] >= 1 else f"{cfg['p']:.0%}"
+            print(f"| {fmt} | {density} | {cfg['m']} | {cfg['fired']} "
                   f"| {cfg['bytes'] / 1e6:.1f} | {k} | {med * 1e6:.0f} "
                   f"| {cfg['bytes'] / med / 1e9:.1f} | {cfg['bytes'] / min(ts) / 1e9:.1f} "
                   f"| {first / med:.2f}x |")
