@@ -56,7 +56,9 @@
 /* The down rows' prefetch distance: whole groups of PIC_DOWN_ROWS, at least PIC_PF_ROWS rows */
 #define PIC_DOWN_AHEAD ((PIC_PF_ROWS + PIC_DOWN_ROWS - 1) / PIC_DOWN_ROWS * PIC_DOWN_ROWS)
 #define PIC_PRED_ACC 8192       /* partial logits per pass of the predictor's second layer (32 KiB) */
+#ifndef PIC_CHUNKS
 #define PIC_CHUNKS 16           /* chunks of candidate neurons, each with a partial output */
+#endif
 #define PIC_PARTIAL_MAX_BYTES ((int64_t)64 << 20) /* cap on the partial outputs */
 
 /* bfloat16 -> float32 (exact) */
@@ -498,7 +500,8 @@ PIC_INLINE void axpy_rows(const int F, const void* const* rows, const float* h, 
             if (pf[r]) PIC_PREFETCH((const char*)rows[r] + k * es + pf[r]);
         for (int v = 0; v < VPL; ++v) {
             __m256 a = _mm256_loadu_ps(p + k + 8 * v);
-            for (int r = 0; r < R; ++r) a = _mm256_fmadd_ps(hv[r], loadw8(F, rows[r], k + 8 * v), a);
+            for (int r = 0; r < R; ++r)
+                a = _mm256_fmadd_ps(hv[r], loadw8(F, rows[r], k + 8 * v), a);
             _mm256_storeu_ps(p + k + 8 * v, a);
         }
     }
@@ -718,7 +721,8 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
                 if (na) {
                     gr[ng] = row_at(w_down_t, j, rbd);
                     gh[ng] = hv[0];
-                    gpf[ng++] = q + PIC_DOWN_AHEAD < nfired ? (fj[q + PIC_DOWN_AHEAD] - j) * rbd : 0;
+                    gpf[ng++] = q + PIC_DOWN_AHEAD < nfired
+                                    ? (fj[q + PIC_DOWN_AHEAD] - j) * rbd : 0;
                 } else if (q + PIC_DOWN_AHEAD < nfired) { /* the prefetch this row would make */
                     row_prefetch(row_at(w_down_t, fj[q + PIC_DOWN_AHEAD], rbd), rbd);
                 }
