@@ -440,6 +440,47 @@ def test_prefill_and_reference_paths_dequantize(fmt, monkeypatch):
     torch.testing.assert_close(ffn(x1), ffn.forward_native(x1)[0])
 
 
+@pytest.mark.parametrize("fmt,down", [("q4_0", "q8_0"), ("q8_0", "q8_0"), ("q4_1", "float16"),
+                                      ("float16", None)])
+@pytest.mark.parametrize("kind,act", [("gated", "relu"), ("gated", "silu"), ("plain", "relu")])
+def test_one_token_alone_equals_it_in_a_batch_bit_for_bit(fmt, down, kind, act):
+    """A token alone takes the kernel's one-token path (its down rows added several per pass over
+    the output, axpy_rows), the same token in a batch of two the per-row path: the same FMAs in
+    the same order, so its outputs agree bit for bit; for every kind of candidate list (all
+    neurons, scattered neurons, a predictor's mask), with chunks longer than the kernel's blocks
+    of neurons and rows with superblocks and tail blocks (d = 320), on 1, 2 and 3 threads (no
+    dependence on the thread count)."""
+    d, n_ff = 320, 2400
+    if fmt == "float16":
+        ffn = float_module(kind, act, False, d=d, n_ff=n_ff, seed=7, dtype=torch.float16)
+    else:
+        ffn = float_module(kind, act, False, d=d, n_ff=n_ff, seed=7).quantize_(fmt, down)
+    assert ffn.kernel is not None
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(2, d, generator=gen)
+    idx = torch.randperm(n_ff, generator=gen)[:700]
+    pred = torch.rand(1, n_ff, generator=gen) < 0.3
+    lists = [({}, {}), ({"idx": idx}, {"idx": idx}), ({"mask": pred}, {"mask": pred.expand(2, -1)})]
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for nt in (1, 2, 3):
+            torch.set_num_threads(nt)
+            got = []
+            for one_kw, two_kw in lists:
+                one, n_one = ffn.kernel(x[:1], 0.0, **one_kw)
+                two, _ = ffn.kernel(x, 0.0, **two_kw)
+                assert n_one > 0 and torch.equal(one[0], two[0])
+                got.append(one)
+            outs.append(got)
+    finally:
+        torch.set_num_threads(threads)
+    for got in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, outs[0]))
+    ref, _ = ffn.forward_native(x[:1])
+    torch.testing.assert_close(outs[0][0], ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+
+
 def test_quantize_refuses_what_must_stay_float_and_keeps_or_requantizes():
     ffn = float_module("gated", "silu", False, d=48, n_ff=64)
     with pytest.raises(ValueError, match="must stay float"):

@@ -147,7 +147,8 @@ _HEADER = """\
 
 def source(v: Variant, tuning: dict[str, int] | None = None) -> str:
     """The generated C source of one variant (the variant baked in as #defines at the top).
-    `tuning` overrides knobs such as PIC_PF_BYTES or PIC_BLOCK (for benchmarking)."""
+    `tuning` overrides knobs such as PIC_PF_ROWS, PIC_DOWN_ROWS or PIC_BLOCK (for benchmarking:
+    benchmarks/ffn_rows.py)."""
     extra = "".join(f"#define {k} {int(val)}\n" for k, val in (tuning or {}).items())
     return _HEADER.format(
         name=v.name,

@@ -8,6 +8,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+/* Software prefetches go to L2 (_MM_HINT_T1), not L1: a core has few L1 miss buffers and many
+ * more in L2, so rows prefetched into L2 keep more bytes in flight; the L1 prefetchers and
+ * the loads take them from L2. */
+#ifndef PQ_PF_HINT
+#define PQ_PF_HINT 2
+#endif
 #include "qblocks.h"
 #include "act.h"
 #ifdef _OPENMP
@@ -40,13 +46,20 @@
 #define PIC_MAXTOK 8            /* tokens handled together per weight row */
 #define PIC_PARALLEL_MIN 32768  /* below this many multiply-adds (m * d * T) run one thread */
 #ifndef PIC_BLOCK
-#define PIC_BLOCK 64            /* neurons whose first projection is computed before the rest */
+#define PIC_BLOCK 128           /* neurons whose first projection is computed before the rest */
 #endif
-#ifndef PIC_PF_BYTES
-#define PIC_PF_BYTES 2048       /* software prefetch distance in a weight row */
+#ifndef PIC_PF_ROWS
+#define PIC_PF_ROWS 2           /* software prefetch distance: rows ahead in a list of rows */
 #endif
+#ifndef PIC_DOWN_ROWS
+#define PIC_DOWN_ROWS 4         /* down rows added in one pass over the output (one token), <= 4 */
+#endif
+/* The down rows' prefetch distance: whole groups of PIC_DOWN_ROWS, at least PIC_PF_ROWS rows */
+#define PIC_DOWN_AHEAD ((PIC_PF_ROWS + PIC_DOWN_ROWS - 1) / PIC_DOWN_ROWS * PIC_DOWN_ROWS)
 #define PIC_PRED_ACC 8192       /* partial logits per pass of the predictor's second layer (32 KiB) */
+#ifndef PIC_CHUNKS
 #define PIC_CHUNKS 16           /* chunks of candidate neurons, each with a partial output */
+#endif
 #define PIC_PARTIAL_MAX_BYTES ((int64_t)64 << 20) /* cap on the partial outputs */
 
 /* bfloat16 -> float32 (exact) */
@@ -115,31 +128,40 @@ PIC_INLINE float act_fn(float g) {
 #endif
 }
 
-/* Software prefetch: PIC_PF_BYTES ahead of the current position in a weight row (this also runs
- * past a 4 KiB page boundary, where hardware stream prefetchers stop), and the head of the next
- * active neuron's rows while the current one is processed. */
+/* Software prefetch. The kernel reads lists of rows of one length (the candidates' gate rows, the
+ * fired neurons' up rows, their down rows), scattered over the matrix: a hardware stream
+ * prefetcher learns a row only after its first lines missed, and then runs past its end into
+ * rows nobody needs. So every row operation takes `pf`, the byte offset from its row to the row
+ * PIC_PF_ROWS places further down its list (0: none), and prefetches that row's lines in step
+ * with the lines it reads: the next rows arrive while this one is computed, a few lines at a time
+ * (a whole row's prefetches at once would fill the core's miss buffers and stall it), and
+ * nothing beyond a needed row is fetched. Only the first rows of a list are prefetched whole
+ * (row_prefetch). */
 #if PIC_SIMD
-#define PIC_PREFETCH(p) _mm_prefetch((const char*)(p), _MM_HINT_T0)
+#define PIC_PREFETCH(p) _mm_prefetch((const char*)(p), PQ_PF_HINT)
 #else
 #define PIC_PREFETCH(p) __builtin_prefetch((const void*)(p), 0, 3)
 #endif
 #define PIC_WPL (64 / (int)sizeof(etype)) /* predict's weights per 64-byte cache line */
 
-/* The first min(n, PIC_PF_BYTES) bytes at p. */
+/* The n bytes at p (every cache line they touch). */
 PIC_INLINE void prefetch_bytes(const void* p, int64_t n) {
-    if (n > PIC_PF_BYTES) n = PIC_PF_BYTES;
-    for (int64_t k = 0; k < n; k += 64) PIC_PREFETCH((const char*)p + k);
+    const char* c = (const char*)p;
+    for (int64_t k = 0; k < n; k += 64) PIC_PREFETCH(c + k);
+    if (n > 0) PIC_PREFETCH(c + n - 1);
 }
 
-PIC_INLINE void prefetch_head(const etype* row, int64_t d) {
-    prefetch_bytes(row, d * (int64_t)sizeof(etype));
+/* The pf of the row operations for row `at` of a list whose rows are rows[0 .. n) of a matrix
+ * with row stride rb: the offset to row at + PIC_PF_ROWS, 0 at the list's end. */
+PIC_INLINE int64_t pf_to(const int64_t* rows, int64_t at, int64_t n, int64_t rb) {
+    return at + PIC_PF_ROWS < n ? (rows[at + PIC_PF_ROWS] - rows[at]) * rb : 0;
 }
 
 /* res[n] = w[0:d] . xs[n][0:d] for n < N over a float row: one pass over it for all N tokens.
  * N tokens x U independent 8-float accumulators (N*U <= 8: all in registers); each main-loop
- * step covers SV vectors (whole cache lines, one prefetch per line). */
+ * step covers SV vectors (whole cache lines, one prefetch per line at offset pf, unless 0). */
 PIC_INLINE void fdot_n(const int F, const void* w, const float* const* xs, int64_t d, float* res,
-                       const int N, const int U) {
+                       const int N, const int U, int64_t pf) {
     const char* wb = (const char*)w;
     const int64_t es = pic_esize(F);
     const int WPL = 64 / (int)es;             /* weights per cache line */
@@ -150,7 +172,8 @@ PIC_INLINE void fdot_n(const int F, const void* w, const float* const* xs, int64
     for (int i = 0; i < N * U; ++i) acc[i] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 8 * SV <= d; k += 8 * SV) {
-        for (int l = 0; l < SV / VPL; ++l) PIC_PREFETCH(wb + (k + l * WPL) * es + PIC_PF_BYTES);
+        if (pf)
+            for (int l = 0; l < SV / VPL; ++l) PIC_PREFETCH(wb + (k + l * WPL) * es + pf);
         for (int v = 0; v < SV; ++v) {
             const __m256 wv = loadw8(F, w, k + 8 * v);
             for (int n = 0; n < N; ++n)
@@ -173,7 +196,7 @@ PIC_INLINE void fdot_n(const int F, const void* w, const float* const* xs, int64
     float r[PIC_MAXTOK] = {0};
     (void)U;
     for (int64_t k = 0; k < d; ++k) {
-        if ((k & (WPL - 1)) == 0) PIC_PREFETCH(wb + k * es + PIC_PF_BYTES);
+        if (pf && (k & (WPL - 1)) == 0) PIC_PREFETCH(wb + k * es + pf);
         const float wk = w2f(F, w, k);
         for (int n = 0; n < N; ++n) r[n] += wk * xs[n][k];
     }
@@ -181,9 +204,10 @@ PIC_INLINE void fdot_n(const int F, const void* w, const float* const* xs, int64
 #endif
 }
 
-/* ps[n][0:d] += hs[n] * w[0:d] for n < N over a float row: one pass over it for all N tokens. */
+/* ps[n][0:d] += hs[n] * w[0:d] for n < N over a float row: one pass over it for all N tokens
+ * (prefetching at offset pf as fdot_n). */
 PIC_INLINE void faxpy_n(const int F, const void* w, const float* hs, float* const* ps, int64_t d,
-                        const int N) {
+                        const int N, int64_t pf) {
     const char* wb = (const char*)w;
     const int64_t es = pic_esize(F);
     const int WPL = 64 / (int)es;
@@ -194,7 +218,8 @@ PIC_INLINE void faxpy_n(const int F, const void* w, const float* hs, float* cons
     __m256 hv[PIC_MAXTOK];
     for (int n = 0; n < N; ++n) hv[n] = _mm256_set1_ps(hs[n]);
     for (; k + 8 * SV <= d; k += 8 * SV) {
-        for (int l = 0; l < SV / VPL; ++l) PIC_PREFETCH(wb + (k + l * WPL) * es + PIC_PF_BYTES);
+        if (pf)
+            for (int l = 0; l < SV / VPL; ++l) PIC_PREFETCH(wb + (k + l * WPL) * es + pf);
         for (int v = 0; v < SV; ++v) {
             const __m256 wv = loadw8(F, w, k + 8 * v);
             for (int n = 0; n < N; ++n) {
@@ -213,7 +238,7 @@ PIC_INLINE void faxpy_n(const int F, const void* w, const float* hs, float* cons
 #endif
     for (; k < d; ++k) {
 #if !PIC_SIMD
-        if ((k & (WPL - 1)) == 0) PIC_PREFETCH(wb + k * es + PIC_PF_BYTES);
+        if (pf && (k & (WPL - 1)) == 0) PIC_PREFETCH(wb + k * es + pf);
 #endif
         const float wk = w2f(F, w, k);
         for (int n = 0; n < N; ++n) ps[n][k] += hs[n] * wk;
@@ -314,11 +339,12 @@ PIC_INLINE void qdeq32(const int F, const uint8_t* blk, float w[32]) {
  * all N tokens, N tokens x U vector accumulators (N * U <= 8; consecutive blocks take turns).
  * xa[n]: token n rounded to int8 blocks (read by 4-bit rows; q8_0 rows read xs). */
 PIC_INLINE void qdot_n(const int F, const void* row, const float* const* xs,
-                       const pq_act* const* xa, int64_t d, float* res, const int N, const int U) {
+                       const pq_act* const* xa, int64_t d, float* res, const int N, const int U,
+                       int64_t pf) {
     const uint8_t* w = (const uint8_t*)row;
     const int64_t nb = d / PIC_QK, qb = pic_qbytes(F);
     if (F != PIC_Q8_0) {  /* 4-bit: integer dots with x rounded to int8 (qblocks.h) */
-        pq_q4_dot(w, F == PIC_Q4_1, nb, xa, res, N, PIC_PF_BYTES); /* the dot layout */
+        pq_q4_dot(w, F == PIC_Q4_1, nb, xa, res, N, pf); /* the dot layout */
         return;
     }
 #if PIC_SIMD
@@ -326,7 +352,8 @@ PIC_INLINE void qdot_n(const int F, const void* row, const float* const* xs,
     for (int i = 0; i < N * U; ++i) acc[i] = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + PIC_QGROUP <= nb; b += PIC_QGROUP) {
-        for (int l = 0; l < pic_qlines(F); ++l) PIC_PREFETCH(w + b * qb + PIC_PF_BYTES + 64 * l);
+        if (pf)
+            for (int l = 0; l < pic_qlines(F); ++l) PIC_PREFETCH(w + b * qb + pf + 64 * l);
         for (int k = 0; k < PIC_QGROUP; ++k) qdot_block(F, w, b + k, xs, acc, N, U, k % U);
     }
     for (; b < nb; ++b) qdot_block(F, w, b, xs, acc, N, U, 0);
@@ -341,7 +368,7 @@ PIC_INLINE void qdot_n(const int F, const void* row, const float* const* xs,
     (void)U; (void)xa;
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = w + b * qb;
-        PIC_PREFETCH(blk + PIC_PF_BYTES);
+        if (pf) PIC_PREFETCH(blk + pf);
         qdeq32(F, blk, wb);
         for (int n = 0; n < N; ++n) {
             const float* x = xs[n] + b * PIC_QK;
@@ -377,9 +404,10 @@ PIC_INLINE void qaxpy_block(const int F, const uint8_t* w, int64_t b, const __m2
 }
 #endif
 
-/* ps[n] += hs[n] * w for n < N over a quantized row of d weights: one pass over its blocks. */
+/* ps[n] += hs[n] * w for n < N over a quantized row of d weights: one pass over its blocks
+ * (prefetching at offset pf, see above). */
 PIC_INLINE void qaxpy_n(const int F, const void* row, const float* hs, float* const* ps,
-                        int64_t d, const int N) {
+                        int64_t d, const int N, int64_t pf) {
     const uint8_t* w = (const uint8_t*)row;
     const int64_t nb = d / PIC_QK, qb = pic_qbytes(F);
 #if PIC_SIMD
@@ -387,7 +415,8 @@ PIC_INLINE void qaxpy_n(const int F, const void* row, const float* hs, float* co
     for (int n = 0; n < N; ++n) hv[n] = _mm256_set1_ps(hs[n]);
     int64_t b = 0;
     for (; b + PIC_QGROUP <= nb; b += PIC_QGROUP) {
-        for (int l = 0; l < pic_qlines(F); ++l) PIC_PREFETCH(w + b * qb + PIC_PF_BYTES + 64 * l);
+        if (pf)
+            for (int l = 0; l < pic_qlines(F); ++l) PIC_PREFETCH(w + b * qb + pf + 64 * l);
         for (int k = 0; k < PIC_QGROUP; ++k) qaxpy_block(F, w, b + k, hv, ps, N);
     }
     for (; b < nb; ++b) qaxpy_block(F, w, b, hv, ps, N);
@@ -395,7 +424,7 @@ PIC_INLINE void qaxpy_n(const int F, const void* row, const float* hs, float* co
     float wb[32];
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = w + b * qb;
-        PIC_PREFETCH(blk + PIC_PF_BYTES);
+        if (pf) PIC_PREFETCH(blk + pf);
         qdeq32(F, blk, wb);
         for (int n = 0; n < N; ++n) {
             float* p = ps[n] + b * PIC_QK;
@@ -405,49 +434,118 @@ PIC_INLINE void qaxpy_n(const int F, const void* row, const float* hs, float* co
 #endif
 }
 
-/* ---- the row operations, on one row of d weights in format F, for nt <= 8 tokens ---- */
+/* ---- the row operations, on one row of d weights in format F, for nt <= 8 tokens ----
+ * pf: the offset from this row to the row to prefetch alongside it (one of the same length), or
+ * 0 (see "Software prefetch" above). */
 PIC_INLINE void row_prefetch(const void* row, int64_t rb) { prefetch_bytes(row, rb); }
 
 PIC_INLINE void dot_n(const int F, const void* w, const float* const* xs, const pq_act* const* xa,
-                      int64_t d, float* res, const int N, const int U) {
-    if (PIC_IS_QUANT(F)) qdot_n(F, w, xs, xa, d, res, N, U);
-    else fdot_n(F, w, xs, d, res, N, U);
+                      int64_t d, float* res, const int N, const int U, int64_t pf) {
+    if (PIC_IS_QUANT(F)) qdot_n(F, w, xs, xa, d, res, N, U, pf);
+    else fdot_n(F, w, xs, d, res, N, U, pf);
 }
 
 PIC_INLINE void axpy_n(const int F, const void* w, const float* hs, float* const* ps, int64_t d,
-                       const int N) {
-    if (PIC_IS_QUANT(F)) qaxpy_n(F, w, hs, ps, d, N);
-    else faxpy_n(F, w, hs, ps, d, N);
+                       const int N, int64_t pf) {
+    if (PIC_IS_QUANT(F)) qaxpy_n(F, w, hs, ps, d, N, pf);
+    else faxpy_n(F, w, hs, ps, d, N, pf);
+}
+
+/* p[0:d] += h[r] * row r for r < R, one token, R rows of format F in one pass over p: p's vectors
+ * are loaded and stored once per block (or cache line) for all R rows instead of once per row
+ * (adding a down row costs more instructions per byte than dotting a gate or up row, and those
+ * loads and stores are a third of them). The FMAs run in row order with the same operands as
+ * R row_axpy calls in turn, so p ends bit for bit as they leave it. pf[r]: row r's prefetch
+ * offset (see "Software prefetch"). */
+PIC_INLINE void axpy_rows(const int F, const void* const* rows, const float* h, float* p, int64_t d,
+                          const int R, const int64_t* pf) {
+#if PIC_SIMD
+    __m256 hv[4];
+    for (int r = 0; r < R; ++r) hv[r] = _mm256_set1_ps(h[r]);
+    if (PIC_IS_QUANT(F)) {
+        const int64_t nb = d / PIC_QK, qb = pic_qbytes(F);
+        for (int64_t b0 = 0; b0 < nb; b0 += PIC_QGROUP) {
+            const int64_t b1 = b0 + PIC_QGROUP < nb ? b0 + PIC_QGROUP : nb;
+            if (b1 - b0 == PIC_QGROUP)
+                for (int r = 0; r < R; ++r)
+                    if (pf[r])
+                        for (int l = 0; l < pic_qlines(F); ++l)
+                            PIC_PREFETCH((const uint8_t*)rows[r] + b0 * qb + pf[r] + 64 * l);
+            for (int64_t b = b0; b < b1; ++b) {
+                float* pb = p + b * PIC_QK;
+                __m256 acc[4];
+                for (int i = 0; i < 4; ++i) acc[i] = _mm256_loadu_ps(pb + 8 * i);
+                for (int r = 0; r < R; ++r) { /* as qaxpy_block */
+                    const uint8_t* blk = (const uint8_t*)rows[r] + b * qb;
+                    __m256 v[4];
+                    qvals(F, blk, v);
+                    const __m128 head = qhead(blk);
+                    const __m256 s = _mm256_broadcastss_ps(head);
+                    if (F == PIC_Q4_1) {
+                        const __m256 mn = _mm256_broadcastss_ps(_mm_movehdup_ps(head));
+                        for (int i = 0; i < 4; ++i) v[i] = _mm256_fmadd_ps(s, v[i], mn);
+                    }
+                    const __m256 c = F == PIC_Q4_1 ? hv[r] : _mm256_mul_ps(hv[r], s);
+                    for (int i = 0; i < 4; ++i) acc[i] = _mm256_fmadd_ps(c, v[i], acc[i]);
+                }
+                for (int i = 0; i < 4; ++i) _mm256_storeu_ps(pb + 8 * i, acc[i]);
+            }
+        }
+        return;
+    }
+    const int64_t es = pic_esize(F);
+    const int WPL = 64 / (int)es, VPL = WPL / 8; /* as faxpy_n: one cache line of each row */
+    int64_t k = 0;
+    for (; k + WPL <= d; k += WPL) {
+        for (int r = 0; r < R; ++r)
+            if (pf[r]) PIC_PREFETCH((const char*)rows[r] + k * es + pf[r]);
+        for (int v = 0; v < VPL; ++v) {
+            __m256 a = _mm256_loadu_ps(p + k + 8 * v);
+            for (int r = 0; r < R; ++r)
+                a = _mm256_fmadd_ps(hv[r], loadw8(F, rows[r], k + 8 * v), a);
+            _mm256_storeu_ps(p + k + 8 * v, a);
+        }
+    }
+    for (; k + 8 <= d; k += 8) {
+        __m256 a = _mm256_loadu_ps(p + k);
+        for (int r = 0; r < R; ++r) a = _mm256_fmadd_ps(hv[r], loadw8(F, rows[r], k), a);
+        _mm256_storeu_ps(p + k, a);
+    }
+    for (; k < d; ++k)
+        for (int r = 0; r < R; ++r) p[k] += h[r] * w2f(F, rows[r], k);
+#else
+    for (int r = 0; r < R; ++r) axpy_n(F, rows[r], h + r, &p, d, 1, pf[r]);
+#endif
 }
 
 /* res[n] = row . xs[n] for n < nt (xa: the tokens rounded to int8, for q4_* rows). Dispatches on
  * the token count so that every instance has compile-time N and U. */
 PIC_INLINE void row_dot(const int F, const void* w, const float* const* xs,
-                        const pq_act* const* xa, int nt, int64_t d, float* res) {
+                        const pq_act* const* xa, int nt, int64_t d, float* res, int64_t pf) {
     switch (nt) {
-    case 1: dot_n(F, w, xs, xa, d, res, 1, 4); break;
-    case 2: dot_n(F, w, xs, xa, d, res, 2, 4); break;
-    case 3: dot_n(F, w, xs, xa, d, res, 3, 2); break;
-    case 4: dot_n(F, w, xs, xa, d, res, 4, 2); break;
-    case 5: dot_n(F, w, xs, xa, d, res, 5, 1); break;
-    case 6: dot_n(F, w, xs, xa, d, res, 6, 1); break;
-    case 7: dot_n(F, w, xs, xa, d, res, 7, 1); break;
-    default: dot_n(F, w, xs, xa, d, res, 8, 1); break;
+    case 1: dot_n(F, w, xs, xa, d, res, 1, 4, pf); break;
+    case 2: dot_n(F, w, xs, xa, d, res, 2, 4, pf); break;
+    case 3: dot_n(F, w, xs, xa, d, res, 3, 2, pf); break;
+    case 4: dot_n(F, w, xs, xa, d, res, 4, 2, pf); break;
+    case 5: dot_n(F, w, xs, xa, d, res, 5, 1, pf); break;
+    case 6: dot_n(F, w, xs, xa, d, res, 6, 1, pf); break;
+    case 7: dot_n(F, w, xs, xa, d, res, 7, 1, pf); break;
+    default: dot_n(F, w, xs, xa, d, res, 8, 1, pf); break;
     }
 }
 
 /* ps[n] += hs[n] * row for n < nt */
 PIC_INLINE void row_axpy(const int F, const void* w, const float* hs, float* const* ps, int nt,
-                         int64_t d) {
+                         int64_t d, int64_t pf) {
     switch (nt) {
-    case 1: axpy_n(F, w, hs, ps, d, 1); break;
-    case 2: axpy_n(F, w, hs, ps, d, 2); break;
-    case 3: axpy_n(F, w, hs, ps, d, 3); break;
-    case 4: axpy_n(F, w, hs, ps, d, 4); break;
-    case 5: axpy_n(F, w, hs, ps, d, 5); break;
-    case 6: axpy_n(F, w, hs, ps, d, 6); break;
-    case 7: axpy_n(F, w, hs, ps, d, 7); break;
-    default: axpy_n(F, w, hs, ps, d, 8); break;
+    case 1: axpy_n(F, w, hs, ps, d, 1, pf); break;
+    case 2: axpy_n(F, w, hs, ps, d, 2, pf); break;
+    case 3: axpy_n(F, w, hs, ps, d, 3, pf); break;
+    case 4: axpy_n(F, w, hs, ps, d, 4, pf); break;
+    case 5: axpy_n(F, w, hs, ps, d, 5, pf); break;
+    case 6: axpy_n(F, w, hs, ps, d, 6, pf); break;
+    case 7: axpy_n(F, w, hs, ps, d, 7, pf); break;
+    default: axpy_n(F, w, hs, ps, d, 8, pf); break;
     }
 }
 
@@ -455,20 +553,40 @@ PIC_INLINE void row_axpy(const int F, const void* w, const float* hs, float* con
  * ever dotted with x, down rows only ever added into the outputs, and predict's matrices are
  * etype. */
 static void gu_dot(const void* w, const float* const* xs, const pq_act* const* xa, int nt,
-                   int64_t d, float* res) {
-    row_dot(PIC_WDTYPE, w, xs, xa, nt, d, res);
+                   int64_t d, float* res, int64_t pf) {
+    row_dot(PIC_WDTYPE, w, xs, xa, nt, d, res, pf);
 }
 
-static void down_axpy(const void* w, const float* hs, float* const* ps, int nt, int64_t d) {
-    row_axpy(PIC_DDTYPE, w, hs, ps, nt, d);
+static void down_axpy(const void* w, const float* hs, float* const* ps, int nt, int64_t d,
+                      int64_t pf) {
+    row_axpy(PIC_DDTYPE, w, hs, ps, nt, d, pf);
 }
 
-static void pred_dot(const etype* w, const float* const* xs, int nt, int64_t d, float* res) {
-    row_dot(PIC_EDTYPE, w, xs, NULL, nt, d, res);
+/* axpy_rows over n <= PIC_DOWN_ROWS down rows */
+static void down_axpy_rows(const void* const* rows, const float* h, float* p, int64_t d, int n,
+                           const int64_t* pf) {
+    switch (n) {
+    case 1: axpy_rows(PIC_DDTYPE, rows, h, p, d, 1, pf); break;
+#if PIC_DOWN_ROWS >= 2
+    case 2: axpy_rows(PIC_DDTYPE, rows, h, p, d, 2, pf); break;
+#endif
+#if PIC_DOWN_ROWS >= 3
+    case 3: axpy_rows(PIC_DDTYPE, rows, h, p, d, 3, pf); break;
+#endif
+#if PIC_DOWN_ROWS >= 4
+    default: axpy_rows(PIC_DDTYPE, rows, h, p, d, 4, pf); break;
+#endif
+    }
 }
 
-static void pred_axpy(const etype* w, const float* hs, float* const* ps, int nt, int64_t d) {
-    row_axpy(PIC_EDTYPE, w, hs, ps, nt, d);
+static void pred_dot(const etype* w, const float* const* xs, int nt, int64_t d, float* res,
+                     int64_t pf) {
+    row_dot(PIC_EDTYPE, w, xs, NULL, nt, d, res, pf);
+}
+
+static void pred_axpy(const etype* w, const float* hs, float* const* ps, int nt, int64_t d,
+                      int64_t pf) {
+    row_axpy(PIC_EDTYPE, w, hs, ps, nt, d, pf);
 }
 
 /* A neuron that passed the first test: gated blocks, act(gate) != 0 for some token (its up and
@@ -480,10 +598,16 @@ typedef struct {
     float a[PIC_MAXTOK];    /* gated: act(gate); plain: h */
 } pic_fired;
 
+/* Neuron number of candidate i: idx[i], or i where idx is NULL (all neurons). */
+PIC_INLINE int64_t cand(const int32_t* idx, int64_t i) { return idx ? (int64_t)idx[i] : i; }
+
 /* Candidates [lo, hi) for one group of nt <= 8 tokens (rows xs, partial outputs ps), in blocks of
- * PIC_BLOCK neurons: first the first projection of every neuron of the block (gate rows stream
- * in order), then the up / down rows of only the neurons that fired, prefetching ahead. Returns
- * the number of active (token, neuron) pairs. */
+ * PIC_BLOCK neurons: first the first projection of every neuron of the block, then the up / down
+ * rows of only the neurons that fired. Every pass reads a list of rows of one matrix, each row's
+ * prefetches running PIC_PF_ROWS rows ahead in the list (see "Software prefetch"): the first
+ * projection's list is the whole range (across blocks), the later ones the block's candidates or
+ * fired neurons, whose first rows are prefetched whole as soon as they are known. Returns the
+ * number of active (token, neuron) pairs. */
 static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float* const* xs,
                          const pq_act* const* xa, int nt, int64_t d, const void* w_gate,
                          const void* w_up, const void* w_down_t, const float* b_gate,
@@ -491,32 +615,41 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
     int64_t total = 0;
     const int64_t rb = row_bytes(PIC_WDTYPE, d);  /* gate and up rows */
     const int64_t rbd = row_bytes(PIC_DDTYPE, d); /* down rows */
+    const void* w_first = PIC_GATED ? w_gate : w_up; /* the rows every candidate needs */
     pic_fired f[PIC_BLOCK];
+    int64_t fj[PIC_BLOCK]; /* f[q].j: the fired neurons' list, for pf_to */
 #if !PIC_BIAS
     (void)b_gate; (void)b_up;
 #endif
 #if !PIC_GATED
     (void)w_gate; (void)b_gate;
 #endif
+    (void)w_first;
+    for (int64_t k = lo; k < lo + PIC_PF_ROWS && k < hi; ++k)
+        row_prefetch(row_at(w_first, cand(idx, k), rb), rb);
     for (int64_t b0 = lo; b0 < hi; b0 += PIC_BLOCK) {
         const int64_t b1 = b0 + PIC_BLOCK < hi ? b0 + PIC_BLOCK : hi;
         int nfired = 0;
 #if PIC_GATED && PIC_H_FIRST
         float gs[PIC_BLOCK][PIC_MAXTOK]; /* gate x of the block's neurons, read first */
-        for (int64_t i = b0; i < b1; ++i)
-            gu_dot(row_at(w_gate, idx ? (int64_t)idx[i] : i, rb), xs, xa, nt, d, gs[i - b0]);
+        for (int64_t i = b0; i < b1; ++i) {
+            const int64_t j = cand(idx, i);
+            const int64_t pf = i + PIC_PF_ROWS < hi ? (cand(idx, i + PIC_PF_ROWS) - j) * rb : 0;
+            gu_dot(row_at(w_gate, j, rb), xs, xa, nt, d, gs[i - b0], pf);
+        }
+        for (int64_t k = b0; k < b0 + PIC_PF_ROWS && k < b1; ++k) /* the up rows' list */
+            row_prefetch(row_at(w_up, cand(idx, k), rb), rb);
 #endif
         for (int64_t i = b0; i < b1; ++i) {
-            const int64_t j = idx ? (int64_t)idx[i] : i;
-            if (idx && i + 1 < hi) /* candidates are scattered: start the next one's first row */
-                row_prefetch(row_at(PIC_GATED ? w_gate : w_up, idx[i + 1], rb), rb);
+            const int64_t j = cand(idx, i);
             pic_fired* fi = &f[nfired];
             float g[PIC_MAXTOK];
             fi->j = j;
             fi->nf = 0;
 #if PIC_GATED && !PIC_H_FIRST
             const float b = PIC_BIAS && b_gate ? b_gate[j] : 0.0f;
-            gu_dot(row_at(w_gate, j, rb), xs, xa, nt, d, g);
+            const int64_t pf = i + PIC_PF_ROWS < hi ? (cand(idx, i + PIC_PF_ROWS) - j) * rb : 0;
+            gu_dot(row_at(w_gate, j, rb), xs, xa, nt, d, g, pf);
             for (int n = 0; n < nt; ++n) {
                 const float a = act_fn(g[n] + b);
                 if (a != 0.0f) { fi->tok[fi->nf] = n; fi->a[fi->nf] = a; ++fi->nf; }
@@ -524,7 +657,8 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
 #elif PIC_GATED  /* the gate rows of the block were read above: now its up rows */
             const float b = PIC_BIAS && b_gate ? b_gate[j] : 0.0f;
             const float bu = PIC_BIAS && b_up ? b_up[j] : 0.0f;
-            gu_dot(row_at(w_up, j, rb), xs, xa, nt, d, g);
+            const int64_t pf = i + PIC_PF_ROWS < b1 ? (cand(idx, i + PIC_PF_ROWS) - j) * rb : 0;
+            gu_dot(row_at(w_up, j, rb), xs, xa, nt, d, g, pf);
             for (int n = 0; n < nt; ++n) {
                 float uv = g[n] + bu;
 #if PIC_DRELU
@@ -535,22 +669,29 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
             }
 #else
             const float b = PIC_BIAS && b_up ? b_up[j] : 0.0f;
-            gu_dot(row_at(w_up, j, rb), xs, xa, nt, d, g);
+            const int64_t pf = i + PIC_PF_ROWS < hi ? (cand(idx, i + PIC_PF_ROWS) - j) * rb : 0;
+            gu_dot(row_at(w_up, j, rb), xs, xa, nt, d, g, pf);
             for (int n = 0; n < nt; ++n) {
                 const float h = act_fn(g[n] + b);
                 if (fabsf(h) > threshold) { fi->tok[fi->nf] = n; fi->a[fi->nf] = h; ++fi->nf; }
             }
 #endif
-            nfired += fi->nf > 0;
+            if (fi->nf) { /* the head of the fired neurons' lists */
+#if PIC_GATED && !PIC_H_FIRST
+                if (nfired < PIC_PF_ROWS) row_prefetch(row_at(w_up, j, rb), rb);
+#endif
+                if (nfired < PIC_DOWN_AHEAD) row_prefetch(row_at(w_down_t, j, rbd), rbd);
+                fj[nfired++] = j;
+            }
         }
+        /* One token: the down rows in groups of PIC_DOWN_ROWS (axpy_rows), prefetching
+         * PIC_DOWN_AHEAD rows ahead. More tokens: one row at a time. */
+        const void* gr[PIC_DOWN_ROWS];
+        float gh[PIC_DOWN_ROWS];
+        int64_t gpf[PIC_DOWN_ROWS];
+        int ng = 0;
         for (int q = 0; q < nfired; ++q) {
             const int64_t j = f[q].j;
-            if (q + 1 < nfired) { /* start the next fired neuron's rows on their way */
-#if PIC_GATED && !PIC_H_FIRST
-                row_prefetch(row_at(w_up, f[q + 1].j, rb), rb);
-#endif
-                row_prefetch(row_at(w_down_t, f[q + 1].j, rbd), rbd);
-            }
             float hv[PIC_MAXTOK];  /* h of the active tokens */
             float* pa[PIC_MAXTOK]; /* their partial-output rows */
             int na = 0;
@@ -563,7 +704,7 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
                 xf[k] = xs[f[q].tok[k]];
                 xaf[k] = xa ? xa[f[q].tok[k]] : NULL;
             }
-            gu_dot(row_at(w_up, j, rb), xf, xaf, f[q].nf, d, u);
+            gu_dot(row_at(w_up, j, rb), xf, xaf, f[q].nf, d, u, pf_to(fj, q, nfired, rb));
             for (int k = 0; k < f[q].nf; ++k) {
                 float uv = u[k] + bu;
 #if PIC_DRELU
@@ -576,8 +717,25 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
             for (int k = 0; k < f[q].nf; ++k) { hv[k] = f[q].a[k]; pa[k] = ps[f[q].tok[k]]; }
             na = f[q].nf;
 #endif
-            if (na) down_axpy(row_at(w_down_t, j, rbd), hv, pa, na, d);
             total += na;
+            if (nt == 1) {
+                if (na) {
+                    gr[ng] = row_at(w_down_t, j, rbd);
+                    gh[ng] = hv[0];
+                    gpf[ng++] = q + PIC_DOWN_AHEAD < nfired
+                                    ? (fj[q + PIC_DOWN_AHEAD] - j) * rbd : 0;
+                } else if (q + PIC_DOWN_AHEAD < nfired) { /* the prefetch this row would make */
+                    row_prefetch(row_at(w_down_t, fj[q + PIC_DOWN_AHEAD], rbd), rbd);
+                }
+                if (ng == PIC_DOWN_ROWS || (ng && q + 1 == nfired)) {
+                    down_axpy_rows(gr, gh, ps[0], d, ng, gpf);
+                    ng = 0;
+                }
+                continue;
+            }
+            if (na) down_axpy(row_at(w_down_t, j, rbd), hv, pa, na, d, pf_to(fj, q, nfired, rbd));
+            else if (q + PIC_PF_ROWS < nfired) /* the prefetch this row would have made */
+                row_prefetch(row_at(w_down_t, fj[q + PIC_PF_ROWS], rbd), rbd);
         }
     }
     return total;
@@ -589,10 +747,25 @@ void pic_set_num_threads(int n) { pic_threads = n; }
 
 const char* pic_variant(void) { return PIC_VARIANT; }
 
-/* The neurons set in any of the T rows of mask [T, n_ff], ascending, into idx; their count. */
+/* The neurons set in any of the T rows of mask [T, n_ff], ascending, into idx; their count.
+ * Eight bytes at a time, one bit per nonzero byte (a predictor sets about one neuron in ten: a
+ * word's few set neurons are its set bits). */
 static int64_t mask_union(const uint8_t* mask, int64_t T, int64_t n_ff, int32_t* idx) {
-    int64_t m = 0;
-    for (int64_t j = 0; j < n_ff; ++j) {
+    int64_t m = 0, j = 0;
+    for (; j + 8 <= n_ff; j += 8) {
+        uint64_t any = 0, w;
+        for (int64_t t = 0; t < T; ++t) {
+            memcpy(&w, mask + t * n_ff + j, 8);
+            any |= w;
+        }
+        const uint64_t lo7 = 0x7f7f7f7f7f7f7f7full;
+        any = (((any & lo7) + lo7) | any) & ~lo7; /* bit 8k + 7: byte k (little-endian) != 0 */
+        while (any) {
+            idx[m++] = (int32_t)(j + (__builtin_ctzll(any) >> 3));
+            any &= any - 1;
+        }
+    }
+    for (; j < n_ff; ++j) {
         uint8_t any = 0;
         for (int64_t t = 0; t < T; ++t) any |= mask[t * n_ff + j];
         if (any) idx[m++] = (int32_t)j;
@@ -653,7 +826,8 @@ int predict(const float* x, int64_t T, int64_t d, int64_t r, int64_t n_ff,
 #endif
             for (int64_t i = 0; i < r; ++i) {
                 float s[PIC_MAXTOK];
-                pred_dot(p1 + i * d, xs, nt, d, s);
+                pred_dot(p1 + i * d, xs, nt, d, s,
+                         i + PIC_PF_ROWS < r ? PIC_PF_ROWS * d * (int64_t)sizeof(etype) : 0);
                 for (int n = 0; n < nt; ++n) {
                     const float v = s[n] + pb1[i];
                     z[(t0 + n) * r + i] = v > 0.0f ? v : 0.0f;
@@ -670,7 +844,8 @@ int predict(const float* x, int64_t T, int64_t d, int64_t r, int64_t n_ff,
             }
             /* (barrier) mask = p2 z + pb2 > tau with p2 transposed ([r, n_ff]): each thread takes
              * one contiguous slice of the neurons (whole cache lines) and accumulates
-             * z[i] * p2t[i, slice] over the live rows i, prefetching the next row's slice. */
+             * z[i] * p2t[i, slice] over the live rows i, prefetching the slices of the rows
+             * PIC_PF_ROWS further down the list. */
             int me = 0, nth = 1;
 #ifdef _OPENMP
             me = omp_get_thread_num();
@@ -688,12 +863,15 @@ int predict(const float* x, int64_t T, int64_t d, int64_t r, int64_t n_ff,
                     ps[n] = acc + n * nj;
                     memcpy(ps[n], pb2 + j0, (size_t)nj * sizeof(float));
                 }
+                for (int64_t q = 0; q < PIC_PF_ROWS && q < nlive; ++q)
+                    row_prefetch(p2t + live[q] * n_ff + j0, nj * (int64_t)sizeof(etype));
                 for (int64_t q = 0; q < nlive; ++q) {
                     const int64_t i = live[q];
-                    if (q + 1 < nlive) prefetch_head(p2t + live[q + 1] * n_ff + j0, nj);
                     float zi[PIC_MAXTOK];
                     for (int n = 0; n < nt; ++n) zi[n] = z[(t0 + n) * r + i];
-                    pred_axpy(p2t + i * n_ff + j0, zi, ps, nt, nj);
+                    const int64_t pf = q + PIC_PF_ROWS < nlive
+                        ? (live[q + PIC_PF_ROWS] - i) * n_ff * (int64_t)sizeof(etype) : 0;
+                    pred_axpy(p2t + i * n_ff + j0, zi, ps, nt, nj, pf);
                 }
                 for (int n = 0; n < nt; ++n)
                     for (int64_t j = 0; j < nj; ++j) mask[(t0 + n) * n_ff + j0 + j] = ps[n][j] > tau;
@@ -769,16 +947,19 @@ static void ffn_candidates(const float* x, int64_t T, int64_t d, int64_t n_ff,
 #endif
         for (int64_t t = 0; t < T; ++t) {
             for (int64_t kb = 0; kb < dp; kb += 64) {
-                const int64_t kend = kb + 64 < d ? kb + 64 : d;
-                for (int64_t k = kb; k < kend; ++k) {
+                const int64_t nk = kb + 64 < d ? 64 : d - kb;
+                float s[64]; /* chunk after chunk into 64 sums (vectorized along k) */
+                for (int64_t k = 0; k < nk; ++k)
 #if PIC_BIAS
-                    float s = b_down ? b_down[k] : 0.0f;
+                    s[k] = b_down ? b_down[kb + k] : 0.0f;
 #else
-                    float s = 0.0f;
+                    s[k] = 0.0f;
 #endif
-                    for (int64_t c = 0; c < nch; ++c) s += part[((size_t)c * T + t) * dp + k];
-                    out[t * d + k] = s;
+                for (int64_t c = 0; c < nch; ++c) {
+                    const float* pc = part + ((size_t)c * T + t) * dp + kb;
+                    for (int64_t k = 0; k < nk; ++k) s[k] += pc[k];
                 }
+                memcpy(out + t * d + kb, s, (size_t)nk * sizeof(float));
             }
         }
     }

@@ -44,6 +44,9 @@
 #define PQ_SIMD 0
 #endif
 #define PQ_INLINE static inline __attribute__((always_inline))
+#ifndef PQ_PF_HINT
+#define PQ_PF_HINT 3 /* software prefetches: _MM_HINT_T0 (3), into every cache level */
+#endif
 
 #define PQ_QK 32 /* values per block */
 
@@ -233,10 +236,10 @@ PQ_INLINE void pq_q4_block(const uint8_t* blk, const int q4_1, int64_t j, const 
 
 /* res[n] = row . x'[n] for n < N (N <= 8) over one row of nb 4-bit blocks in the dot layout
  * (q4_1: 20-byte blocks f16 dw, f16 m, qs[16]; q4_0: 18-byte blocks f16 dw, qs[16]; each run of
- * 8 in a superblock, see above), x'[n] = xa[n] rounded. With pf > 0 one prefetch pf bytes ahead
+ * 8 in a superblock, see above), x'[n] = xa[n] rounded. With pf != 0 one prefetch pf bytes away
  * per 64 bytes. Per block: q4_0 adds dw * (dx * (n . q) - 8 sx), q4_1 dw dx (n . q) + m sx. */
 PQ_INLINE void pq_q4_dot(const uint8_t* row, const int q4_1, int64_t nb, const pq_act* const* xa,
-                         float* res, const int N, const int pf) {
+                         float* res, const int N, const int64_t pf) {
     const int64_t bb = q4_1 ? 20 : 18, sbb = PQ_SB * bb, nsb = nb / PQ_SB;
     const int hb = q4_1 ? 4 * PQ_SB : 2 * PQ_SB; /* a superblock's scales (and minimums) */
 #if PQ_SIMD
@@ -249,9 +252,9 @@ PQ_INLINE void pq_q4_dot(const uint8_t* row, const int q4_1, int64_t nb, const p
     const __m256i low = _mm256_set1_epi8(15);
     for (int64_t g = 0; g < nsb; ++g) {
         const uint8_t* blk = row + g * sbb;
-        if (pf > 0)
+        if (pf != 0)
             for (int64_t l = 0; l < (sbb + 63) / 64; ++l)
-                _mm_prefetch((const char*)(blk + pf + 64 * l), _MM_HINT_T0);
+                _mm_prefetch((const char*)(blk + pf + 64 * l), PQ_PF_HINT);
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
         const __m256 mw = q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16)))
                                : _mm256_setzero_ps();
@@ -286,14 +289,14 @@ PQ_INLINE void pq_q4_dot(const uint8_t* row, const int q4_1, int64_t nb, const p
         float dw, m;
         if (g < nsb) { /* in a superblock */
             blk = row + g * sbb;
-            if (pf > 0 && b == 0) __builtin_prefetch(blk + pf, 0, 3);
+            if (pf != 0 && b == 0) __builtin_prefetch(blk + pf, 0, 3);
             dw = pq_f16((uint16_t)(blk[2 * b] | blk[2 * b + 1] << 8));
             m = q4_1 ? pq_f16((uint16_t)(blk[16 + 2 * b] | blk[17 + 2 * b] << 8)) : 0.0f;
             for (int v = 0; v < 4; ++v)
                 for (int c = 0; c < 4; ++c) qs[4 * v + c] = blk[hb + 32 * v + 4 * b + c];
         } else {
             blk = row + nsb * sbb + (j - nsb * PQ_SB) * bb;
-            if (pf > 0) __builtin_prefetch(blk + pf, 0, 3);
+            if (pf != 0) __builtin_prefetch(blk + pf, 0, 3);
             dw = pq_f16((uint16_t)(blk[0] | blk[1] << 8));
             m = q4_1 ? pq_f16((uint16_t)(blk[2] | blk[3] << 8)) : 0.0f;
             memcpy(qs, blk + (q4_1 ? 4 : 2), 16);
