@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import subprocess
 import json
+import subprocess
 import time
 
 import torch
@@ -86,9 +86,9 @@ def main():
     print("| system | median prompt tok/s | best | median per-round ratio to HF eager |")
     print("|---|---:|---:|---:|")
     for name, v in runs.items():
-        base = runs.get(base_of.get(name, name))
-        ratio = statistics.median(a / b for a, b in zip(v, base)) if base else float("nan")
-        print(f"| {name} | {statistics.median(v):.0f} | {max(v):.0f} | {ratio:.2f}x |")
+        base = runs.get(base_of.get(name, name)) if not name.startswith("llama.cpp") else None
+        ratio = f"{statistics.median(a / b for a, b in zip(v, base)):.2f}x" if base else "-"
+        print(f"| {name} | {statistics.median(v):.0f} | {max(v):.0f} | {ratio} |")
 
 
 if __name__ == "__main__":

@@ -338,3 +338,30 @@ def test_decoder_runs_quantized_linears(fmt):
     ids = torch.randint(3, zoo.VOCAB, (1, 16), generator=torch.Generator().manual_seed(1))
     want, got = _step_logits(cm, dec, ids, prompt=5)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+@settings(max_examples=30, deadline=None)
+@given(fmt=st.sampled_from(FORMATS), O=st.integers(1, 40), blocks=st.integers(1, 27),
+       dot_layout=st.booleans(), seed=st.integers(0, 2**16))
+def test_c_dequantize_equals_the_reference_bit_for_bit(fmt, O, blocks, dot_layout, seed):
+    """Prefill's weights, dequantized in C (both row layouts; rows with whole superblocks and
+    tail blocks; any block bytes), are quant.dequantize's, exactly."""
+    K = 32 * blocks
+    q = raw_blocks(torch.Generator().manual_seed(seed), O, K, fmt)
+    want = quant.dequantize(q, fmt, K)
+    got = dense.dequantize(quant.interleave_blocks(q, fmt) if dot_layout else q, fmt, K, dot_layout)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quant_linear_prefill_equals_its_reference(fmt):
+    """More tokens than the kernel takes run BLAS over the C-dequantized weight, with x rounded
+    as the reference rounds it: forward_native's result, bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    lin = QuantLinear(quantized(gen, 48, 320, fmt), fmt, 320, torch.randn(48, generator=gen))
+    lin.select_kernel()
+    assert lin.kernel is not None
+    x = torch.randn(2, 13, 320, generator=gen)  # 26 tokens: prefill
+    with torch.no_grad():
+        assert torch.equal(lin(x), lin.forward_native(x))

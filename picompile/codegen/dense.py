@@ -138,6 +138,10 @@ def load(variant: str, avx512: bool = False, tuning: dict[str, int] | None = Non
             lib.pi_set_num_threads.restype = None
             lib.pi_dense_variant.argtypes = []
             lib.pi_dense_variant.restype = ctypes.c_char_p
+            if variant in QFORMATS:
+                lib.pi_dequantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                              ctypes.c_int, ctypes.c_void_p]
+                lib.pi_dequantize.restype = None
             lib._pi_threads = None  # last value given to pi_set_num_threads
             _libs[key] = lib
     return lib
@@ -336,3 +340,26 @@ def _bind(variant: str, w: torch.Tensor, b: torch.Tensor | None, O: int, K: int,
     if wide is not None:
         kernel.variant += f" (avx512 for T >= {wide_from})"  # type: ignore[attr-defined]
     return kernel
+
+
+def dequantize(q: torch.Tensor, fmt: str, cols: int, dot_layout: bool,
+               out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """uint8 [rows, row_bytes] blocks of `fmt` (4-bit rows in the dot layout when `dot_layout`,
+    else GGUF's) -> float32 [rows, cols] (into `out` when given: contiguous float32 of that
+    shape), in C; None where the library is not available (the caller then runs
+    quant.dequantize). Equal to quant.dequantize of the GGUF layout, bit for bit: what
+    prefill's BLAS reads, made in one pass instead of torch's elementwise ops."""
+    if reference_forced() or q.device.type != "cpu":
+        return None
+    lib = try_load(fmt)
+    if lib is None:
+        return None
+    q = q.contiguous()
+    if out is None:
+        out = torch.empty(q.shape[0], cols, dtype=torch.float32)
+    elif out.shape != (q.shape[0], cols) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous float32 {(q.shape[0], cols)}, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    _set_threads(lib)
+    lib.pi_dequantize(q.data_ptr(), q.shape[0], cols, int(dot_layout), out.data_ptr())
+    return out

@@ -481,3 +481,67 @@ void pi_dense(const float* x, int64_t T, int64_t K, const wtype* W, int64_t O, c
               float* out) {
     pi_dense_multi(x, T, K, 1, &W, &O, &b, &out);
 }
+
+#if PI_QUANT
+/* Block j of a row as float32 (blk: its bytes in GGUF's layout) -> out [32]: the products the
+ * reference (picompile.quant.dequantize) computes, so no contraction into an FMA. */
+__attribute__((optimize("fp-contract=off")))
+static void deq_block(const uint8_t* blk, float* out) {
+    uint16_t h;
+    memcpy(&h, blk, 2);
+    const float d = pq_f16(h);
+#if PI_WDTYPE == PI_Q8_0
+    const int8_t* q = (const int8_t*)(blk + 2);
+    for (int i = 0; i < PQ_QK; ++i) out[i] = d * (float)q[i];
+#elif PI_WDTYPE == PI_Q4_0
+    const uint8_t* qs = blk + 2;
+    for (int i = 0; i < PQ_QK / 2; ++i) {
+        out[i] = d * (float)((qs[i] & 15) - 8);
+        out[i + PQ_QK / 2] = d * (float)((qs[i] >> 4) - 8);
+    }
+#else /* q4_1 */
+    memcpy(&h, blk + 2, 2);
+    const float m = pq_f16(h);
+    const uint8_t* qs = blk + 4;
+    for (int i = 0; i < PQ_QK / 2; ++i) {
+        out[i] = d * (float)(qs[i] & 15) + m;
+        out[i + PQ_QK / 2] = d * (float)(qs[i] >> 4) + m;
+    }
+#endif
+}
+
+/* One superblock of a 4-bit row in the dot layout (qblocks.h) back to GGUF's 8 blocks. */
+static void sb_to_blocks(const uint8_t* sb, uint8_t* blocks) {
+    const int head = PI_BLOCK_BYTES - PQ_QK / 2;     /* scale (and minimum) bytes per block */
+    const uint8_t* qs = sb + PQ_SB * head;            /* qs [4][8][4] */
+    for (int b = 0; b < PQ_SB; ++b) {
+        uint8_t* blk = blocks + b * PI_BLOCK_BYTES;
+        memcpy(blk, sb + 2 * b, 2);                                      /* dw[b] */
+        if (head == 4) memcpy(blk + 2, sb + 2 * PQ_SB + 2 * b, 2);       /* m[b] (q4_1) */
+        for (int v = 0; v < 4; ++v) memcpy(blk + head + 4 * v, qs + 32 * v + 4 * b, 4);
+    }
+}
+
+/* W [O, K / 32 blocks] in the kernel's layout (4-bit rows in the dot layout when dot_layout,
+ * else GGUF's; q8_0 rows are GGUF's either way) -> out [O, K] float32: prefill's weights, made
+ * once per call instead of by torch's elementwise ops. */
+void pi_dequantize(const uint8_t* W, int64_t O, int64_t K, int dot_layout, float* out) {
+    const int64_t nb = K / PQ_QK, rb = nb * PI_BLOCK_BYTES;
+    const int64_t nsb = PI_Q4 && dot_layout ? nb / PQ_SB : 0; /* superblocks per row */
+#ifdef _OPENMP
+    const int nthr = pi_threads > 0 ? pi_threads : omp_get_max_threads();
+#pragma omp parallel for schedule(static) num_threads(nthr) if (O * K >= (1 << 16))
+#endif
+    for (int64_t o = 0; o < O; ++o) {
+        const uint8_t* row = W + o * rb;
+        float* y = out + o * K;
+        uint8_t blocks[PQ_SB * PI_BLOCK_BYTES];
+        for (int64_t s = 0; s < nsb; ++s) {
+            sb_to_blocks(row + s * PQ_SB * PI_BLOCK_BYTES, blocks);
+            for (int b = 0; b < PQ_SB; ++b)
+                deq_block(blocks + b * PI_BLOCK_BYTES, y + (s * PQ_SB + b) * PQ_QK);
+        }
+        for (int64_t j = nsb * PQ_SB; j < nb; ++j) deq_block(row + j * PI_BLOCK_BYTES, y + j * PQ_QK);
+    }
+}
+#endif

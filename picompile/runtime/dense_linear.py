@@ -14,6 +14,8 @@ weights stay tied (an LM head tied to the embedding) and state_dict keys are unc
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,6 +23,36 @@ from torch import nn
 from picompile.runtime import ops
 from picompile.runtime.kernel_module import KernelModule
 from picompile.config import KERNEL_MAX_TOKENS, reference_forced
+
+
+_scratch = threading.local()  # per thread: slot -> float32 buffer, reused by float_weight
+SCRATCH_MAX_BYTES = 256 << 20  # larger weights get a buffer of their own each call
+
+
+def float_weight(q: torch.Tensor, fmt: str, cols: int, dot_layout: bool,
+                 slot: str = "linear") -> torch.Tensor:
+    """Quantized rows uint8 [rows, row_bytes] (4-bit ones in the dot layout when `dot_layout`)
+    as float32 [rows, cols] for prefill's BLAS: dequantized in C where the dense library builds
+    (the same values, in one pass), else by the reference, quant.dequantize.
+
+    The C path writes into this thread's scratch buffer for `slot`, kept between calls: a
+    fresh buffer per call costs the kernel's page faults and zeroing, more than the
+    dequantization itself. So the result is valid until the next call with the same slot: a
+    caller using several weights at once gives each its own slot."""
+    from picompile import quant
+    from picompile.codegen import dense
+
+    out = None
+    if q.shape[0] * cols * 4 <= SCRATCH_MAX_BYTES:
+        buffers = _scratch.__dict__.setdefault("buffers", {})
+        buf = buffers.get(slot)
+        if buf is None or buf.numel() < q.shape[0] * cols:
+            buf = buffers[slot] = torch.empty(q.shape[0] * cols, dtype=torch.float32)
+        out = buf[: q.shape[0] * cols].view(q.shape[0], cols)
+    w = dense.dequantize(q, fmt, cols, dot_layout, out)
+    if w is None:
+        w = quant.dequantize(quant.deinterleave_blocks(q, fmt) if dot_layout else q, fmt, cols)
+    return w
 
 
 class _KernelLinear(torch.autograd.Function):
@@ -287,8 +319,15 @@ class QuantLinear(KernelModule):
         K = x.shape[-1]
         T = x.numel() // K if K else 0
         bias = self._parameters["bias"]
-        if not 1 <= T <= KERNEL_MAX_TOKENS or (torch.is_grad_enabled() and (
-                x.requires_grad or (bias is not None and bias.requires_grad))):
+        if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+            return self.forward_native(x)
+        if T > KERNEL_MAX_TOKENS:  # prefill: BLAS over the weight dequantized in C
+            from picompile import quant
+
+            w = float_weight(self.qweight, self.qformat, self.in_features, dot_layout=True)
+            xr = quant.round_activations(x, self.qformat).to(x.dtype)
+            return F.linear(xr, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        if T < 1:
             return self.forward_native(x)
         if self._ptrs() != self._bound:
             self.select_kernel()  # storage swapped since binding (load_state_dict, .data = ...)

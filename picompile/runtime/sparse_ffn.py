@@ -35,6 +35,7 @@ from picompile import quant
 from picompile.config import KERNEL_MAX_TOKENS, reference_forced
 from picompile.plan import BlockPlan
 from picompile.runtime import ops
+from picompile.runtime.dense_linear import float_weight
 from picompile.runtime.kernel_module import KernelModule
 
 
@@ -311,7 +312,7 @@ class SparseFFN(KernelModule):
     def _down_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """w_down_t [n_ff, d] as float `dtype` (quantized rows dequantized)."""
         if self.down_qformat is not None:
-            return quant.dequantize(self.w_down_t, self.down_qformat, self.d_model).to(dtype)
+            return float_weight(self.w_down_t, self.down_qformat, self.d_model, False, "down").to(dtype)
         return self.w_down_t.to(dtype)
 
     def select_kernel(self) -> str:
@@ -389,9 +390,13 @@ class SparseFFN(KernelModule):
             # Prefill: dense BLAS in the weights' own dtype (as the dense model does; quantized
             # blocks: over their weights dequantized to float32), masked per token by what
             # fired and, in predicted mode, by what was predicted.
-            h = down_input(x2, self.w_up, w_gate=self.w_gate, b_gate=self.b_gate, b_up=self.b_up,
-                           act=self.act, drelu=self.drelu, compute_dtype=self.float_dtype,
-                           qformat=self.qformat)
+            w_up, w_gate, x_in = self.w_up, self.w_gate, x2
+            if self.qformat is not None:  # their rows dequantized in C; x rounded as the kernels do
+                w_up, w_gate = (None if w is None else float_weight(w, self.qformat, self.d_model, True, slot)
+                                for w, slot in ((self.w_up, "up"), (self.w_gate, "gate")))
+                x_in = quant.round_activations(x2, self.qformat)
+            h = down_input(x_in, w_up, w_gate=w_gate, b_gate=self.b_gate, b_up=self.b_up,
+                           act=self.act, drelu=self.drelu, compute_dtype=self.float_dtype)
             active = h.abs() > self.threshold
             if predicted is not None:
                 active &= predicted
