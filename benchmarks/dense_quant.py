@@ -118,9 +118,7 @@ def main() -> None:
             print(f"| {O}x{K} | {name} | {r['format']} | {r['build']} | {r['bytes'] / 1e6:.2f} | "
                   f"{r['gbs']:.1f} | {r['best']:.1f} | {r['us']:.0f} | "
                   f"{100 * r['gbs'] / bw:.0f}% |")
-    frac = other.fraction()
-    print(f"\nstreaming read again: {bw1:.1f} GB/s; other processes used "
-          f"{'?' if frac is None else f'{100 * frac:.0f}%'} of the CPU time during the run")
+    print(other.footer(bw1))
 
 
 if __name__ == "__main__":

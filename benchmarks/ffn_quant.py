@@ -181,9 +181,7 @@ def main() -> None:
             print(f"| {r['block']} | {r['fmt']} | {r['mode']} | {r['active']:.0%} | {r['mb']:.1f} "
                   f"| {r['us']:.0f} | {r['gbs']:.1f} | {r['best']:.1f} | {r['vs32']:.2f}x "
                   f"| {r['vs16']:.2f}x | {r['closure_us']:.0f} |", flush=True)
-    frac = other.fraction()
-    print(f"\nstreaming read again: {stream_probe(5):.1f} GB/s; other processes used "
-          f"{'?' if frac is None else f'{100 * frac:.0f}%'} of the CPU time during the run")
+    print(other.footer(stream_probe(5)))
 
 
 if __name__ == "__main__":

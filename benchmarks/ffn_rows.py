@@ -230,9 +230,7 @@ def main() -> None:
                   f"| {cfg['bytes'] / 1e6:.1f} | {k} | {med * 1e6:.0f} "
                   f"| {cfg['bytes'] / med / 1e9:.1f} | {cfg['bytes'] / min(ts) / 1e9:.1f} "
                   f"| {first / med:.2f}x |")
-    frac = other.fraction()
-    print(f"\nstreaming read again: {stream_probe(5):.1f} GB/s; other processes used "
-          f"{'?' if frac is None else f'{100 * frac:.0f}%'} of the CPU time during the run")
+    print(other.footer(stream_probe(5)))
 
 
 if __name__ == "__main__":

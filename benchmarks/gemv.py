@@ -137,9 +137,7 @@ def main() -> None:
                       f"{r['C'] / r['torch']:.2f}x | {r['us']:.0f} | {r['torch_us']:.0f} | "
                       f"{r['C best']:.1f} | {r['torch best']:.1f} | {r['C hot']:.1f} | "
                       f"{r['torch hot']:.1f} | {r['overhead_us']:.1f} |", flush=True)
-    frac = other.fraction()
-    print(f"\nstreaming read again: {stream_probe(5):.1f} GB/s; other processes used "
-          f"{'?' if frac is None else f'{100 * frac:.0f}%'} of the CPU time during the run")
+    print(other.footer(stream_probe(5)))
 
 
 if __name__ == "__main__":

@@ -64,3 +64,10 @@ class OtherLoad:
             return None
         total, busy, ours = (e - s for e, s in zip(end, self.start))
         return max(0.0, busy - ours) / total if total > 0 else None
+
+    def footer(self, bandwidth: float) -> str:
+        """The line a benchmark ends with: the streaming probe again (`bandwidth` GB/s, measured
+        at the end) and other processes' share of the CPU since this OtherLoad began."""
+        frac = self.fraction()
+        return (f"\nstreaming read again: {bandwidth:.1f} GB/s; other processes used "
+                f"{'?' if frac is None else f'{100 * frac:.0f}%'} of the CPU time during the run")

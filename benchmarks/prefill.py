@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import json
-import subprocess
 import time
 
 import torch
@@ -37,13 +35,6 @@ def prefill_tps(model, prompt: torch.Tensor) -> float:
     return prompt.shape[1] / (time.perf_counter() - t0)
 
 
-def llama_cpp_pp(bins, gguf, threads: int, n: int) -> float:
-    r = subprocess.run([str(bins / "llama-bench"), "-m", str(gguf), "-p", str(n), "-n", "0",
-                        "-t", str(threads), "-r", "1", "-o", "json"],
-                       capture_output=True, text=True, check=True)
-    return float(json.loads(r.stdout)[0]["avg_ts"])
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=512)
@@ -60,7 +51,8 @@ def main():
     systems, base_of = {}, {}
     bins = bench.llama_cpp_bins()
     if bins is not None:
-        systems[f"llama.cpp {gguf.name}"] = lambda: llama_cpp_pp(bins, gguf, args.threads, args.tokens)
+        systems[f"llama.cpp {gguf.name}"] = (
+            lambda: bench.llama_bench(bins, gguf, args.threads, args.tokens, 1, test="pp"))
     for dtype in args.dtypes:
         float_dtype = torch.float32 if dtype == "gguf" else getattr(torch, dtype)
         quant = dict(gguf=gguf) if dtype == "gguf" else {}

@@ -109,9 +109,11 @@ def build_llama_cpp(build: pathlib.Path = BUILD) -> pathlib.Path:
 
 
 def llama_bench(bins: pathlib.Path, gguf: pathlib.Path, threads: int, n: int,
-                repetitions: int = 3) -> float:
-    """Decode tokens/s of llama-bench's tg test (mean of `repetitions`)."""
-    r = subprocess.run([str(bins / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(n),
+                repetitions: int = 3, test: str = "tg") -> float:
+    """Tokens/s of llama-bench (mean of `repetitions`): its tg test (decode n tokens), or with
+    test="pp" its pp test (prefill an n-token prompt)."""
+    p, g = (n, 0) if test == "pp" else (0, n)
+    r = subprocess.run([str(bins / "llama-bench"), "-m", str(gguf), "-p", str(p), "-n", str(g),
                         "-t", str(threads), "-r", str(repetitions), "-o", "json"],
                        capture_output=True, text=True, check=True)
     return float(json.loads(r.stdout)[0]["avg_ts"])

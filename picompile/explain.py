@@ -7,15 +7,13 @@ import re
 
 from picompile.compiled_model import CompiledModel
 from picompile.runtime.dense_linear import DenseLinear, QuantLinear
-from picompile.runtime.sparse_ffn import SparseFFN
+from picompile.runtime.sparse_ffn import SparseFFN, dtype_name
 
 
 def _weights_line(cm: CompiledModel) -> str:
     """Bytes of the weights by role and format: "FFN q4_0 12,345 B (30 blocks); ...", an FFN
     format "q4_1 (down q8_0)" where the down rows have their own. A tensor shared by several
     modules (tied weights) counts once."""
-    from picompile.runtime.sparse_ffn import dtype_name
-
     groups: dict[tuple[str, str], list[int]] = {}  # (role, format) -> [modules, bytes]
     seen: set[int] = set()
 
