@@ -260,6 +260,8 @@ def main():
     ap.add_argument("--mode", choices=["exact", "predicted"], default="exact",
                     help="picompile's mode; predicted trains a predictor per block on random "
                          "token ids (the model's weights are random too) and runs them all")
+    ap.add_argument("--formats", nargs="+", choices=["float16", "q4_0"], default=["float16", "q4_0"],
+                    help="picompile's weights, each against llama.cpp on the same weights")
     ap.add_argument("--dry-run", action="store_true",
                     help="build, write the GGUF files, compile, measure sparsity; print the "
                          "commands, time nothing")
@@ -291,44 +293,38 @@ def main():
     print(f"wrote {f16.name} ({f16.stat().st_size / 1e9:.2f} GB) and {q4.name} "
           f"({q4.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.0f} s; {memory()}", flush=True)
 
-    # q4_0 first, from the model just written: its float weights go once quantized, so the
-    # float16 copy built next is the only one held beside it (peak about 2x the float weights)
+    # q4_0 first, from the model just written: its float weights go as they are quantized, so
+    # the float16 model built next is the only float copy held beside it. Calibration (predicted
+    # mode) runs layer by layer in float32 (compile's choice for a float16 model on a CPU).
     t0 = time.perf_counter()
     mode = dict(mode=args.mode)
-    with_float16 = args.mode == "exact"
     if args.mode == "predicted":
-        # Calibration runs the float model in torch eager; torch's float16 matmul on the CPU is
-        # a reference loop (hours at this shape), so predicted mode measures q4_0 alone, its
-        # calibration in float32 (the same values: the float16 weights widened exactly).
-        print("predicted mode: q4_0 only (float16 calibration runs torch's reference float16 "
-              "GEMM on the CPU)", flush=True)
-        model = model.float()
         mode.update(predictors="all", calibration=torch.randint(
             0, n_vocab, (4, 128), generator=torch.Generator().manual_seed(2)))
-    cmq, decq, spq, bq = compiled("q4_0", model, prompt, args.new_tokens, quantize="q4_0", **mode)
+    runs = {}  # format -> (decoder, FFN sparsity, bytes per token)
+    if "q4_0" in args.formats:
+        cmq, *runs["q4_0"] = compiled("q4_0", model, prompt, args.new_tokens, quantize="q4_0", **mode)
+        print("q4_0 compiled: weights: "
+              + picompile.explain(cmq).split("weights: ", 1)[1].split("\n", 1)[0] + f"; {memory()}",
+              flush=True)
     del model
-    print("q4_0 compiled: weights: "
-          + picompile.explain(cmq).split("weights: ", 1)[1].split("\n", 1)[0] + f"; {memory()}", flush=True)
-    if with_float16:
-        cm16, dec16, sp16, b16 = compiled("float16", build(args.shape, args.layers, n_vocab, args.rate),
+    if "float16" in args.formats:
+        cm16, *runs["float16"] = compiled("float16", build(args.shape, args.layers, n_vocab, args.rate),
                                           prompt, args.new_tokens, **mode)
         print(picompile.explain(cm16), flush=True)
-        print(f"compiled both in {time.perf_counter() - t0:.0f} s; FFN sparsity float16 {sp16:.1%}, "
-              f"q4_0 {spq:.1%} (target {1 - args.rate:.0%}); {memory()}", flush=True)
+    print(f"compiled in {time.perf_counter() - t0:.0f} s; FFN sparsity "
+          + ", ".join(f"{f} {sp:.1%}" for f, (_, sp, _) in runs.items())
+          + f" (target {1 - args.rate:.0%}); {memory()}", flush=True)
 
     n = args.new_tokens
-    systems = {  # name -> (one round's tok/s, weight bytes per token, FFN sparsity, llama.cpp peer)
-        "llama.cpp Q4_0": (lambda: bench.llama_bench(bins, q4, args.threads, n, 1), llama_bytes_per_token(q4),
-                           None, None),
-        f"picompile q4_0, {args.mode}": (lambda: bench.decoder_tps(decq, prompt, n), bq, spq, "llama.cpp Q4_0"),
-    }
-    if with_float16:
-        systems = {
-            "llama.cpp F16": (lambda: bench.llama_bench(bins, f16, args.threads, n, 1),
-                              llama_bytes_per_token(f16), None, None),
-            f"picompile float16, {args.mode}": (lambda: bench.decoder_tps(dec16, prompt, n), b16, sp16,
-                                                "llama.cpp F16"),
-            **systems}
+    peers = {"float16": ("llama.cpp F16", f16), "q4_0": ("llama.cpp Q4_0", q4)}
+    systems = {}  # name -> (one round's tok/s, weight bytes per token, FFN sparsity, llama.cpp peer)
+    for fmt, (dec, sparsity, nbytes_) in runs.items():
+        peer, path = peers[fmt]
+        systems[peer] = (lambda path=path: bench.llama_bench(bins, path, args.threads, n, 1),
+                         llama_bytes_per_token(path), None, None)
+        systems[f"picompile {fmt}, {args.mode}"] = (lambda dec=dec: bench.decoder_tps(dec, prompt, n),
+                                                    nbytes_, sparsity, peer)
     if args.dry_run:
         for path in (f16, q4):
             print("$ " + shlex.join([str(bins / "llama-bench"), "-m", str(path), "-p", "0", "-n",
@@ -337,7 +333,7 @@ def main():
             print(f"{name}: {b / 1e6:.0f} MB of weights read per token")
         print(footer(t_start))
         return
-    for dec in (dec16, decq) if with_float16 else (decq,):
+    for dec, *_ in runs.values():
         bench.decoder_tps(dec, prompt, 8)  # warm up
     runs = {name: [] for name in systems}
     others = []  # other processes' CPU share while picompile ran (llama-bench's would count as other)

@@ -11,8 +11,9 @@ file of its own.
 Data flows one way: the passes fill the Plan (plan.py: what was found, decided, measured), the
 lowering binds kernels from it, the runtime (CompiledModel, compiled_model.py) runs them.
 Calibration and profiling run layer by layer on the GPU when the model is on the CPU and a GPU
-is there (passes/calibrate.py). A compile that fails before placement puts the model back as
-it was.
+is there, and layer by layer in float32 for a float16 / bfloat16 model on a CPU-only machine
+(passes/calibrate.py). A compile that fails (or is interrupted) before placement puts the model
+back as it was.
 
 `load` re-runs capture, detect and rewrite on a fresh model and applies a saved plan instead of
 calibrating, profiling and training again.
@@ -114,7 +115,6 @@ def compile(
     captured = _capture(model, plan)
     try:
         profiles = _decide(captured, plan, ids, opts)
-        cm = _lower(captured, plan, opts.gguf)
     except BaseException:
         # Nothing has permuted or moved a weight before placement: put the original modules
         # back, so that a retry (with other arguments) starts from the model as it was.
@@ -122,8 +122,12 @@ def compile(
             _restore(model, captured.graphs)
         raise
     finally:
-        for gm in captured.graphs.values():  # the originals hold weights the rewrite copied
+        # The originals hold the float weights (the rewrite shares or copies them): gone before
+        # lowering, which quantizes, so that the float and the quantized model are never both
+        # held (a 7B float16 model is 13.5 GB).
+        for gm in captured.graphs.values():
             gm.meta.pop("picompile_original", None)
+    cm = _lower(captured, plan, opts.gguf)
     cm.firing = {name: prof.freq for name, prof in profiles.items()}
     hybrid = opts.budget is not None and torch.cuda.is_available() and plan.placement.fixed_on_gpu
     if opts.mode == Mode.PREDICTED and not hybrid:  # in the hybrid runtime every predictor runs
@@ -185,17 +189,19 @@ def _decide(captured: Captured, plan: Plan, ids, opts: Options) -> dict[str, Blo
     """calibrate -> profile -> predictors -> place, recorded in the plan's blocks. Returns the
     profiles (per-neuron firing, block input samples) for autotune and report()."""
     model, ffns = captured.model, captured.ffns
-    device = calibrate_pass.calibration_device(model)  # "cuda": layer by layer for a CPU model
+    # layer by layer on the GPU for a CPU model, or in float32 for a float16 model on the CPU
+    device, dtype = calibrate_pass.calibration_device(model)
     # calibrate: thresholds for SiLU/GELU blocks, measured sparsity for all
     needs_threshold = bool(opts.sparsity) and any(not b.exact for b in plan.blocks)
     if ids is not None:
         plan.calibration_tokens = int(ids.numel())
         if needs_threshold or not opts.needs_profile:
-            calibrate_pass.calibrate(model, ffns, ids, opts.sparsity, quiet=opts.quiet, device=device)
+            calibrate_pass.calibrate(model, ffns, ids, opts.sparsity, quiet=opts.quiet, device=device,
+                                     dtype=dtype)
     if not opts.needs_profile:
         return {}
     # profile + predictors: which neurons fire, and small MLPs that guess it per token
-    profiles = profile_pass.profile(model, ffns, ids, quiet=opts.quiet, device=device)
+    profiles = profile_pass.profile(model, ffns, ids, quiet=opts.quiet, device=device, dtype=dtype)
     for name, prof in profiles.items():
         ffns[name].block.measured.sparsity = 1.0 - prof.density
     if opts.mode == Mode.PREDICTED:

@@ -102,7 +102,7 @@ def explain(cm: CompiledModel) -> str:
     if predicted:
         lines.append(f"  B/token: weight bytes read per decoded token; us: measured microseconds "
                      f"per decoded token; used: the block runs its predictor "
-                     f"(predictors={plan.predictors!r})")
+                     f"(predictors='{plan.predictors}')")
     if placed:
         p = plan.placement
         lines.append(f"placement: budget {p.budget_bytes:,} B, on the GPU {p.gpu_bytes:,} B, "

@@ -157,3 +157,16 @@ def test_a_refused_compile_leaves_the_model_untouched():
         picompile.compile(model, mode="predicted")
     assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_compile_that_fails_while_profiling_puts_the_model_back():
+    model = zoo.make("llama_relu")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    out_of_range = torch.full((2, 8), zoo.VOCAB + 5)  # fails in the embedding, inside profiling
+    with pytest.raises((IndexError, ValueError, RuntimeError)):
+        picompile.compile(model, mode="predicted", calibration=out_of_range)
+    assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    cm = picompile.compile(model, mode="predicted", calibration=torch.randint(0, zoo.VOCAB, (2, 8)),
+                           predictors="all", quiet=True)  # a retry starts from the model as it was
+    assert all(not gm.meta.get("picompile_original") for gm in cm.graphs.values())

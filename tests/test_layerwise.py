@@ -130,8 +130,43 @@ def test_layerwise_needs_a_list_of_decoder_layers():
     cm = picompile.compile(TwoBlocks(), quiet=True)
     with pytest.raises(calibrate_pass.LayerwiseUnsupported, match="list of decoder layers"):
         calibrate_pass.run_calibration(cm._orig_mod, torch.randn(2, 3, 8), device="cpu", quiet=True)
-    assert calibrate_pass.calibration_device(cm._orig_mod) is None  # compile: the whole-model path
+    assert calibrate_pass.calibration_device(cm._orig_mod) == (None, None)  # the whole-model path
     assert isinstance(calibrate_pass.decoder_layers(_compiled("opt").model), nn.ModuleList)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_layerwise_in_float32_for_a_half_model_equals_the_widened_model(dtype):
+    """A float16 / bfloat16 model on the CPU calibrates layer by layer in float32 (torch's CPU
+    half matmul is a slow loop): what the whole float32-widened model profiles, and every
+    weight back in its own dtype, bit for bit."""
+    cm = _compiled("llama_silu")
+    cm._orig_mod.to(dtype)
+    before = {k: p.clone() for k, p in cm._orig_mod.state_dict().items()}
+    ffns, ids = cm.ffns(), _ids()
+    layerwise = profile_pass.profile(cm._orig_mod, ffns, ids, quiet=True, device="cpu",
+                                     dtype=torch.float32)
+    after = cm._orig_mod.state_dict()
+    assert all(after[k].dtype == t.dtype and torch.equal(after[k], t) for k, t in before.items())
+    cm._orig_mod.float()
+    whole = profile_pass.profile(cm._orig_mod, ffns, ids, quiet=True)
+    _assert_same_profiles(whole, layerwise)
+    expected = ("cuda", None) if torch.cuda.is_available() else ("cpu", torch.float32)
+    cm._orig_mod.to(dtype)
+    assert calibrate_pass.calibration_device(cm._orig_mod) == expected
+    cm._orig_mod.float()
+    assert calibrate_pass.calibration_device(cm._orig_mod)[1] is None  # float32: as it is
+
+
+def test_compile_predicted_of_a_float16_model_on_the_cpu():
+    model = zoo.make("llama_relu").half()
+    cm = picompile.compile(model, mode="predicted", calibration=_ids(rows=8, seq=48),
+                           predictors="all", quiet=True)
+    assert all(p.dtype != torch.float32 for n, p in cm._orig_mod.named_parameters()
+               if "predictor" not in n and p.is_floating_point())
+    for b in cm.plan.blocks:
+        assert b.measured.predictor_recall >= 0.9 and 0 < b.measured.true_density < 1
+    with torch.no_grad():
+        assert zoo.logits(cm, _ids(rows=1, seq=5)).isfinite().all()
 
 
 def test_predictors_train_to_the_cpu_and_deterministically():
@@ -177,7 +212,7 @@ def test_layerwise_on_the_gpu_for_a_model_on_the_cpu(arch):
     layerwise = profile_pass.profile(cm._orig_mod, ffns, ids, quiet=True, device="cuda")
     _assert_same_profiles(whole, layerwise, exact=False)
     assert all(p.device == devices[k] for k, p in cm._orig_mod.named_parameters())  # moved back
-    assert calibrate_pass.calibration_device(cm._orig_mod) == "cuda"
+    assert calibrate_pass.calibration_device(cm._orig_mod) == ("cuda", None)
 
 
 @gpu

@@ -69,17 +69,28 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
         f"mask); {type(model).__name__} has none: calibrate it whole (device=None)")
 
 
-def calibration_device(model: nn.Module) -> str | None:
-    """Where compile runs calibration layer by layer: "cuda" when a CUDA GPU is there, the
-    model's weights are on the CPU (it may not fit the GPU) and it has decoder layers; None
-    (the whole model where it is) otherwise."""
-    if not torch.cuda.is_available() or next(model.parameters()).device.type != "cpu":
-        return None
+def calibration_device(model: nn.Module) -> tuple[str | None, torch.dtype | None]:
+    """Where compile runs calibration, as (device, dtype) for run_calibration:
+
+    ("cuda", None): layer by layer on the GPU, when one is there and the model's weights are on
+    the CPU (the model may not fit the GPU);
+    ("cpu", torch.float32): layer by layer on the CPU, each layer widened to float32 while it
+    runs, for a float16 / bfloat16 model on a machine without one (torch's CPU matmul in those
+    dtypes is a slow reference loop: hours for a 7B model; one float32 layer at a time costs a
+    layer's memory, not the model's);
+    (None, None): the whole model where it is (models without a list of decoder layers too)."""
+    first = next(model.parameters())
     try:
         decoder_layers(model)
     except LayerwiseUnsupported:
-        return None
-    return "cuda"
+        return None, None
+    if first.device.type != "cpu":
+        return None, None
+    if torch.cuda.is_available():
+        return "cuda", None
+    if first.dtype in (torch.float16, torch.bfloat16):
+        return "cpu", torch.float32
+    return None, None
 
 
 def _forward(model: nn.Module, batch: torch.Tensor) -> None:
@@ -102,26 +113,30 @@ def _tensor_slots(module: nn.Module, skip: set[int] = frozenset()) -> list[tuple
     return slots
 
 
-def _move(slots: list[tuple], devices) -> list[torch.device]:
-    """Move each slot's tensor to its device in `devices` (one per slot, or one for all);
-    return where each was, to move it back with. Parameters keep their identity (only .data
-    changes), as nn.Module.to does, so hooks and references to them stay valid."""
-    if not isinstance(devices, list):
-        devices = [devices] * len(slots)
+def _move(slots: list[tuple], to) -> list[tuple]:
+    """Move each slot's tensor to its (device, dtype) in `to` (one per slot, or one for all;
+    dtype None or a non-float tensor: its dtype kept); return where each was, as (device,
+    dtype), to move it back with. Parameters keep their identity (only .data changes), as
+    nn.Module.to does, so hooks and references to them stay valid. float16 / bfloat16 widened
+    to float32 and back is exact."""
+    if not isinstance(to, list):
+        to = [to] * len(slots)
     before = []
-    for (owner, kind, name), device in zip(slots, devices):
+    for (owner, kind, name), (device, dtype) in zip(slots, to):
         t = getattr(owner, kind)[name]
-        before.append(t.device)
+        before.append((t.device, t.dtype))
+        dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
         if kind == "_parameters":
-            t.data = t.data.to(device)
+            t.data = t.data.to(device=device, dtype=dtype)
         else:
-            owner._buffers[name] = t.to(device)
+            owner._buffers[name] = t.to(device=device, dtype=dtype)
     return before
 
 
 @torch.no_grad()
 def run_calibration(model: nn.Module, ids: torch.Tensor, batch_size: int = 4, quiet: bool = False,
-                    desc: str = "calibrating", device: str | torch.device | None = None) -> None:
+                    desc: str = "calibrating", device: str | torch.device | None = None,
+                    dtype: torch.dtype | None = None) -> None:
     """Feed calibration rows through the model (no KV cache), `batch_size` rows at a time.
 
     device=None: the whole model, on the device of its first weights. A device ("cuda", or "cpu"
@@ -129,7 +144,8 @@ def run_calibration(model: nn.Module, ids: torch.Tensor, batch_size: int = 4, qu
     on it: the inputs of the first decoder layer are recorded for every batch, then each layer
     in turn goes to `device`, takes every batch's hidden states and goes back to where it was.
     Forward hooks on the SparseFFN modules fire as in a whole-model run, block by block in
-    model order but with all batches of a layer before the next layer's."""
+    model order but with all batches of a layer before the next layer's. dtype (layer by layer
+    only): each layer's float tensors, and the hidden states, in that dtype while it runs."""
     if device is None:
         first = next(model.parameters()).device
         for start in progress_bar(range(0, ids.shape[0], batch_size), desc=desc, quiet=quiet):
@@ -138,6 +154,7 @@ def run_calibration(model: nn.Module, ids: torch.Tensor, batch_size: int = 4, qu
 
     layers = decoder_layers(model)
     device = torch.device(device)
+    to = (device, dtype)
     # 1. Everything before the first layer (embeddings, rotary tables, masks) runs on `device`;
     # a hook on layer 0 records its inputs and stops the forward there ("Catcher").
     hidden: list[torch.Tensor] = []  # per batch: hidden states [batch, seq, d] on `device`
@@ -150,7 +167,7 @@ def run_calibration(model: nn.Module, ids: torch.Tensor, batch_size: int = 4, qu
 
     in_layers = {id(t) for t in (*layers.parameters(), *layers.buffers())}
     outside = _tensor_slots(model, skip=in_layers)  # embeddings, final norm, rotary buffers
-    where = _move(outside, device)
+    where = _move(outside, to)
     handle = layers[0].register_forward_pre_hook(catch, with_kwargs=True)
     try:
         for start in range(0, ids.shape[0], batch_size):
@@ -166,7 +183,7 @@ def run_calibration(model: nn.Module, ids: torch.Tensor, batch_size: int = 4, qu
     # of d=5120 in float16: 335 MB); one layer's weights are there at a time.
     for layer in progress_bar(layers, desc=desc, quiet=quiet, total=len(layers)):
         slots = _tensor_slots(layer)
-        where = _move(slots, device)
+        where = _move(slots, to)
         try:
             for i, (args, kwargs) in enumerate(inputs):
                 out = layer(hidden[i], *args, **kwargs)
@@ -183,10 +200,11 @@ def calibrate(
     sparsity: float | None,
     quiet: bool = False,
     device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
 ) -> None:
     """Set block.measured.sparsity for every block and, when a sparsity is asked for, the
-    threshold of every non-ReLU block (ReLU blocks stay exact). device: as run_calibration's
-    (None: the whole model where it is; else layer by layer on that device)."""
+    threshold of every non-ReLU block (ReLU blocks stay exact). device, dtype: as
+    run_calibration's (None: the whole model where it is; else layer by layer on that device)."""
     samples: dict[str, list[torch.Tensor]] = {name: [] for name in ffns}
     # One generator per block: its samples are the same whichever order the blocks run in
     # (whole model: batch after batch; layer by layer: block after block).
@@ -206,7 +224,7 @@ def calibrate(
 
     handles = [ffn.register_forward_hook(hook(name)) for name, ffn in ffns.items()]
     try:
-        run_calibration(model, ids, quiet=quiet, device=device)
+        run_calibration(model, ids, quiet=quiet, device=device, dtype=dtype)
     finally:
         for h in handles:
             h.remove()

@@ -46,9 +46,10 @@ def profile(
     quiet: bool = False,
     seed: int = 0,
     device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
 ) -> dict[str, BlockProfile]:
-    """Per block, its BlockProfile. device: as run_calibration's (None: the whole model where it
-    is; else layer by layer on that device).
+    """Per block, its BlockProfile. device, dtype: as run_calibration's (None: the whole model
+    where it is; else layer by layer on that device).
 
     Counters and samples live on the device the activations are on (no copy to the host per
     call). freq comes back on the CPU; the samples stay where they were recorded, so that a
@@ -89,7 +90,8 @@ def profile(
 
     handles = [f.register_forward_hook(hook(n)) for n, f in ffns.items()]
     try:
-        run_calibration(model, ids, quiet=quiet, desc="profiling neurons", device=device)
+        run_calibration(model, ids, quiet=quiet, desc="profiling neurons", device=device,
+                        dtype=dtype)
     finally:
         for h in handles:
             h.remove()
