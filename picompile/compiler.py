@@ -21,6 +21,7 @@ calibrating, profiling and training again.
 
 from __future__ import annotations
 
+import gc
 import warnings
 from dataclasses import dataclass
 
@@ -127,6 +128,7 @@ def compile(
         # held (a 7B float16 model is 13.5 GB).
         for gm in captured.graphs.values():
             gm.meta.pop("picompile_original", None)
+        gc.collect()  # modules and their graphs hold each other: freed by the collector only
     cm = _lower(captured, plan, opts.gguf)
     cm.firing = {name: prof.freq for name, prof in profiles.items()}
     hybrid = opts.budget is not None and torch.cuda.is_available() and plan.placement.fixed_on_gpu
@@ -139,6 +141,7 @@ def compile(
         cm.distribute("cuda")
     cm.decoder()  # built and verified now, not in the first generate()
     _notes(cm, opts)
+    gc.collect()  # the float weights the lowering replaced, held in cycles
     return cm
 
 

@@ -133,6 +133,18 @@ def _move(slots: list[tuple], to) -> list[tuple]:
     return before
 
 
+def _head_only(model: nn.Module) -> set[int]:
+    """ids of the output embedding's tensors that the input embedding does not share."""
+    try:
+        head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return set()
+    if head is None:
+        return set()
+    shared = set() if embed is None else {id(t) for t in embed.parameters()}
+    return {id(t) for t in head.parameters()} - shared
+
+
 @torch.no_grad()
 def run_calibration(model: nn.Module, ids: torch.Tensor, batch_size: int = 4, quiet: bool = False,
                     desc: str = "calibrating", device: str | torch.device | None = None,
@@ -166,7 +178,9 @@ def run_calibration(model: nn.Module, ids: torch.Tensor, batch_size: int = 4, qu
         raise _Caught
 
     in_layers = {id(t) for t in (*layers.parameters(), *layers.buffers())}
-    outside = _tensor_slots(model, skip=in_layers)  # embeddings, final norm, rotary buffers
+    # embeddings, final norm, rotary buffers; not an untied LM head, which runs after the layers
+    # (49152 x 4096 in float32 is 805 MB)
+    outside = _tensor_slots(model, skip=in_layers | _head_only(model))
     where = _move(outside, to)
     handle = layers[0].register_forward_pre_hook(catch, with_kwargs=True)
     try:
