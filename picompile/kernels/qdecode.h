@@ -1,9 +1,9 @@
 /* picompile: GGUF block decoding written once for the CUDA kernels and a host test harness.
  *
  * The CUDA sparse FFN kernels (ffn_cuda_q.cuh) dequantize q8_0 / q4_0 / q4_1 rows in registers
- * with these functions; tests/test_quant_decode_host.py compiles the very same text with gcc (as C) and
- * g++ (as C++) and checks it against picompile.quant.dequantize and quant.round_activations bit
- * for bit: the CPU evidence that the GPU decodes blocks right. So this file includes nothing and
+ * with these functions; tests/test_quant_decode_host.py compiles the very same text with gcc (as
+ * C) and g++ (as C++) and checks it against picompile.quant.dequantize and
+ * quant.round_activations bit for bit: the CPU evidence that the GPU decodes blocks right. So this file includes nothing and
  * uses only what both sides have: under nvcc / NVRTC the functions are __host__ __device__, under
  * a C compiler plain static inline (the host harness includes <math.h> first, for rintf).
  *
