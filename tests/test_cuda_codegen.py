@@ -18,7 +18,7 @@ import pytest
 
 from picompile.activations import ACT_MACROS, ACTIVATIONS
 from picompile.codegen import build, cuda
-from picompile.codegen.variant import Variant
+from picompile.codegen.variant import QFORMATS, Variant
 from picompile.plan import BlockPlan, Decisions
 
 VARIANTS = cuda.all_variants()
@@ -34,12 +34,15 @@ needs_nvcc = pytest.mark.skipif(
 
 
 def test_all_variants_enumerates_the_space():
-    assert len(VARIANTS) == len(set(VARIANTS)) == 108  # 3 dtypes x (4 plain + 4 gated + 1 dReLU) x 4
+    # (3 dtypes + 3 GGUF formats) x (4 plain + 4 gated + 1 dReLU) x 4
+    assert len(VARIANTS) == len(set(VARIANTS)) == 216
     assert len({v.tag for v in VARIANTS}) == len(VARIANTS)
     for v in VARIANTS:
         assert re.fullmatch(r"[a-z0-9_]+", v.tag)
         assert not v.drelu or (v.gated and v.act == "relu")
-    assert {v.dtype for v in VARIANTS} == set(cuda.DTYPES)
+        assert v.down_dtype == ("q8_0" if v.quantized else v.dtype)
+    assert {v.dtype for v in VARIANTS} == set(cuda.DTYPES) | set(QFORMATS)
+    assert cuda.all_variants(quantized=False) == [v for v in VARIANTS if not v.quantized]
     assert {v.act for v in VARIANTS} == set(cuda.ACTS) == set(ACTIVATIONS)
 
 
@@ -52,7 +55,14 @@ def test_variant_validation():
         Variant("float16", gated=False, drelu=True, bias=False, act="relu")
     # One variant type for C and CUDA: the CUDA kernels refuse what only the C ones take.
     with pytest.raises(ValueError, match="CUDA kernels take"):
-        cuda.source(Variant("q8_0", gated=True, drelu=False, bias=False, act="relu"))
+        cuda.source(Variant("q4_0", gated=True, drelu=False, bias=False, act="relu"))  # q4_0 down
+    with pytest.raises(ValueError, match="CUDA kernels take"):
+        cuda.source(Variant("q4_1", gated=True, drelu=False, bias=False, act="relu",
+                            down_dtype="float32"))
+    with pytest.raises(ValueError, match="CUDA kernels take"):
+        cuda.source(Variant("float16", gated=True, drelu=False, bias=False, act="relu",
+                            down_dtype="q8_0"))
+    cuda.source(Variant("q8_0", gated=True, drelu=False, bias=False, act="relu"))  # q8_0 down: fine
     with pytest.raises(ValueError, match="CUDA kernels take"):
         cuda.source(Variant("float16", gated=True, drelu=False, bias=False, act="relu",
                             down_dtype="float32"))
@@ -94,7 +104,7 @@ def test_kernel_files_document_every_parameter():
     """Each extern "C" kernel of the .cuh files: one parameter per line, each with a comment."""
     files = importlib.resources.files("picompile") / "kernels"
     n = 0
-    for name in ("ffn_cuda.cuh", "ffn_cuda_dtype.cuh", "ffn_cuda_variant.cuh"):
+    for name in ("ffn_cuda.cuh", "ffn_cuda_dtype.cuh", "ffn_cuda_variant.cuh", "ffn_cuda_q.cuh"):
         for kernel, params in _KERNEL.findall((files / name).read_text()):
             n += 1
             lines = [ln for ln in params.strip().splitlines() if ln.strip()]
@@ -103,7 +113,7 @@ def test_kernel_files_document_every_parameter():
                 assert "//" in ln, f"{kernel}: parameter without a comment: {ln.strip()}"
             if re.search(r"pi_(gate_up|down_1|down_b|pred)", kernel):
                 assert re.search(r"\[\w+, \w+\]", params), f"{kernel}: no [rows, cols] shape comment"
-    assert n == 2 + 7 + 2  # mask bits, compaction; per dtype; per variant
+    assert n == 2 + 7 + 2 + 1  # mask bits, compaction; per dtype; per variant; rounding of x
 
 
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.tag)
@@ -128,12 +138,14 @@ def test_sources_differ_where_variants_differ():
     for v in VARIANTS:
         for field, value in (("dtype", None), ("gated", not v.gated), ("bias", not v.bias),
                              ("act", None), ("threshold", not v.threshold)):
+            formats = cuda.DTYPES + QFORMATS
             choices = ([value] if value is not None
-                       else [x for x in (cuda.DTYPES if field == "dtype" else cuda.ACTS)
+                       else [x for x in (formats if field == "dtype" else cuda.ACTS)
                              if x != getattr(v, field)])
             for c in choices:
-                # (down_dtype follows dtype only when left out: the CUDA kernels take one dtype)
-                change = {"dtype": c, "down_dtype": c} if field == "dtype" else {field: c}
+                # (the CUDA kernels take one float dtype, or GGUF rows with q8_0 down rows)
+                down = "q8_0" if c in QFORMATS else c
+                change = {"dtype": c, "down_dtype": down} if field == "dtype" else {field: c}
                 try:
                     w = dataclasses.replace(v, **change)
                 except ValueError:  # e.g. plain dReLU
@@ -159,17 +171,44 @@ def test_sources_differ_where_variants_differ():
         assert re.search(rf"^#define {macro} \d+$", act_h, re.M), macro
 
 
+@pytest.mark.parametrize("fmt", QFORMATS)
+def test_quantized_sources(fmt):
+    """A quantized variant reads its gate / up rows as SparseFFN holds them (the dot layout for
+    the 4-bit formats: exactly those quant.interleave_blocks changes), q8_0 down rows in GGUF's
+    layout, x / biases / predictor in float32, and decodes blocks with qdecode.h (the header the
+    host test checks); float sources carry none of it."""
+    v = Variant(fmt, gated=True, drelu=False, bias=True, act="silu", down_dtype="q8_0")
+    src = cuda.source(v)
+    import torch
+
+    from picompile import quant
+
+    q = torch.arange(2 * 8 * quant.format_of(fmt).block_bytes, dtype=torch.int64).to(torch.uint8)
+    q = q.reshape(2, -1)
+    dot = int(not torch.equal(quant.interleave_blocks(q, fmt), q))
+    code = {"q8_0": "PQD_Q8_0", "q4_0": "PQD_Q4_0", "q4_1": "PQD_Q4_1"}[fmt]
+    assert f"#define PI_ROWS PiQRows<{code}, {dot}>\n" in src  # gate / up
+    assert "#define PI_ROWS PiQRows<PQD_Q8_0, 0>\n" in src  # down
+    assert "#define PI_DT f32_q8_0\n" in src and "#define PI_FMT PiF16" not in src
+    assert src.count("#define PI_FMT PiF32\n") == 2
+    assert "pqd_row_block(" in src and "pi_round_x" in cuda.kernel_names(v).values()
+    assert (fmt in quant.INT8_ACTIVATIONS) == (dot == 1)
+    assert "pqd_" not in cuda.source(dataclasses.replace(v, dtype="float32", down_dtype="float32"))
+
+
 def test_combined_source_defines_each_kernel_once():
     src = cuda.combined_source(VARIANTS + VARIANTS[:3])  # repeats are dropped
     assert src.count("#define PICOMPILE_CUDA_PRELUDE") == 1
-    assert src.count("#define PI_DT ") == len(cuda.DTYPES)
+    assert src.count("#define PICOMPILE_CUDA_Q") == src.count("#define PICOMPILE_QDECODE_H") == 1
+    # the float dtypes, and f32_q8_0: every quantized variant's predictor and q8_0 down rows
+    assert src.count("#define PI_DT ") == len(cuda.DTYPES) + 1
     assert src.count("#define PI_TAG ") == len(VARIANTS)
     defined = [name for name, _ in _kernel_defs(src)]
     assert len(defined) == len(set(defined))
     expected = {n for v in VARIANTS for n in cuda.kernel_names(v).values()}
     assert set(defined) == expected
-    # 3 dtypes x 7 dtype kernels + mask bits + compaction + 2 gate/up kernels per variant
-    assert len(defined) == 3 * 7 + 2 + 2 * len(VARIANTS)
+    # 4 dtype parts x 7 kernels + mask bits + compaction + rounding + 2 gate/up kernels per variant
+    assert len(defined) == 4 * 7 + 3 + 2 * len(VARIANTS)
 
 
 def test_kernel_sources_are_package_data():
@@ -178,7 +217,7 @@ def test_kernel_sources_are_package_data():
     files = importlib.resources.files("picompile") / "kernels"
     names = sorted(f.name for f in files.iterdir() if f.is_file())
     for name in ("ffn.c", "qblocks.h", "act.h", "ffn_cuda.cuh", "ffn_cuda_dtype.cuh",
-                 "ffn_cuda_variant.cuh"):
+                 "ffn_cuda_variant.cuh", "ffn_cuda_q.cuh", "qdecode.h"):
         assert name in names
         assert build.package_source(name)  # spliced without error
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
@@ -214,9 +253,10 @@ def test_nvcc_builds_every_variant(cubins, arch):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("dtype", cuda.DTYPES)
+@pytest.mark.parametrize("dtype", cuda.DTYPES + QFORMATS)
 def test_compile_with_nvcc_one_variant(dtype):
-    v = Variant(dtype, gated=True, drelu=False, bias=True, act="gelu_tanh", threshold=True)
+    v = Variant(dtype, gated=True, drelu=False, bias=True, act="gelu_tanh", threshold=True,
+                down_dtype="q8_0" if dtype in QFORMATS else None)
     path = cuda.compile_with_nvcc(v, "sm_90")
     data = path.read_bytes()
     assert data[:4] == b"\x7fELF"

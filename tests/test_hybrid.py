@@ -176,3 +176,34 @@ def test_decode_runs_the_cold_part_on_the_worker():
     want = ffn(x, predicted)
     ffn.hybrid = hybrid
     torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+def test_quantized_blocks_split_across_a_gpu_with_q8_0_down_rows(monkeypatch):
+    """A quantized block's hot rows go to the CUDA kernels as the CPU holds them (uint8 blocks,
+    4-bit gate / up rows in the dot layout) with their formats; blocks whose down rows the GPU
+    kernels do not read (float, 4-bit) are refused before anything moves. Checked without a GPU
+    through a stand-in for codegen.cuda.CudaFFN."""
+    from picompile.codegen import cuda
+    from picompile.runtime import hybrid
+
+    seen = {}
+
+    class StandInCudaFFN:
+        def __init__(self, w_up, w_down_t, **kw):
+            seen.update(kw, w_up=w_up, w_down_t=w_down_t)
+
+    monkeypatch.setattr(cuda, "CudaFFN", StandInCudaFFN)
+    cm = picompile.compile(zoo.make("llama_relu"), quiet=True)
+    ffn = next(iter(cm.ffns().values()))
+    ffn.quantize_("q4_1", "q8_0")
+    hybrid._check_quantized(ffn, torch.device("cuda"))  # accepted
+    view = hybrid._view(ffn, slice(0, 5), "cpu", with_down_bias=True)
+    hybrid.CudaHotKernel(view)
+    assert seen["qformat"] == "q4_1" and seen["down_qformat"] == "q8_0"
+    assert torch.equal(seen["w_up"], ffn.w_up[:5]) and seen["w_up"].dtype == torch.uint8
+    assert torch.equal(seen["w_gate"], ffn.w_gate[:5]) and torch.equal(seen["w_down_t"], ffn.w_down_t[:5])
+    for down in ("float32", "q4_1"):
+        ffn.quantize_("q4_1", down)
+        with pytest.raises(ValueError, match="q8_0 down rows"):
+            hybrid._check_quantized(ffn, torch.device("cuda"))
+        hybrid._check_quantized(ffn, torch.device("cpu"))  # the CPU stand-in takes any

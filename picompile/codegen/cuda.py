@@ -32,6 +32,13 @@ translation unit, each part once (`combined_source`, what the CI compile test bu
 call per arch). The kernels files are spliced in (`build.splice_headers`): a source is one text,
 for NVRTC and for the build cache's key.
 
+Quantized variants (dtype q8_0 / q4_0 / q4_1, down rows q8_0) read GGUF blocks and dequantize
+them in registers (ffn_cuda_q.cuh, with qdecode.h's decoding, which a host test checks against
+picompile.quant bit for bit), fp32 accumulation; x, biases and the predictor are float32. The rows
+are the CPU's SparseFFN rows as they are (4-bit gate / up rows in the dot layout), and 4-bit rows
+are dotted with x rounded to int8 blocks (pi_round_x, quant.round_activations), as the reference
+and the C kernels do: results match ffn_reference up to float summation order.
+
 No system headers are included: float16 / bfloat16 are read as raw 16-bit words and widened with
 one PTX `cvt` (f16) or a shift (bf16), so the same source builds with nvcc and with NVRTC (cupy).
 
@@ -56,9 +63,10 @@ import os
 import shutil
 from pathlib import Path
 
+from picompile import quant
 from picompile.activations import ACT_MACROS
 from picompile.codegen.build import BuildFailed, compile_cached, splice_headers
-from picompile.codegen.variant import ACTS, DTYPES, Variant
+from picompile.codegen.variant import ACTS, DTYPES, QFORMATS, Variant
 from picompile.config import KERNEL_MAX_TOKENS
 
 ARCHS = ("sm_80", "sm_90")
@@ -77,6 +85,12 @@ _FORMATS = {
     "float16": ("PiF16", 8),
     "bfloat16": ("PiBF16", 8),
 }
+
+# Per GGUF block format: its code in qdecode.h. Quantized variants read gate / up rows in one of
+# them and down rows in q8_0 (DOWN_QFORMAT); x, biases and the predictor are float32.
+_QFORMATS = {"q8_0": "PQD_Q8_0", "q4_0": "PQD_Q4_0", "q4_1": "PQD_Q4_1"}
+DOWN_QFORMAT = "q8_0"
+_Q_DOWN_VEC = 8  # PiQRows::VEC: down columns per thread
 
 # Block sizes; the kernels' __launch_bounds__ (ffn_cuda.cuh's PI_* macros) use the same numbers.
 _WARPS_PER_BLOCK = 8  # pred_hidden, pred_mask, gate_up: 256 threads
@@ -100,15 +114,43 @@ class NvccError(BuildFailed):
 
 
 def _check(v: Variant) -> None:
-    """The CUDA kernels read float weights, all of one dtype."""
-    if v.dtype not in _FORMATS or v.down_dtype != v.dtype:
-        raise ValueError(f"the CUDA kernels take weights in one dtype of {DTYPES}, not "
+    """The CUDA kernels read float weights all of one dtype, or GGUF gate / up rows (any of
+    QFORMATS) with q8_0 down rows."""
+    if v.quantized:
+        if v.down_dtype != DOWN_QFORMAT:
+            raise ValueError(f"the CUDA kernels take {v.dtype} gate / up rows with "
+                             f"{DOWN_QFORMAT} down rows, not {v.down_dtype!r} down")
+    elif v.dtype not in _FORMATS or v.down_dtype != v.dtype:
+        raise ValueError(f"the CUDA kernels take weights in one dtype of {DTYPES} (or "
+                         f"{QFORMATS} gate / up rows with {DOWN_QFORMAT} down rows), not "
                          f"{v.dtype!r} gate / up and {v.down_dtype!r} down")
+
+
+def _dtype_tag(v: Variant) -> str:
+    """The suffix of v's predictor and down kernels (ffn_cuda_dtype.cuh): the dtype's short name,
+    or for quantized variants "f32_q8_0" (float32 x, predictor and b_down; q8_0 down rows),
+    which all of them share."""
+    return f"f32_{v.down_dtype}" if v.quantized else v.dtag
+
+
+def _x_format(v: Variant) -> str:
+    """The float dtype of x, the biases and the predictor: the weights' dtype, float32 for
+    quantized variants."""
+    return "float32" if v.quantized else v.dtype
+
+
+def _rows_format(fmt: str, dot: bool = False) -> str:
+    """The row format struct (ffn_cuda.cuh's PiRows, ffn_cuda_q.cuh's PiQRows) of rows in
+    `fmt`. dot: 4-bit rows in the dot layout (SparseFFN's gate / up rows; down rows are GGUF's)."""
+    if fmt in _QFORMATS:
+        return f"PiQRows<{_QFORMATS[fmt]}, {int(dot and fmt in quant.INT8_ACTIVATIONS)}>"
+    return f"PiRows<{_FORMATS[fmt][0]}>"
 
 
 def kernel_names(v: Variant) -> dict[str, str]:
     """Role -> extern "C" kernel name in `source(v)`."""
-    dt = v.dtag
+    dt = _dtype_tag(v)
+    quantized = {"round_x": "pi_round_x"} if v.quantized else {}
     return {
         "pred_hidden_1": f"pi_pred_hidden_1_{dt}",
         "pred_hidden_b": f"pi_pred_hidden_b_{dt}",
@@ -121,19 +163,22 @@ def kernel_names(v: Variant) -> dict[str, str]:
         "down_1": f"pi_down_1_{dt}",
         "down_b": f"pi_down_b_{dt}",
         "down_reduce": f"pi_down_reduce_{dt}",
+        **quantized,
     }
 
 
-def all_variants() -> list[Variant]:
+def all_variants(quantized: bool = True) -> list[Variant]:
     """Every variant the compiler can ask for: dtype x kind x act x bias x threshold, where dReLU
-    blocks come with act="relu" only (relu(gate) * relu(up); `source` still accepts any act)."""
+    blocks come with act="relu" only (relu(gate) * relu(up); `source` still accepts any act);
+    dtype: the float DTYPES, then (quantized) the QFORMATS with q8_0 down rows."""
     out = []
-    for dtype in DTYPES:
+    for dtype in DTYPES + (QFORMATS if quantized else ()):
         for gated, drelu, acts in ((False, False, ACTS), (True, False, ACTS), (True, True, ("relu",))):
             for act in acts:
                 for bias in (False, True):
                     for threshold in (False, True):
-                        out.append(Variant(dtype, gated, drelu, bias, act, threshold))
+                        out.append(Variant(dtype, gated, drelu, bias, act, threshold,
+                                           DOWN_QFORMAT if dtype in QFORMATS else None))
     return out
 
 
@@ -143,16 +188,18 @@ def all_variants() -> list[Variant]:
 
 
 def _dtype_part(v: Variant) -> str:
-    """ffn_cuda_dtype.cuh for v's dtype: the predictor and down kernels."""
-    return (f"#define PI_DT {v.dtag}\n"
-            f"#define PI_FMT {_FORMATS[v.dtype][0]}\n"
+    """ffn_cuda_dtype.cuh for v's dtype (_dtype_tag): the predictor and down kernels."""
+    return (f"#define PI_DT {_dtype_tag(v)}\n"
+            f"#define PI_FMT {_FORMATS[_x_format(v)][0]}\n"
+            f"#define PI_ROWS {_rows_format(v.down_dtype)}\n"
             '#include "ffn_cuda_dtype.cuh"\n')
 
 
 def _variant_part(v: Variant) -> str:
     """ffn_cuda_variant.cuh for one variant: its gate/up kernels."""
     return (f"#define PI_TAG {v.tag}\n"
-            f"#define PI_FMT {_FORMATS[v.dtype][0]}\n"
+            f"#define PI_FMT {_FORMATS[_x_format(v)][0]}\n"
+            f"#define PI_ROWS {_rows_format(v.dtype, dot=True)}\n"
             f"#define PI_GATED {int(v.gated)}\n"
             f"#define PI_DRELU {int(v.drelu)}\n"
             f"#define PI_BIAS {int(v.bias)}\n"
@@ -163,17 +210,21 @@ def _variant_part(v: Variant) -> str:
 
 def combined_source(variants) -> str:
     """The CUDA C source of `variants` as one translation unit: ffn_cuda.cuh, then the dtype
-    kernels of each dtype (once, before its first variant) and the gate/up kernels of each
-    variant, the kernels headers spliced in."""
+    kernels of each dtype (once, before its first variant; ffn_cuda_q.cuh once before the first
+    quantized one) and the gate/up kernels of each variant, the kernels headers spliced in."""
     variants = list(dict.fromkeys(variants))
     parts = [f"// picompile CUDA source, generated by picompile/codegen/cuda.py from "
              f"picompile/kernels/ffn_cuda*.cuh: {len(variants)} variant(s)\n",
              '#include "ffn_cuda.cuh"\n']
     dtypes = set()
+    quantized = False
     for v in variants:
         _check(v)
-        if v.dtype not in dtypes:
-            dtypes.add(v.dtype)
+        if v.quantized and not quantized:
+            quantized = True
+            parts.append('#include "ffn_cuda_q.cuh"\n')
+        if _dtype_tag(v) not in dtypes:
+            dtypes.add(_dtype_tag(v))
             parts.append(_dtype_part(v))
         parts.append(_variant_part(v))
     return splice_headers("".join(parts))
@@ -339,7 +390,9 @@ class CudaKernels:
         self.variant = variant
         self.module = module
         self.names = kernel_names(variant)
-        self.vec = _FORMATS[variant.dtype][1]  # elements per 16-byte load
+        self.vec = _FORMATS[_x_format(variant)][1]  # x's elements per 16-byte load
+        # down columns per thread: one 16-byte load of a float row, or 8 of a q8_0 block
+        self.down_vec = _Q_DOWN_VEC if variant.quantized else self.vec
         self._fns: dict[str, object] = {}
 
     def _fn(self, role: str):
@@ -396,16 +449,24 @@ class CudaKernels:
                 h, n_active) -> None:
         """x [T, d]; rows idx[:count] (count <= cap) of w_gate / w_up -> h [T, cap] fp32."""
         T, d = x.shape
-        vec = int(d % self.vec == 0 and _aligned16(x, w_gate, w_up))
+        # quantized rows are read byte by byte: only x's alignment matters
+        rows_aligned = self.variant.quantized or _aligned16(w_gate, w_up)
+        vec = int(d % self.vec == 0 and _aligned16(x) and rows_aligned)
         blocks = max(1, min(math.ceil(cap / _WARPS_PER_BLOCK), 8 * self._sms(x)))
         self._launch("gate_up_1" if T == 1 else "gate_up_b", (blocks,), (_WARPS_PER_BLOCK * 32,),
                      (_ptr(x), _ptr(w_gate), _ptr(w_up), _ptr(b_gate), _ptr(b_up), _ptr(idx),
                       _ptr(count), _f32(threshold), _ptr(h), _ptr(n_active), _i32(T), _i32(d),
                       _i32(cap), _i32(vec)))
 
+    def round_x(self, x, xr) -> None:
+        """x [T, d] fp32 -> xr [T, d] fp32: rounded to int8 blocks (quant.round_activations)."""
+        n_blocks = x.numel() // 32
+        blocks = max(1, min(math.ceil(n_blocks / 256), 8 * self._sms(x)))
+        self._launch("round_x", (blocks,), (256,), (_ptr(x), _ptr(xr), _i32(n_blocks)))
+
     def n_split(self, cap: int, d: int, device_index: int) -> int:
         """Row ranges per column slice of the down projection (1: no partials / reduction)."""
-        col_blocks = math.ceil(d / (_DOWN_THREADS * self.vec))
+        col_blocks = math.ceil(d / (_DOWN_THREADS * self.down_vec))
         want = math.ceil(2 * _sm_count(device_index) / col_blocks)
         return max(1, min(_MAX_SPLIT, cap // 32, want))
 
@@ -414,8 +475,8 @@ class CudaKernels:
         import torch
 
         T, d = out.shape
-        vec = int(d % self.vec == 0 and _aligned16(w_down_t))
-        col_blocks = math.ceil(d / (_DOWN_THREADS * self.vec))
+        vec = int(d % self.down_vec == 0 and _aligned16(w_down_t))
+        col_blocks = math.ceil(d / (_DOWN_THREADS * self.down_vec))
         n_split = self.n_split(cap, d, out.device.index)
         partial = None
         if n_split > 1:
@@ -452,42 +513,62 @@ class CudaFFN:
     predictor p1 [r, d], pb1 [r], p2 [n_hot, r], pb2 [n_hot], neuron j fires iff
     p2[j] . relu(p1 x + pb1) + pb2[j] > tau.
 
+    Quantized (`qformat` "q8_0" | "q4_0" | "q4_1"): w_gate / w_up are uint8 row blocks [n_hot,
+    quant.row_bytes(d, qformat)] as SparseFFN holds them (4-bit ones in the dot layout,
+    quant.interleave_blocks), w_down_t q8_0 rows in GGUF's layout (`down_qformat` "q8_0", the
+    default for uint8 down rows); biases, the predictor and x are float32. 4-bit gate / up rows
+    are dotted with x rounded to int8 blocks, as in ffn_reference.
+
     Calls return (out [T, d] float32, n_active), n_active a 0-d int32 CUDA tensor counting the
     active (token, neuron) pairs (int() of it synchronizes). Nothing here synchronizes."""
 
     def __init__(self, w_up, w_down_t, *, w_gate=None, b_gate=None, b_up=None, b_down=None,
                  act: str = "relu", drelu: bool = False, threshold: float = 0.0,
                  p1=None, pb1=None, p2=None, pb2=None, tau: float = 0.0,
+                 qformat: str | None = None, down_qformat: str | None = None,
                  backend: str | None = None):
+        import torch
+
         _require_cuda(w_up)
-        dtype = str(w_up.dtype).removeprefix("torch.")
+        dtype = qformat or str(w_up.dtype).removeprefix("torch.")
+        down = dtype
+        if qformat is not None:
+            down = down_qformat or (qformat if w_down_t.dtype == torch.uint8
+                                    else str(w_down_t.dtype).removeprefix("torch."))
         bias = b_up is not None or b_gate is not None
         self.variant = Variant(
             dtype=dtype, gated=w_gate is not None, drelu=drelu, bias=bias, act=act,
-            threshold=float(threshold) != 0.0,
+            threshold=float(threshold) != 0.0, down_dtype=down,
         )
+        _check(self.variant)
         self.threshold = float(threshold)
         self.tau = float(tau)
         self.device = w_up.device
-        n_rows, d = w_up.shape
+        n_rows = w_up.shape[0]
+        d = (w_up.shape[1] // quant.format_of(qformat).block_bytes * quant.BLOCK
+             if qformat is not None else w_up.shape[1])
         self.n_rows, self.d = n_rows, d
-        want = _torch_dtype(dtype)
+        want = _torch_dtype(_x_format(self.variant))  # x, biases, predictor
+        rows = (n_rows, self.variant.row_bytes(d))  # gate / up rows (uint8 when quantized)
+        down_rows = (n_rows, self.variant.row_bytes(d, down))
 
-        def check(t, name, shape, required=False):
+        def check(t, name, shape, required=False, dtype=None):
             if t is None:
                 if required:
                     raise ValueError(f"{name} is required for variant {self.variant.tag}")
                 return None
-            if t.device != self.device or t.dtype != want:
-                raise ValueError(f"{name}: expected {want} on {self.device}, got {t.dtype} "
+            dt = dtype or want
+            if t.device != self.device or t.dtype != dt:
+                raise ValueError(f"{name}: expected {dt} on {self.device}, got {t.dtype} "
                                  f"on {t.device}")
             if tuple(t.shape) != tuple(shape):
                 raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
             return t.contiguous()
 
-        self.w_up = check(w_up, "w_up", (n_rows, d))
-        self.w_down_t = check(w_down_t, "w_down_t", (n_rows, d), True)
-        self.w_gate = check(w_gate, "w_gate", (n_rows, d))
+        q = torch.uint8 if qformat is not None else None
+        self.w_up = check(w_up, "w_up", rows, dtype=q)
+        self.w_down_t = check(w_down_t, "w_down_t", down_rows, True, dtype=q)
+        self.w_gate = check(w_gate, "w_gate", rows, dtype=q)
         self.b_up = check(b_up, "b_up", (n_rows,), bias)
         self.b_gate = check(b_gate, "b_gate", (n_rows,), self.variant.gated and self.variant.bias)
         self.b_down = check(b_down, "b_down", (d,))
@@ -511,7 +592,7 @@ class CudaFFN:
                              "(prefill goes through dense BLAS)")
         if x.device != self.device:
             raise ValueError(f"x is on {x.device}, the weights on {self.device}")
-        return x.to(_torch_dtype(self.variant.dtype)).contiguous()
+        return x.to(_torch_dtype(_x_format(self.variant))).contiguous()
 
     def _out(self, out, T):
         import torch
@@ -554,6 +635,10 @@ class CudaFFN:
         import torch
 
         T = x.shape[0]
+        if self.variant.dtype in quant.INT8_ACTIVATIONS:  # the 4-bit rows read x rounded
+            xr = torch.empty_like(x)
+            self.kernels.round_x(x, xr)
+            x = xr
         h = torch.empty(T, max(1, cap), dtype=torch.float32, device=self.device)
         n_active = torch.zeros((), dtype=torch.int32, device=self.device)
         self.kernels.gate_up(x, self.w_gate, self.w_up, self.b_gate, self.b_up, idx, count,
@@ -616,20 +701,22 @@ class CudaFFN:
 
 def hot_ffn(x, w_up, w_down_t, *, w_gate=None, b_gate=None, b_up=None, b_down=None,
             p1, pb1, p2, pb2, tau: float, act: str = "relu", drelu: bool = False,
-            threshold: float = 0.0, out=None, accumulate: bool = False, backend=None):
+            threshold: float = 0.0, out=None, accumulate: bool = False, qformat=None,
+            down_qformat=None, backend=None):
     """One call of the hot rows: predictor -> compaction -> gate/up -> down.
     -> (out [T, d] fp32, n_active 0-d int32 CUDA tensor). See CudaFFN."""
     ffn = CudaFFN(w_up, w_down_t, w_gate=w_gate, b_gate=b_gate, b_up=b_up, b_down=b_down,
                   act=act, drelu=drelu, threshold=threshold, p1=p1, pb1=pb1, p2=p2, pb2=pb2,
-                  tau=tau, backend=backend)
+                  tau=tau, qformat=qformat, down_qformat=down_qformat, backend=backend)
     return ffn(x, out=out, accumulate=accumulate)
 
 
 def ffn_given_idx(x, w_up, w_down_t, idx, *, w_gate=None, b_gate=None, b_up=None, b_down=None,
                   act: str = "relu", drelu: bool = False, threshold: float = 0.0, out=None,
-                  accumulate: bool = False, backend=None):
+                  accumulate: bool = False, qformat=None, down_qformat=None, backend=None):
     """The block over the rows idx (no predictor); same keywords as ffn_reference.
     -> (out [T, d] fp32, n_active 0-d int32 CUDA tensor)."""
     ffn = CudaFFN(w_up, w_down_t, w_gate=w_gate, b_gate=b_gate, b_up=b_up, b_down=b_down,
-                  act=act, drelu=drelu, threshold=threshold, backend=backend)
+                  act=act, drelu=drelu, threshold=threshold, qformat=qformat,
+                  down_qformat=down_qformat, backend=backend)
     return ffn.ffn_given_idx(x, idx, out=out, accumulate=accumulate)

@@ -132,6 +132,33 @@ __device__ __forceinline__ void pi_dot_part(const typename FW::elem* __restrict_
   }
 }
 
+// Float weight rows in format F, as the gate / up and down kernels read them (a quantized row
+// format, PiQRows in ffn_cuda_q.cuh, has the same members).
+template <class F>
+struct PiRows {
+  typedef typename F::elem elem;
+  enum { VEC = F::VEC };  // down: columns per thread, one 16-byte load per row
+  // acc[t] += this lane's part of row j of w [n_rows, d] . x[t] (x [T, d]); the warp sums after.
+  template <int MAXT>
+  static __device__ __forceinline__ void dot(const elem* __restrict__ w, int j,
+                                             const typename F::elem* x, int T, int d, int vec,
+                                             int lane, float (&acc)[MAXT]) {
+    pi_dot_part<F, F, MAXT>(w + (size_t)j * d, x, d, T, d, vec, lane, PI_WARP, acc);
+  }
+  // out [VEC] = columns col0 .. col0 + VEC - 1 of row j of w [n_rows, d]: one 16-byte load ...
+  static __device__ __forceinline__ void cols_vec(const elem* __restrict__ w, int j, int d,
+                                                  int col0, float* out) {
+    F::unpack(pi_ldg16(w + col0 + (size_t)j * d), out);
+  }
+  // ... or element by element, zero past d (unaligned rows, d % VEC != 0).
+  static __device__ __forceinline__ void cols_any(const elem* __restrict__ w, int j, int d,
+                                                  int col0, float* out) {
+    const elem* p = w + col0 + (size_t)j * d;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) out[k] = col0 + k < d ? F::widen(__ldg(p + k)) : 0.0f;
+  }
+};
+
 // ---- 1a. predictor, layer 1: z[t, k] = relu(p1[k] . x[t] + pb1[k]); one warp per row k. ----
 template <class F, int MAXT>
 __device__ __forceinline__ void pi_pred_hidden_body(
@@ -264,8 +291,8 @@ extern "C" __global__ void __launch_bounds__(PI_COMPACT_THREADS) pi_compact(
 // V: the variant (format, gated, drelu, bias, relu, threshold, act), a PiVariant.
 template <class V, int MAXT>
 __device__ __forceinline__ void pi_gate_up_body(
-    const typename V::Fmt::elem* __restrict__ x, const typename V::Fmt::elem* __restrict__ w_gate,
-    const typename V::Fmt::elem* __restrict__ w_up, const typename V::Fmt::elem* __restrict__ b_gate,
+    const typename V::Fmt::elem* __restrict__ x, const typename V::Rows::elem* __restrict__ w_gate,
+    const typename V::Rows::elem* __restrict__ w_up, const typename V::Fmt::elem* __restrict__ b_gate,
     const typename V::Fmt::elem* __restrict__ b_up, const int* __restrict__ idx,
     const int* __restrict__ count, float threshold, float* __restrict__ h,
     int* __restrict__ n_active, int T, int d, int h_stride, int vec) {
@@ -277,7 +304,6 @@ __device__ __forceinline__ void pi_gate_up_body(
   int n_on = 0;  // active (token, neuron) pairs seen by this warp
   for (int i = first; i < m; i += step) {  // warp-uniform
     const int j = idx[i];
-    const size_t row = (size_t)j * d;
     float a[MAXT];  // gated: act(gate x + b_gate)
 #pragma unroll
     for (int t = 0; t < MAXT; ++t) a[t] = 0.0f;
@@ -286,7 +312,7 @@ __device__ __forceinline__ void pi_gate_up_body(
       float g[MAXT];
 #pragma unroll
       for (int t = 0; t < MAXT; ++t) g[t] = 0.0f;
-      pi_dot_part<F, F, MAXT>(w_gate + row, x, d, T, d, vec, lane, PI_WARP, g);
+      V::Rows::template dot<MAXT>(w_gate, j, x, T, d, vec, lane, g);
       const float bg = V::bias ? F::widen(__ldg(b_gate + j)) : 0.0f;
       bool any = false;
 #pragma unroll
@@ -302,7 +328,7 @@ __device__ __forceinline__ void pi_gate_up_body(
     float u[MAXT];
 #pragma unroll
     for (int t = 0; t < MAXT; ++t) u[t] = 0.0f;
-    if (need_up) pi_dot_part<F, F, MAXT>(w_up + row, x, d, T, d, vec, lane, PI_WARP, u);
+    if (need_up) V::Rows::template dot<MAXT>(w_up, j, x, T, d, vec, lane, u);
     const float bu = V::bias ? F::widen(__ldg(b_up + j)) : 0.0f;
 #pragma unroll
     for (int t = 0; t < MAXT; ++t) {
@@ -324,34 +350,35 @@ __device__ __forceinline__ void pi_gate_up_body(
 }
 
 // ---- 4. down: out[t, c] = sum_i h[t, i] * w_down_t[idx[i], c] (+ b_down[c] + old out). ----
-// Grid (column slices, row ranges). A block owns PI_DOWN_THREADS * F::VEC columns (F::VEC per
-// thread, one 16-byte load per row) and one contiguous range of the list, walked in tiles of
+// R: the rows' format (PiRows<F>, or PiQRows for q8_0 rows), F: b_down's.
+// Grid (column slices, row ranges). A block owns PI_DOWN_THREADS * R::VEC columns (R::VEC per
+// thread, one 16-byte load per float row) and one contiguous range of the list, walked in tiles of
 // PI_DOWN_THREADS entries: the tile's idx / h are staged in shared memory, keeping only rows with
 // a nonzero h for some token (ballot, order kept), so the row loads of the inner loop depend on
 // nothing but shared memory and pipeline. One range: the block writes out itself; several: it
 // writes its partial sums and pi_down_reduce adds them up in range order. No atomics, no races.
-template <class F, int MAXT>
+template <class R, class F, int MAXT>
 __device__ __forceinline__ void pi_down_body(
     const float* __restrict__ h, int h_stride, const int* __restrict__ idx,
-    const int* __restrict__ count, const typename F::elem* __restrict__ w_down_t,
+    const int* __restrict__ count, const typename R::elem* __restrict__ w_down_t,
     const typename F::elem* __restrict__ b_down, float* __restrict__ out,
     float* __restrict__ partial, int T, int d, int vec, int accumulate) {
   __shared__ int s_row[PI_DOWN_THREADS];
   __shared__ float s_h[MAXT][PI_DOWN_THREADS];
   __shared__ int s_warp[PI_DOWN_THREADS / PI_WARP];
   const int tid = threadIdx.x, lane = tid & (PI_WARP - 1), wid = tid / PI_WARP;
-  const int col0 = (blockIdx.x * PI_DOWN_THREADS + tid) * F::VEC;
+  const int col0 = (blockIdx.x * PI_DOWN_THREADS + tid) * R::VEC;
   const bool has_cols = col0 < d;
   const int m = *count;
   const int per_range = (m + gridDim.y - 1) / gridDim.y;
   const int begin = min(m, (int)blockIdx.y * per_range);
   const int end = min(m, begin + per_range);
 
-  float acc[MAXT][F::VEC];
+  float acc[MAXT][R::VEC];
 #pragma unroll
   for (int t = 0; t < MAXT; ++t)
 #pragma unroll
-    for (int k = 0; k < F::VEC; ++k) acc[t][k] = 0.0f;
+    for (int k = 0; k < R::VEC; ++k) acc[t][k] = 0.0f;
 
   for (int tile = begin; tile < end; tile += PI_DOWN_THREADS) {  // block-uniform
     const int i = tile + tid;
@@ -387,33 +414,30 @@ __device__ __forceinline__ void pi_down_body(
     }
     __syncthreads();
     if (has_cols) {
-      const typename F::elem* cols = w_down_t + col0;
       if (vec) {
 #pragma unroll 4
         for (int q = 0; q < n_keep; ++q) {
-          float w[F::VEC];
-          F::unpack(pi_ldg16(cols + (size_t)s_row[q] * d), w);
+          float w[R::VEC];
+          R::cols_vec(w_down_t, s_row[q], d, col0, w);
 #pragma unroll
           for (int t = 0; t < MAXT; ++t) {
             if (t < T) {
               const float ht = s_h[t][q];
 #pragma unroll
-              for (int k = 0; k < F::VEC; ++k) acc[t][k] = fmaf(ht, w[k], acc[t][k]);
+              for (int k = 0; k < R::VEC; ++k) acc[t][k] = fmaf(ht, w[k], acc[t][k]);
             }
           }
         }
       } else {
         for (int q = 0; q < n_keep; ++q) {
-          const typename F::elem* p = cols + (size_t)s_row[q] * d;
-          float w[F::VEC];
-#pragma unroll
-          for (int k = 0; k < F::VEC; ++k) w[k] = col0 + k < d ? F::widen(__ldg(p + k)) : 0.0f;
+          float w[R::VEC];
+          R::cols_any(w_down_t, s_row[q], d, col0, w);
 #pragma unroll
           for (int t = 0; t < MAXT; ++t) {
             if (t < T) {
               const float ht = s_h[t][q];
 #pragma unroll
-              for (int k = 0; k < F::VEC; ++k) acc[t][k] = fmaf(ht, w[k], acc[t][k]);
+              for (int k = 0; k < R::VEC; ++k) acc[t][k] = fmaf(ht, w[k], acc[t][k]);
             }
           }
         }
@@ -427,7 +451,7 @@ __device__ __forceinline__ void pi_down_body(
   for (int t = 0; t < MAXT; ++t) {
     if (t < T) {
 #pragma unroll
-      for (int k = 0; k < F::VEC; ++k) {
+      for (int k = 0; k < R::VEC; ++k) {
         const int c = col0 + k;
         if (c < d) {
           if (gridDim.y == 1) {
@@ -487,9 +511,10 @@ __device__ __forceinline__ float pi_act<PIC_GELU_TANH>(float v) {
 
 // A variant of the gate / up kernels, everything about it a compile-time constant (the kernel
 // bodies branch on these, and the branches compile away). ffn_cuda_variant.cuh instantiates it.
-template <class F, bool GATED, bool DRELU, bool BIAS, int ACT, bool THRESHOLD>
+template <class F, class R, bool GATED, bool DRELU, bool BIAS, int ACT, bool THRESHOLD>
 struct PiVariant {
-  typedef F Fmt;                            // weights and x
+  typedef F Fmt;                            // x and the biases
+  typedef R Rows;                           // the gate / up rows: PiRows<F>, or PiQRows
   static const bool gated = GATED;          // h = act(gate x + b_gate) * u  (else act(up x + b_up))
   static const bool drelu = DRELU;          // u = relu(up x + b_up)         (else u = up x + b_up)
   static const bool bias = BIAS;            // b_gate / b_up are read

@@ -1,7 +1,9 @@
 // picompile CUDA kernels of one weight dtype: predictor and down projection.
 // Package data: picompile/codegen/cuda.py includes it once per dtype, after ffn_cuda.cuh, with
 //   PI_DT   the dtype's short name, the suffix of the kernel names (f16, bf16, f32)
-//   PI_FMT  its number format (PiF16, PiBF16, PiF32), VEC elements per 16-byte load
+//   PI_FMT  its number format (PiF16, PiBF16, PiF32), VEC elements per 16-byte load: x, the
+//           predictor, b_down
+//   PI_ROWS the down rows' format: PiRows<PI_FMT>, or PiQRows<PQD_Q8_0, 0> (q8_0 rows)
 // defined; it undefines them at the end.
 
 // 1a. predictor layer 1, batch-1 decode (T = 1) and small batch (T <= 8). Grid-stride, 1 warp/row.
@@ -65,14 +67,15 @@ PI_CAT(pi_pred_mask_b_, PI_DT)(
   pi_pred_mask_body<PI_FMT, PI_MAXT>(z, p2, pb2, tau, mask, T, r, n_hot, vec);
 }
 
-// 4. down projection over the listed rows. Grid (ceil(d / (PI_DOWN_THREADS * VEC)), n_split).
+// 4. down projection over the listed rows. Grid (ceil(d / (PI_DOWN_THREADS * PI_ROWS::VEC)),
+//    n_split).
 extern "C" __global__ void __launch_bounds__(PI_DOWN_THREADS)
 PI_CAT(pi_down_1_, PI_DT)(
     const float* __restrict__ h,                // [1, h_stride]  h of listed row i at [0, i], fp32
     int h_stride,                               //                row stride of h (>= count)
     const int* __restrict__ idx,                // [count]        listed rows of w_down_t
     const int* __restrict__ count,              // [1]            list length (device)
-    const PI_FMT::elem* __restrict__ w_down_t,  // [n_rows, d]    down weights, one row per neuron
+    const PI_ROWS::elem* __restrict__ w_down_t, // [n_rows, d]    down weights, one row per neuron
     const PI_FMT::elem* __restrict__ b_down,    // [d] or null
     float* __restrict__ out,                    // [1, d]         out (n_split == 1), fp32
     float* __restrict__ partial,                // [n_split, 1, d] partial sums (n_split > 1)
@@ -81,7 +84,7 @@ PI_CAT(pi_down_1_, PI_DT)(
     int vec,                                    //                1: 16-byte loads (d % VEC == 0)
     int accumulate)                             //                1: out += ..., 0: out = ...
 {
-  pi_down_body<PI_FMT, 1>(h, h_stride, idx, count, w_down_t, b_down, out, partial, 1, d, vec,
+  pi_down_body<PI_ROWS, PI_FMT, 1>(h, h_stride, idx, count, w_down_t, b_down, out, partial, 1, d, vec,
                           accumulate);
 }
 
@@ -91,7 +94,7 @@ PI_CAT(pi_down_b_, PI_DT)(
     int h_stride,                               //                row stride of h (>= count)
     const int* __restrict__ idx,                // [count]        listed rows of w_down_t
     const int* __restrict__ count,              // [1]            list length (device)
-    const PI_FMT::elem* __restrict__ w_down_t,  // [n_rows, d]    down weights, one row per neuron
+    const PI_ROWS::elem* __restrict__ w_down_t, // [n_rows, d]    down weights, one row per neuron
     const PI_FMT::elem* __restrict__ b_down,    // [d] or null
     float* __restrict__ out,                    // [T, d]         out (n_split == 1), fp32
     float* __restrict__ partial,                // [n_split, T, d] partial sums (n_split > 1)
@@ -100,7 +103,7 @@ PI_CAT(pi_down_b_, PI_DT)(
     int vec,                                    //                1: 16-byte loads (d % VEC == 0)
     int accumulate)                             //                1: out += ..., 0: out = ...
 {
-  pi_down_body<PI_FMT, PI_MAXT>(h, h_stride, idx, count, w_down_t, b_down, out, partial, T, d,
+  pi_down_body<PI_ROWS, PI_FMT, PI_MAXT>(h, h_stride, idx, count, w_down_t, b_down, out, partial, T, d,
                                 vec, accumulate);
 }
 
@@ -119,3 +122,4 @@ PI_CAT(pi_down_reduce_, PI_DT)(
 
 #undef PI_DT
 #undef PI_FMT
+#undef PI_ROWS

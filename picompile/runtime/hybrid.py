@@ -47,7 +47,8 @@ def cold_threads() -> int:
 
 def _rows(t: torch.Tensor | None, rows: slice, device) -> torch.Tensor | None:
     """A copy of t[rows] on `device`. Always a copy: a view would keep the whole [n_ff, d]
-    storage alive on the GPU after distribute() moves the full weights to the CPU."""
+    storage alive on the GPU after distribute() moves the full weights to the CPU. Quantized rows
+    are copied as they are: the CUDA kernels read the CPU's layout (ffn_cuda_q.cuh)."""
     if t is None:
         return None
     return t[rows].detach().to(device, copy=True).contiguous()
@@ -76,9 +77,11 @@ class CudaHotKernel:
     def __init__(self, view: SparseFFN):
         from picompile.codegen.cuda import CudaFFN
 
+        # Quantized rows are read as the view holds them (4-bit gate / up rows in the dot layout).
         self.ffn = CudaFFN(view.w_up, view.w_down_t, w_gate=view.w_gate, b_gate=view.b_gate,
                            b_up=view.b_up, b_down=view.b_down, act=view.act, drelu=view.drelu,
-                           threshold=view.threshold)
+                           threshold=view.threshold, qformat=view.qformat,
+                           down_qformat=view.down_qformat)
         self.all_rows = torch.arange(view.n_ff, dtype=torch.int32, device=view.w_up.device)
 
     def __call__(self, x, threshold: float = 0.0, idx=None, mask=None):
@@ -283,12 +286,17 @@ class HybridFFN:
 
 
 def _check_quantized(ffn: SparseFFN, device: torch.device) -> None:
-    """Quantized blocks have C kernels only: no split across a GPU."""
-    if ffn.qformat is not None and device.type != "cpu":
+    """Quantized blocks split across a GPU where its kernels read their formats: any GGUF
+    format for the gate / up rows (codegen.cuda's quantized variants) with q8_0 down rows."""
+    from picompile.codegen.cuda import DOWN_QFORMAT
+
+    if ffn.qformat is not None and device.type != "cpu" and ffn.down_qformat != DOWN_QFORMAT:
         raise ValueError(
-            f"picompile: the FFN block {ffn.block.name} is quantized ({ffn.qformat}) and cannot "
-            f"run split across {device.type} and the CPU: the GPU kernels take float weights "
-            "only. Keep quantized models on the CPU, or compile without quantize= to use the GPU")
+            f"picompile: the FFN block {ffn.block.name} is quantized ({ffn.qformat}, down rows "
+            f"{ffn.down_format}) and cannot run split across {device.type} and the CPU: the GPU "
+            f"kernels take quantized gate / up rows with {DOWN_QFORMAT} down rows only. "
+            f"Quantize with down_fmt='{DOWN_QFORMAT}', keep the model on the CPU, or compile "
+            "without quantize= to use the GPU")
 
 
 def distribute(model: nn.Module, ffns: dict[str, SparseFFN], device: torch.device | str,
