@@ -1,7 +1,10 @@
 """Decode tokens/s of SmolLM2-135M in interleaved rounds: llama.cpp on the shipped Q4_1 file and
-picompile's whole-step decoder on the same file's blocks, dense and at threshold sparsity.
+picompile's whole-step decoder on the same file's blocks, dense and at threshold sparsity; with
+--dtype float32 / float16, both on the file's weights dequantized to that dtype (llama.cpp's
+F32 / F16 file made by llama-quantize --allow-requantize, as peers.py does).
 
     .venv/bin/python benchmarks/interleaved.py [--rounds 8] [--new-tokens 64] [--sparsity 0.5]
+    .venv/bin/python benchmarks/interleaved.py --dtype float16
 
 This VM's speed drifts by tens of percent over seconds to minutes (BENCHMARKS.md), so peers.py's
 "best of N, one system after the other" can hand one system a slow stretch. Here each round runs
@@ -30,23 +33,32 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sparsity", type=float, default=0.5)
+    ap.add_argument("--dtype", choices=["gguf", "float32", "float16"], default="gguf",
+                    help="gguf: the file's Q4_1 blocks as they are; else its weights in that dtype")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     bins = bench.llama_cpp_bins()
     if bins is None:
         raise SystemExit(bench.not_built())
     gguf = models.default_gguf()
-    model, tok = models.load(None)
+    if args.dtype == "gguf":
+        peer, peer_file, dtype, weights = "llama.cpp Q4_1", gguf, None, dict(gguf=gguf)
+    else:
+        dtype = getattr(torch, args.dtype)
+        kind = bench.GGUF_KINDS[dtype]
+        peer, weights = f"llama.cpp {kind}", {}
+        peer_file = bench.requantized(bins, gguf, kind, bench.BUILD / f"{gguf.stem}-{kind}.gguf")
+    model, tok = models.load(None, dtype=dtype)
     prompt = corpus.token_batches(tok, "heldout", 1, seq_len=32)
     calib = corpus.token_batches(tok, "calibration", 16384)
-    systems = {"llama.cpp Q4_1": lambda: bench.llama_bench(bins, gguf, args.threads, args.new_tokens, 1)}
+    systems = {peer: lambda: bench.llama_bench(bins, peer_file, args.threads, args.new_tokens, 1)}
     for what, kw in (("dense", {}), (f"threshold @{args.sparsity:.0%}",
                                      dict(sparsity=args.sparsity, calibration=calib))):
-        cm = picompile.compile(copy.deepcopy(model), gguf=gguf, quiet=True, **kw)
+        cm = picompile.compile(copy.deepcopy(model), quiet=True, **weights, **kw)
         dec = cm.decoder()
         if dec is None:
             raise SystemExit(f"picompile {what}: no whole-step decoder ({cm.decoder_reason})")
-        systems[f"picompile {what}, gguf, C decode step"] = (
+        systems[f"picompile {what}, {args.dtype}, C decode step"] = (
             lambda dec=dec: bench.decoder_tps(dec, prompt, args.new_tokens))
         bench.decoder_tps(dec, prompt, 8)  # warm up
     runs = {name: [] for name in systems}
@@ -55,10 +67,10 @@ def main():
             runs[name].append(run())
         bench.log(f"round {r + 1}/{args.rounds}: "
                   + ", ".join(f"{name} {v[-1]:.1f}" for name, v in runs.items()))
-    base = runs["llama.cpp Q4_1"]
+    base = runs[peer]
     print(f"\nSmolLM2-135M-Instruct decode, {args.threads} threads, {args.new_tokens} tokens, "
           f"{args.rounds} interleaved rounds, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    print("| system | median tok/s | best tok/s | median of per-round ratio to llama.cpp Q4_1 |")
+    print(f"| system | median tok/s | best tok/s | median of per-round ratio to {peer} |")
     print("|---|---:|---:|---:|")
     for name, v in runs.items():
         ratio = statistics.median(a / b for a, b in zip(v, base))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from picompile.progress import progress_bar
 from picompile.runtime.sparse_ffn import SparseFFN, down_input
@@ -93,44 +94,32 @@ def calibration_device(model: nn.Module) -> tuple[str | None, torch.dtype | None
     return None, None
 
 
-def _forward(model: nn.Module, batch: torch.Tensor) -> None:
+def _forward(model: nn.Module, batch: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+    """model(batch), its tensors named in `tensors` replaced by those for the call."""
     try:
-        model(batch, use_cache=False)
+        functional_call(model, tensors, (batch,), {"use_cache": False})
     except TypeError:  # plain nn.Module models take only the ids
-        model(batch)
+        functional_call(model, tensors, (batch,))
 
 
-def _tensor_slots(module: nn.Module, skip: set[int] = frozenset()) -> list[tuple]:
-    """(owner module, "_parameters" or "_buffers", name) of every tensor held by `module` and
-    its submodules, each tensor once (tied weights are one), none whose id is in `skip`."""
-    slots, seen = [], set(skip)
-    for m in module.modules():
-        for kind in ("_parameters", "_buffers"):
-            for name, t in getattr(m, kind).items():
-                if t is not None and id(t) not in seen:
-                    seen.add(id(t))
-                    slots.append((m, kind, name))
-    return slots
-
-
-def _move(slots: list[tuple], to) -> list[tuple]:
-    """Move each slot's tensor to its (device, dtype) in `to` (one per slot, or one for all;
-    dtype None or a non-float tensor: its dtype kept); return where each was, as (device,
-    dtype), to move it back with. Parameters keep their identity (only .data changes), as
-    nn.Module.to does, so hooks and references to them stay valid. float16 / bfloat16 widened
-    to float32 and back is exact."""
-    if not isinstance(to, list):
-        to = [to] * len(slots)
-    before = []
-    for (owner, kind, name), (device, dtype) in zip(slots, to):
-        t = getattr(owner, kind)[name]
-        before.append((t.device, t.dtype))
-        dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
-        if kind == "_parameters":
-            t.data = t.data.to(device=device, dtype=dtype)
-        else:
-            owner._buffers[name] = t.to(device=device, dtype=dtype)
-    return before
+def _tensors_on(module: nn.Module, device: torch.device, dtype: torch.dtype | None,
+                skip: set[int] = frozenset()) -> dict[str, torch.Tensor]:
+    """{name: tensor} of `module`'s parameters and buffers (none whose id is in `skip`) on
+    `device`, float ones in `dtype` (None: their own), each tensor converted once (tied weights
+    stay one): what functional_call runs the module with. The module's own tensors are not
+    touched, so nothing is copied back and no storage they share is split (the original modules
+    compile keeps share the FFN weights with the rewritten blocks)."""
+    done: dict[int, torch.Tensor] = {}
+    out = {}
+    named = (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False))
+    for name, t in named:
+        if id(t) in skip:
+            continue
+        if id(t) not in done:
+            to_dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
+            done[id(t)] = t.detach().to(device=device, dtype=to_dtype)
+        out[name] = done[id(t)]
+    return out
 
 
 def _head_only(model: nn.Module) -> set[int]:
@@ -154,19 +143,19 @@ def run_calibration(model: nn.Module, ids: torch.Tensor, batch_size: int = 4, qu
     device=None: the whole model, on the device of its first weights. A device ("cuda", or "cpu"
     in tests): layer by layer, as GPTQ calibrates, so a model larger than that device is run
     on it: the inputs of the first decoder layer are recorded for every batch, then each layer
-    in turn goes to `device`, takes every batch's hidden states and goes back to where it was.
+    in turn runs on a copy of its tensors on `device` (functional_call), taking every batch's
+    hidden states; the model's own tensors never move.
     Forward hooks on the SparseFFN modules fire as in a whole-model run, block by block in
     model order but with all batches of a layer before the next layer's. dtype (layer by layer
-    only): each layer's float tensors, and the hidden states, in that dtype while it runs."""
+    only): the copies' float tensors, and so the hidden states, in that dtype."""
     if device is None:
         first = next(model.parameters()).device
         for start in progress_bar(range(0, ids.shape[0], batch_size), desc=desc, quiet=quiet):
-            _forward(model, ids[start : start + batch_size].to(first))
+            _forward(model, ids[start : start + batch_size].to(first), {})
         return
 
     layers = decoder_layers(model)
     device = torch.device(device)
-    to = (device, dtype)
     # 1. Everything before the first layer (embeddings, rotary tables, masks) runs on `device`;
     # a hook on layer 0 records its inputs and stops the forward there ("Catcher").
     hidden: list[torch.Tensor] = []  # per batch: hidden states [batch, seq, d] on `device`
@@ -180,30 +169,26 @@ def run_calibration(model: nn.Module, ids: torch.Tensor, batch_size: int = 4, qu
     in_layers = {id(t) for t in (*layers.parameters(), *layers.buffers())}
     # embeddings, final norm, rotary buffers; not an untied LM head, which runs after the layers
     # (49152 x 4096 in float32 is 805 MB)
-    outside = _tensor_slots(model, skip=in_layers | _head_only(model))
-    where = _move(outside, to)
+    outside = _tensors_on(model, device, dtype, skip=in_layers | _head_only(model))
     handle = layers[0].register_forward_pre_hook(catch, with_kwargs=True)
     try:
         for start in range(0, ids.shape[0], batch_size):
             try:
-                _forward(model, ids[start : start + batch_size].to(device))
+                _forward(model, ids[start : start + batch_size].to(device), outside)
             except _Caught:
                 pass
     finally:
         handle.remove()
-        _move(outside, where)
+    del outside
 
     # 2. Layer by layer: all batches' hidden states [batch, seq, d] stay on `device` (32k tokens
     # of d=5120 in float16: 335 MB); one layer's weights are there at a time.
     for layer in progress_bar(layers, desc=desc, quiet=quiet, total=len(layers)):
-        slots = _tensor_slots(layer)
-        where = _move(slots, to)
-        try:
-            for i, (args, kwargs) in enumerate(inputs):
-                out = layer(hidden[i], *args, **kwargs)
-                hidden[i] = out[0] if isinstance(out, (tuple, list)) else out  # OPT: maybe a tuple
-        finally:
-            _move(slots, where)
+        tensors = _tensors_on(layer, device, dtype)
+        for i, (args, kwargs) in enumerate(inputs):
+            out = functional_call(layer, tensors, (hidden[i], *args), kwargs)
+            hidden[i] = out[0] if isinstance(out, (tuple, list)) else out  # OPT: maybe a tuple
+        del tensors
 
 
 @torch.no_grad()
