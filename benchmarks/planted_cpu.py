@@ -1,7 +1,8 @@
 """Decode on the CPU, a Llama-7B-shaped ReLU model with planted ~90% FFN sparsity: picompile
-exact mode against llama.cpp on the same weights, float16 and q4_0.
+(exact or predicted mode) against llama.cpp on the same weights, float16 and q4_0.
 
-Two targets: picompile exact mode decodes at least 2x llama.cpp's tokens/s
+Two targets: picompile decodes at least 2x llama.cpp's tokens/s (exact mode; `--mode predicted`
+runs the predictors, which PowerInfer's CPU figure uses)
     (a) with float16 weights, against llama.cpp F16 of the same weights;
     (b) with quantize="q4_0", against llama.cpp Q4_0 of the same weights (llama-quantize of (a)).
 
@@ -10,15 +11,17 @@ Two targets: picompile exact mode decodes at least 2x llama.cpp's tokens/s
     .venv/bin/python benchmarks/planted_cpu.py --shape tiny --rounds 2 --new-tokens 8   # smoke
     .venv/bin/python benchmarks/planted_cpu.py --dry-run              # everything but the timing
     .venv/bin/python benchmarks/planted_cpu.py --mode predicted       # predictors skip gate rows
+    .venv/bin/python benchmarks/planted_cpu.py --mode predicted --formats q4_0 --layers 32
 
 The model: benchmarks/hybrid.py's ReLU Llama (random float16 weights; gate rows near a rank-64
 subspace; gate biases planting a power-law firing distribution, `--sparsity-target` of the
 neurons firing per token on average), with llama_offload.py's Llama-7B numbers (d 4096, n_ff
-11008, 32 heads), cut to `--layers` (default 4). The full 32 layers are 13.7 GB of float16 and
-would be held about three times on a 24 GB machine: this process peaks near 0.5 GB + 2.7x the
-float16 weights (picompile's float16 and q4_0 copies, the second being built; 3.75 GB at one
-layer), and llama-bench maps its file on top: about 7-8 GB at 4 layers, 12 GB at 8. Per-layer
-speed does not depend on the depth, but the LM head (float16 in both systems at float16; q8_0
+11008, 32 heads), cut to `--layers` (default 4). Memory: the float16 model (13.76 GB at 32
+layers) plus, while compiling, each FFN block's transposed down rows and one layer widened to
+float32 for calibration (peak 18.5 GB at 32 layers, q4_0 predicted); then picompile's q4_0
+model (about 5.5 GB at 32 layers) or its float16 one (about the float16 weights), and
+llama-bench maps its file on top. So `--formats q4_0` fits all 32 layers on a 24 GB machine,
+float16 (its model and llama.cpp's F16 file both held) about 20. Per-layer speed does not depend on the depth, but the LM head (float16 in both systems at float16; q8_0
 in picompile's q4_0 model, Q6_K in llama.cpp's Q4_0 file) weighs more in a short stack. The
 vocabulary is the copied tokenizer's (SmolLM2's, 49,152 tokens, llama_offload.py explains why),
 in the model as in the file.

@@ -3,7 +3,7 @@ file of its own.
 
     capture -> detect -> rewrite                          _capture     (capture.py, passes/detect, passes/rewrite)
     -> calibrate -> profile -> predictors -> place        _decide      (passes/calibrate, profile, predictors, place)
-    -> quantize -> select kernels -> lower linears        _lower       (passes/quantize, passes/lower)
+    -> quantize -> lower linears -> huge pages -> kernels _lower       (passes/quantize, passes/lower)
     -> autotune (time predictors on this CPU)             passes/autotune
     -> distribute (hybrid, when a GPU is there)           runtime/hybrid
     -> whole-step decoder, built and verified             runtime/decoder
@@ -44,6 +44,8 @@ from picompile.passes.detect import detect
 from picompile.passes.profile import BlockProfile
 from picompile.plan import BlockPlan, Mode, Plan, Unmatched
 from picompile.progress import note
+from picompile.runtime import memory
+from picompile.runtime.dense_linear import DenseLinear, QuantLinear
 from picompile.runtime.predictor import Predictor
 from picompile.runtime.sparse_ffn import SparseFFN
 
@@ -220,18 +222,15 @@ def _decide(captured: Captured, plan: Plan, ids, opts: Options) -> dict[str, Blo
 
 
 def _lower(captured: Captured, plan: Plan, gguf=None) -> CompiledModel:
-    """quantize (plan.quantize) -> pick each block's kernels, once, after every change to the
-    weights -> lower the other linears -> which predictors run (plan.predictors)."""
+    """quantize (plan.quantize) -> lower the other linears -> weights into huge pages -> pick
+    each block's kernels, once, after every change to the weights -> which predictors run
+    (plan.predictors)."""
     model, ffns = captured.model, captured.ffns
     file_blocks, quant_notes = None, []
     if plan.quantize == "gguf":
         file_blocks, quant_notes = gguf_weights.read(gguf, model.config)
     if plan.quantize:
         quant_notes += quantize_pass.quantize_ffns(ffns, plan.quantize, file_blocks)
-    paths = {name: ffn.select_kernel() for name, ffn in ffns.items()}
-    for ffn in ffns.values():
-        if ffn.predictor is not None:
-            ffn.predictor.select_kernel()
     # lower: every other weight-bearing linear (attention projections, LM head) to the dense
     # kernel; after capture and detect, which find FFN blocks by their nn.Linear members
     linear_paths = lower_pass.lower_linears(model)
@@ -239,6 +238,16 @@ def _lower(captured: Captured, plan: Plan, gguf=None) -> CompiledModel:
         quantized, notes = quantize_pass.quantize_linears(model, plan.quantize, file_blocks)
         linear_paths.update(quantized)
         quant_notes += notes
+    # the weights the kernels stream, in huge pages (runtime/memory.py); the linears' kernels,
+    # bound when they were lowered, bind to the moved tensors again
+    linears = [m for m in model.modules() if isinstance(m, (DenseLinear, QuantLinear))]
+    if memory.weights_to_huge_pages([*ffns.values(), *linears]):
+        for lin in linears:
+            lin.select_kernel()
+    paths = {name: ffn.select_kernel() for name, ffn in ffns.items()}
+    for ffn in ffns.values():
+        if ffn.predictor is not None:
+            ffn.predictor.select_kernel()
     cm = CompiledModel(model, plan, captured.graphs, paths)
     cm.linear_paths = linear_paths
     cm.quant_notes = quant_notes
