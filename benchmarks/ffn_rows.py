@@ -5,6 +5,7 @@ streaming read; optionally against the kernel source of another git revision, in
     .venv/bin/python benchmarks/ffn_rows.py                             # this tree's kernel
     .venv/bin/python benchmarks/ffn_rows.py --kernels base new --base a2d4f38 --rounds 8
     .venv/bin/python benchmarks/ffn_rows.py --kernels new new:PIC_PF_ROWS=4  # a tuning knob
+    .venv/bin/python benchmarks/ffn_rows.py --kernels new new@huge    # weights in 4 KB / 2 MB pages
 
 The block: d 4096, n_ff 11008 (--shape smollm2: 576, 1536), gated ReLU, no bias, random weights;
 formats q4_0 (gate / up rows in the dot layout, down rows q8_0, as `quantize="q4_0"` makes them)
@@ -23,7 +24,9 @@ fired (the kernel's access pattern for gated ReLU), with row bytes d / 32 * 18 (
 Kernels: `new` is this tree's picompile/kernels/ffn.c; `base` the ffn.c and qblocks.h of the git
 revision --base (built with this tree's variant header); `NAME:K=V,K=V` adds -D tuning knobs
 (codegen.c.source's `tuning`); `NAME+vnni` builds with -mavx512f/vl/bw/vnni added (AVX-512
-VNNI integer dots, 32 vector registers). Kernels run in alternating order within each round
+VNNI integer dots, 32 vector registers); `NAME@huge` runs NAME on copies of the weights in
+transparent huge pages (picompile.runtime.memory, as compile places them), the others on copies
+in the allocator's ordinary 4 KB pages. Kernels run in alternating order within each round
 (A B A B ...) so that other processes' load hits all alike; each kernel's output is checked
 against the first one's. Printed: the streaming-read probe before and after, and the share of
 CPU time other processes used. On a machine other processes keep busy, set
@@ -45,8 +48,8 @@ import torch
 
 from machine import COLD_BYTES, OtherLoad, cpu_name, stream_probe  # benchmarks/machine.py
 from picompile.codegen import c as c_codegen
-from picompile.codegen.cache import cached_build
 from picompile.plan import BlockPlan
+from picompile.runtime import memory
 from picompile.runtime.sparse_ffn import SparseFFN, down_input
 
 SHAPES = {"llama7b": (4096, 11008), "smollm2": (576, 1536)}  # (d, n_ff)
@@ -75,11 +78,10 @@ def kernel_source(v: c_codegen.Variant, spec: str, base: str) -> str:
 
 
 def load_kernel(v: c_codegen.Variant, spec: str, base: str) -> ctypes.CDLL:
-    cc, flags = c_codegen.compiler(), c_codegen.build_flags()
+    flags = c_codegen.build_flags()
     if "+vnni" in spec.partition(":")[0]:
         flags = flags + ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni"]
-    path = cached_build(kernel_source(v, spec, base), suffix=".so", flags=flags,
-                        build=c_codegen.build_with(cc, flags), tag="picompile-c bench")
+    path = c_codegen.build_library(kernel_source(v, spec, base), flags, "picompile-c bench")
     lib = ctypes.CDLL(str(path))
     lib.ffn.argtypes = c_codegen._FFN_ARGTYPES
     lib.ffn.restype = None
@@ -106,6 +108,7 @@ class Subject:
         one = sum(t.numel() * t.element_size() for t in base.values())
         copies = 1 if hot else max(2, -(-COLD_BYTES // one))
         self.copies = [base] + [{k: t.clone() for k, t in base.items()} for _ in range(copies - 1)]
+        self.huge = [{k: memory.huge_page_copy(t) for k, t in c.items()} for c in self.copies]
         self.gate_bytes = self.variant.row_bytes(D)
         self.down_bytes = self.variant.row_bytes(D, self.variant.down_dtype)
         self.ref = f if fmt == "q4_0" else SparseFFN(bp, base["w_up"], base["w_down_t"],
@@ -170,7 +173,7 @@ def main() -> None:
               for k in ("w_gate", "w_up", "w_down_t")}
         subjects.append(Subject(fmt, ws, args.hot))
         del ws
-    libs = {(s.fmt, k): load_kernel(s.variant, k, args.base)
+    libs = {(s.fmt, k): load_kernel(s.variant, k.removesuffix("@huge"), args.base)
             for s in subjects for k in args.kernels}
     for lib in libs.values():
         lib.pic_set_num_threads(args.threads)
@@ -178,8 +181,8 @@ def main() -> None:
     out = torch.empty(1, D)
     n_active = ctypes.c_int64(0)
 
-    def call(s: Subject, lib, mask: torch.Tensor) -> None:
-        w = s.copies[s.i]
+    def call(s: Subject, lib, mask: torch.Tensor, huge: bool = False) -> None:
+        w = (s.huge if huge else s.copies)[s.i]
         s.i = (s.i + 1) % len(s.copies)
         lib.ffn(x.data_ptr(), 1, D, N_FF, w["w_gate"].data_ptr(), w["w_up"].data_ptr(),
                 w["w_down_t"].data_ptr(), None, None, None, None, N_FF,
@@ -195,7 +198,7 @@ def main() -> None:
             fired = int(fires.sum()) if mask is None else int((mask[0] & fires).sum())
             outs = []
             for k in args.kernels:
-                call(s, libs[(s.fmt, k)], mask)
+                call(s, libs[(s.fmt, k)], mask, k.endswith("@huge"))
                 outs.append(out.clone())
                 assert abs(n_active.value - fired) <= 2, (k, n_active.value, fired)
             for k, o in zip(args.kernels[1:], outs[1:]):
@@ -210,10 +213,11 @@ def main() -> None:
             order = args.kernels if r % 2 == 0 else args.kernels[::-1]
             for k in order:
                 lib = libs[(cfg["s"].fmt, k)]
-                call(cfg["s"], lib, cfg["mask"])  # warm
+                huge = k.endswith("@huge")
+                call(cfg["s"], lib, cfg["mask"], huge)  # warm
                 for _ in range(args.calls):
                     t0 = time.perf_counter()
-                    call(cfg["s"], lib, cfg["mask"])
+                    call(cfg["s"], lib, cfg["mask"], huge)
                     cfg["times"][k].append(time.perf_counter() - t0)
 
     print("| weights | density | candidates | fired | MB read | kernel | us | GB/s | best GB/s "
