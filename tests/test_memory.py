@@ -44,6 +44,25 @@ def test_moved_weights_keep_ties_and_kernels_rebind():
 
 
 @needs_thp
+def test_small_tensors_share_one_arena():
+    """SmolLM2's matrices are 1-2 MB: they go into one huge-page arena, each 64-byte aligned,
+    a buffer held by two modules moved once and still shared."""
+    mods = [nn.Module() for _ in range(3)]
+    shared = torch.randn(7)
+    want = {}
+    for i, m in enumerate(mods):
+        m.w = nn.Parameter(torch.randn(700, 301 + i), requires_grad=False)  # ~0.8 MB each
+        m.register_buffer("b", shared)
+        want[i] = m.w.clone()
+    moved = memory.weights_to_huge_pages(mods)
+    assert moved == sum(m.w.nbytes for m in mods) + shared.nbytes
+    ptrs = sorted(m.w.data_ptr() for m in mods)
+    assert all(p % memory.ALIGN == 0 for p in ptrs) and ptrs[-1] - ptrs[0] < 4 << 20
+    assert all(torch.equal(m.w, want[i]) for i, m in enumerate(mods))
+    assert mods[0].b is mods[1].b is mods[2].b and torch.equal(mods[0].b, shared)
+
+
+@needs_thp
 def test_compiled_model_in_huge_pages_equals_without(monkeypatch):
     dense = zoo.make("llama_relu", hidden=256, n_ff=2048)  # FFN matrices of 2 MB
     ids = torch.randint(0, zoo.VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
