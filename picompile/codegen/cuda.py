@@ -607,7 +607,6 @@ class CudaFFN:
     def predict(self, x):
         """-> (idx [n_rows] int32, count [1] int32), device tensors: idx[:count] are the rows
         predicted to fire for some token, ascending."""
-        import torch
 
         if self.p1 is None:
             raise ValueError("this CudaFFN has no predictor (p1, pb1, p2, pb2)")
@@ -649,7 +648,6 @@ class CudaFFN:
     # -- entry points ----------------------------------------------------------------------------
     def __call__(self, x, *, out=None, accumulate: bool = False):
         """x [T, d] -> (out [T, d] fp32, n_active): the predicted hot rows (union over tokens)."""
-        import torch
 
         if self.p1 is None:
             raise ValueError("this CudaFFN has no predictor; use ffn_given_idx")
