@@ -414,32 +414,29 @@ __device__ __forceinline__ void pi_down_body(
     }
     __syncthreads();
     if (has_cols) {
+      // acc[t][:] += h[t] * row q's columns, for each token
+      auto add_row = [&](int q, const float* w) {
+#pragma unroll
+        for (int t = 0; t < MAXT; ++t) {
+          if (t < T) {
+            const float ht = s_h[t][q];
+#pragma unroll
+            for (int k = 0; k < R::VEC; ++k) acc[t][k] = fmaf(ht, w[k], acc[t][k]);
+          }
+        }
+      };
       if (vec) {
 #pragma unroll 4
         for (int q = 0; q < n_keep; ++q) {
           float w[R::VEC];
           R::cols_vec(w_down_t, s_row[q], d, col0, w);
-#pragma unroll
-          for (int t = 0; t < MAXT; ++t) {
-            if (t < T) {
-              const float ht = s_h[t][q];
-#pragma unroll
-              for (int k = 0; k < R::VEC; ++k) acc[t][k] = fmaf(ht, w[k], acc[t][k]);
-            }
-          }
+          add_row(q, w);
         }
       } else {
         for (int q = 0; q < n_keep; ++q) {
           float w[R::VEC];
           R::cols_any(w_down_t, s_row[q], d, col0, w);
-#pragma unroll
-          for (int t = 0; t < MAXT; ++t) {
-            if (t < T) {
-              const float ht = s_h[t][q];
-#pragma unroll
-              for (int k = 0; k < R::VEC; ++k) acc[t][k] = fmaf(ht, w[k], acc[t][k]);
-            }
-          }
+          add_row(q, w);
         }
       }
     }

@@ -24,18 +24,27 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") not in ("0", "") and hasattr(mmap, "MADV_HUGEPAGE")
 
 
+def _huge_buffer(nbytes: int) -> torch.Tensor | None:
+    """uint8 [nbytes] in a fresh anonymous mapping advised MADV_HUGEPAGE, not yet touched (the
+    tensor keeps the mapping alive); None where THP is compiled out or disabled."""
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        buf.close()
+        return None
+    return torch.frombuffer(buf, dtype=torch.uint8)
+
+
 def huge_page_copy(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of CPU tensor `t` in memory advised for huge pages (the mapping lives
     as long as the tensor); `t` itself where that does not apply."""
     if not enabled() or t.device.type != "cpu" or t.nbytes < HUGE_PAGE or t.is_quantized:
         return t
-    buf = mmap.mmap(-1, t.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # THP compiled out or disabled: plain pages, no copy needed
-        buf.close()
+    buf = _huge_buffer(t.nbytes)
+    if buf is None:
         return t
-    out = torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).view(t.shape)
+    out = buf.view(t.dtype).view(t.shape)
     out.copy_(t)
     return out
 
@@ -65,13 +74,9 @@ def weights_to_huge_pages(modules) -> int:
     total = sum(sizes.values())
     if total < HUGE_PAGE:
         return 0
-    buf = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # THP compiled out or disabled
-        buf.close()
+    arena = _huge_buffer(total)  # [total]
+    if arena is None:
         return 0
-    arena = torch.frombuffer(buf, dtype=torch.uint8)  # [total]; keeps `buf` alive
     offset = moved = 0
     for key, places in holders.items():
         table, name = places[0]
