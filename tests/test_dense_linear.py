@@ -390,3 +390,24 @@ def test_build_failure_falls_back(monkeypatch, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once per process
         assert DenseLinear.from_linear(nn.Linear(8, 4)).kernel is None
+
+
+def test_float16_prefill_runs_the_kernel():
+    """float16 weights (config.PREFILL_KERNEL_FORMATS): more than 8 tokens run the kernel too
+    (torch's CPU float16 GEMM is slow), in groups of 8, within float32 rounding of F.linear over
+    the same weights widened; float32 and bfloat16 keep F.linear."""
+    torch.manual_seed(2)
+    lin = nn.Linear(64, 40).half()
+    mod = DenseLinear.from_linear(lin)
+    x = torch.randn(3, 11, 64).half()
+    with torch.no_grad():
+        got = mod(x)
+        assert got.dtype == torch.float16 and got.shape == (3, 11, 40)
+        assert torch.equal(got.reshape(-1, 40)[:8], mod.kernel(x.reshape(-1, 64)[:8]).half())
+        want = F.linear(x.float(), lin.weight.float(), lin.bias.float())
+        torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)
+    for dt in (torch.float32, torch.bfloat16):
+        mod = DenseLinear.from_linear(nn.Linear(64, 40).to(dt))
+        x = torch.randn(12, 64).to(dt)
+        with torch.no_grad():
+            assert torch.equal(mod(x), F.linear(x, mod.weight, mod.bias))

@@ -46,7 +46,7 @@ from hypothesis import strategies as st
 from picompile import quant
 from picompile.codegen import c
 from picompile.plan import BlockPlan, Decisions
-from picompile.runtime.sparse_ffn import SparseFFN, activation, down_input, ffn_reference
+from picompile.runtime.sparse_ffn import SparseFFN, activation, combine, down_input, ffn_reference
 from tests import zoo
 from tests.test_decoder import _compile_kw, _step_logits  # shared with the float decoder tests
 from tests.test_c_kernels import candidates  # the float kernel tests' candidate sets
@@ -752,3 +752,40 @@ def test_decoder_runs_quantized_blocks(fmt, down, arch, how):
     ids = torch.randint(3, zoo.VOCAB, (1, 16), generator=torch.Generator().manual_seed(1))
     want, got = _step_logits(cm, dec, ids, prompt=5)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "float16", "float32"])
+@pytest.mark.parametrize("kind,act", [("gated", "silu"), ("plain", "relu")])
+def test_prefill_runs_gate_and_up_on_the_dense_kernel_where_it_pays(fmt, kind, act):
+    """Prefill (> 8 tokens) computes the gate and up products with the dense kernel over the
+    block's own rows for the formats in PREFILL_KERNEL_FORMATS (4-bit, float16), with BLAS for
+    the others; either way h, the mask and the output are the reference's, and a copy of the
+    block (deepcopy: kernels are bound to raw pointers) binds its own kernels."""
+    from picompile.config import PREFILL_KERNEL_FORMATS
+
+    dtype = torch.float16 if fmt == "float16" else torch.float32
+    ffn = float_module(kind, act, True, d=96, n_ff=80, seed=5, dtype=dtype)
+    if fmt.startswith("q"):
+        ffn.quantize_(fmt, "q8_0")
+    kernels = ffn._prefill_kernels
+    assert (kernels is not None) == (fmt in PREFILL_KERNEL_FORMATS)
+    if kernels is not None:
+        assert set(kernels) == ({"gate", "up"} if kind == "gated" else {"up"})
+    x = torch.randn(24, 96, generator=torch.Generator().manual_seed(6)).to(dtype)
+    with torch.no_grad():
+        got = ffn(x)
+        want, _ = ffn_reference(x.float(), **{k: (v.float() if torch.is_tensor(v) and v.is_floating_point()
+                                                  else v) for k, v in ffn.weights().items()},
+                                act=act, threshold=ffn.threshold)
+        if kernels is not None:  # the kernel's own products
+            h = ffn._prefill_down_input(x)  # [24, 80] float32
+            g = kernels["gate"](x) + ffn.b_gate if kind == "gated" else None
+            assert torch.equal(h, combine(kernels["up"](x) + ffn.b_up, g, act, False))
+        copied = copy.deepcopy(ffn)
+        assert (copied._prefill_kernels is None) == (kernels is None)
+        if kernels is not None:
+            assert copied._prefill_kernels["up"].weight.data_ptr() == copied.w_up.data_ptr() \
+                != ffn.w_up.data_ptr()
+        torch.testing.assert_close(copied(x), got)
+    tol = 2e-2 if fmt == "float16" else 1e-4
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * float(want.abs().max()))

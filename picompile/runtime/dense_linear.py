@@ -5,8 +5,10 @@ QuantLinear (below): the same with a block-quantized weight (picompile.quant).
 
 `forward_native` is F.linear, the reference the kernel is tested against. `forward` runs the
 kernel (picompile/kernels/dense.c through picompile.codegen.dense) when 1 <= T <= 8 tokens
-(leading dimensions flattened) on the CPU, and F.linear for prefill, on other devices, and where
-there is no kernel. The kernel accumulates in float32 and its result is cast to x's dtype.
+(leading dimensions flattened) on the CPU, and for prefill too where the weights' format is in
+config.PREFILL_KERNEL_FORMATS (float16, the 4-bit formats); F.linear for the other prefills, on
+other devices, and where there is no kernel. The kernel accumulates in float32 and its result is
+cast to x's dtype.
 
 The module holds the very Parameter objects of the nn.Linear it replaces (`from_linear`), so tied
 weights stay tied (an LM head tied to the embedding) and state_dict keys are unchanged.
@@ -22,7 +24,7 @@ from torch import nn
 
 from picompile.runtime import ops
 from picompile.runtime.kernel_module import KernelModule
-from picompile.config import KERNEL_MAX_TOKENS, reference_forced
+from picompile.config import KERNEL_MAX_TOKENS, PREFILL_KERNEL_FORMATS, reference_forced
 
 
 _scratch = threading.local()  # per thread: slot -> float32 buffer, reused by float_weight
@@ -42,17 +44,31 @@ def float_weight(q: torch.Tensor, fmt: str, cols: int, dot_layout: bool,
     from picompile import quant
     from picompile.codegen import dense
 
-    out = None
-    if q.shape[0] * cols * 4 <= SCRATCH_MAX_BYTES:
-        buffers = _scratch.__dict__.setdefault("buffers", {})
-        buf = buffers.get(slot)
-        if buf is None or buf.numel() < q.shape[0] * cols:
-            buf = buffers[slot] = torch.empty(q.shape[0] * cols, dtype=torch.float32)
-        out = buf[: q.shape[0] * cols].view(q.shape[0], cols)
+    out = _scratch_float32(q.shape[0], cols, slot)
     w = dense.dequantize(q, fmt, cols, dot_layout, out)
     if w is None:
         w = quant.dequantize(quant.deinterleave_blocks(q, fmt) if dot_layout else q, fmt, cols)
     return w
+
+
+def float32_weight(w: torch.Tensor, slot: str) -> torch.Tensor:
+    """A float weight [rows, cols] as float32 for prefill's BLAS (w itself when it is float32,
+    else a copy in this thread's scratch buffer for `slot`, valid until the next call with it)."""
+    if w.dtype == torch.float32:
+        return w
+    out = _scratch_float32(w.shape[0], w.shape[1], slot)
+    return w.to(torch.float32) if out is None else out.copy_(w)
+
+
+def _scratch_float32(rows: int, cols: int, slot: str) -> torch.Tensor | None:
+    """This thread's float32 [rows, cols] buffer for `slot` (None above SCRATCH_MAX_BYTES)."""
+    if rows * cols * 4 > SCRATCH_MAX_BYTES:
+        return None
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    buf = buffers.get(slot)
+    if buf is None or buf.numel() < rows * cols:
+        buf = buffers[slot] = torch.empty(rows * cols, dtype=torch.float32)
+    return buf[: rows * cols].view(rows, cols)
 
 
 class _KernelLinear(torch.autograd.Function):
@@ -76,6 +92,10 @@ class _KernelLinear(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = grad.sum(0).to(ctx.bias_dtype)  # [O]
         return gx, gw, gb, None
+
+
+_PREFILL_KERNEL_DTYPES = frozenset(getattr(torch, name) for name in PREFILL_KERNEL_FORMATS
+                                   if name in ("float32", "float16", "bfloat16"))
 
 
 class DenseLinear(KernelModule):
@@ -146,7 +166,8 @@ class DenseLinear(KernelModule):
             return F.linear(x, weight, bias)
         K = x.shape[-1]
         T = x.numel() // K if K else 0
-        if not 1 <= T <= KERNEL_MAX_TOKENS or not x.is_floating_point():
+        if T < 1 or not x.is_floating_point() or (
+                T > KERNEL_MAX_TOKENS and weight.dtype not in _PREFILL_KERNEL_DTYPES):
             return F.linear(x, weight, bias)
         if (weight.data_ptr(), None if bias is None else bias.data_ptr()) != self._bound:
             self.select_kernel()  # storage swapped since binding (.data = ...): bind again
@@ -181,8 +202,9 @@ class QuantLinear(KernelModule):
     4-bit rows with each run of 8 blocks interleaved; `row_blocks()` gives GGUF's layout back);
     the constructor takes GGUF's row layout. `bias` a float32 Parameter or None. No float copy
     of the weight is kept: `forward_native` (the reference) dequantizes on each call. `forward`
-    runs the kernel for 1 <= T <= 8 tokens on the CPU, forward_native otherwise (prefill,
-    autograd on x, no kernel).
+    runs the kernel on the CPU for 1 <= T <= 8 tokens and, for the 4-bit formats, for prefill
+    too (config.PREFILL_KERNEL_FORMATS); q8_0 prefill runs BLAS over the weight dequantized in
+    C; forward_native where autograd records x or there is no kernel.
     CPU only: moving it to another device is an error (no GPU kernels for quantized layers yet).
     """
 
@@ -321,7 +343,8 @@ class QuantLinear(KernelModule):
         bias = self._parameters["bias"]
         if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
             return self.forward_native(x)
-        if T > KERNEL_MAX_TOKENS:  # prefill: BLAS over the weight dequantized in C
+        if T > KERNEL_MAX_TOKENS and self.qformat not in PREFILL_KERNEL_FORMATS:
+            # prefill (q8_0): BLAS over the weight dequantized in C
             from picompile import quant
 
             w = float_weight(self.qweight, self.qformat, self.in_features, dot_layout=True)

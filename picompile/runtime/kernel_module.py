@@ -22,6 +22,7 @@ _generations = itertools.count(1)
 
 class KernelModule(nn.Module):
     kernel_generation = 0  # changes whenever `kernel` is set
+    _BOUND = ("_kernel",)  # attributes holding kernels bound to raw pointers (not pickled)
 
     @property
     def kernel(self):
@@ -51,7 +52,8 @@ class KernelModule(nn.Module):
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_kernel"] = None
+        for name in self._BOUND:
+            state[name] = None
         state["_had_kernel"] = self._was_selected()
         return state
 

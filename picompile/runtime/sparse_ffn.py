@@ -32,10 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from picompile import quant
-from picompile.config import KERNEL_MAX_TOKENS, reference_forced
+from picompile.config import KERNEL_MAX_TOKENS, PREFILL_KERNEL_FORMATS, reference_forced
 from picompile.plan import BlockPlan
 from picompile.runtime import ops
-from picompile.runtime.dense_linear import float_weight
+from picompile.runtime.dense_linear import float32_weight, float_weight
 from picompile.runtime.kernel_module import KernelModule
 
 
@@ -87,11 +87,16 @@ def down_input(
             t = quant.dequantize(quant.deinterleave_blocks(t, qformat), qformat, x.shape[-1])
         return t.to(cd)
 
-    if w_gate is not None:
-        a = activation(act, F.linear(x, rows(w_gate), rows(b_gate)))  # [T, m]
-        u = F.linear(x, rows(w_up), rows(b_up))  # [T, m]
-        return a * (F.relu(u) if drelu else u)
-    return activation(act, F.linear(x, rows(w_up), rows(b_up)))  # [T, m]
+    gate = None if w_gate is None else F.linear(x, rows(w_gate), rows(b_gate))  # [T, m]
+    return combine(F.linear(x, rows(w_up), rows(b_up)), gate, act, drelu)
+
+
+def combine(up: torch.Tensor, gate: torch.Tensor | None, act: str, drelu: bool) -> torch.Tensor:
+    """h [T, m] from the up (and gate) products [T, m]: act(gate) * up (dReLU: * relu(up)),
+    or act(up) for a plain block."""
+    if gate is None:
+        return activation(act, up)
+    return activation(act, gate) * (F.relu(up) if drelu else up)
 
 
 def ffn_reference(
@@ -310,21 +315,65 @@ class SparseFFN(KernelModule):
         return t if name == "w_down_t" else quant.deinterleave_blocks(t, fmt)
 
     def _down_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """w_down_t [n_ff, d] as float `dtype` (quantized rows dequantized)."""
+        """w_down_t [n_ff, d] as float `dtype` (quantized rows dequantized; float32 copies in a
+        reused buffer)."""
         if self.down_qformat is not None:
             return float_weight(self.w_down_t, self.down_qformat, self.d_model, False, "down").to(dtype)
+        if dtype == torch.float32:
+            return float32_weight(self.w_down_t, "down")
         return self.w_down_t.to(dtype)
+
+    _BOUND = ("_kernel", "_prefill_kernels")
 
     def select_kernel(self) -> str:
         """Pick the execution path once. Returns its name (for explain)."""
         self.kernel = None
+        self._prefill_kernels = None
         self._selected = True  # select again after a dtype / device change (_apply)
         if reference_forced():
             return "reference (PICOMPILE_REFERENCE set)"
         from picompile.codegen import c as c_codegen
 
         self.kernel = c_codegen.kernel_for(self)
+        self._prefill_kernels = self._select_prefill_kernels()
         return "C" if self.kernel is not None else c_codegen.why_no_kernel(self)
+
+    def _select_prefill_kernels(self) -> dict | None:
+        """Dense kernels over the gate and up rows for prefill, where their format runs prefill
+        on the kernel (config.PREFILL_KERNEL_FORMATS: the 4-bit formats, float16), else None
+        (BLAS). Biases are added outside them."""
+        from picompile.codegen import dense
+
+        fmt = self.qformat or dtype_name(self.w_up.dtype)
+        if fmt not in PREFILL_KERNEL_FORMATS or self.w_up.device.type != "cpu":
+            return None
+        kernels = {}
+        for role, w in (("up", self.w_up), ("gate", self.w_gate)):
+            if w is not None:
+                kernels[role] = (dense.dense_kernel_for(w) if self.qformat is None
+                                 else dense.quant_kernel_for(w, self.qformat, self.d_model))
+                if kernels[role] is None:
+                    return None
+        return kernels
+
+    def _prefill_down_input(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 [T, d] -> h [T, n_ff] for prefill: the gate and up products by the dense kernel
+        (float32) where _select_prefill_kernels bound one, else by BLAS in the block's dtype
+        (quantized rows dequantized in C, x rounded to int8 blocks as the 4-bit kernels do)."""
+        kernels = self.__dict__.get("_prefill_kernels")
+        if kernels is not None:
+            def product(role, bias):
+                y = kernels[role](x2)  # [T, n_ff] float32
+                return y if bias is None else y + bias
+            gate = product("gate", self.b_gate) if "gate" in kernels else None
+            return combine(product("up", self.b_up), gate, self.act, self.drelu)
+        w_up, w_gate, x_in = self.w_up, self.w_gate, x2
+        if self.qformat is not None:  # their rows dequantized in C; x rounded as the kernels do
+            w_up, w_gate = (None if w is None else float_weight(w, self.qformat, self.d_model, True, slot)
+                            for w, slot in ((self.w_up, "up"), (self.w_gate, "gate")))
+            x_in = quant.round_activations(x2, self.qformat)
+        return down_input(x_in, w_up, w_gate=w_gate, b_gate=self.b_gate, b_up=self.b_up,
+                          act=self.act, drelu=self.drelu, compute_dtype=self.float_dtype)
 
     def _check_movable(self) -> None:
         if self.hybrid is not None:
@@ -387,16 +436,9 @@ class SparseFFN(KernelModule):
                 out, active = self.forward_native(x2, idx)
                 n_active = int(active.sum())
         else:
-            # Prefill: dense BLAS in the weights' own dtype (as the dense model does; quantized
-            # blocks: over their weights dequantized to float32), masked per token by what
-            # fired and, in predicted mode, by what was predicted.
-            w_up, w_gate, x_in = self.w_up, self.w_gate, x2
-            if self.qformat is not None:  # their rows dequantized in C; x rounded as the kernels do
-                w_up, w_gate = (None if w is None else float_weight(w, self.qformat, self.d_model, True, slot)
-                                for w, slot in ((self.w_up, "up"), (self.w_gate, "gate")))
-                x_in = quant.round_activations(x2, self.qformat)
-            h = down_input(x_in, w_up, w_gate=w_gate, b_gate=self.b_gate, b_up=self.b_up,
-                           act=self.act, drelu=self.drelu, compute_dtype=self.float_dtype)
+            # Prefill: every neuron's h (dense kernel or BLAS), masked per token by what fired
+            # and, in predicted mode, by what was predicted; the down product by BLAS.
+            h = self._prefill_down_input(x2)  # [T, n_ff]
             active = h.abs() > self.threshold
             if predicted is not None:
                 active &= predicted
