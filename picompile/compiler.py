@@ -99,7 +99,9 @@ def compile(
     quantize ("q8_0", "q4_0", "q4_1": GGUF's block formats, see picompile/quant.py): the FFN
     blocks and the other linear layers are stored and read quantized (blocks of 32 weights with a
     float16 scale), after calibration, profiling and placement have measured the float model.
-    Embeddings, norms and biases stay float. CPU only for now. Default: float weights.
+    Embeddings, norms and biases stay float. With gpu_budget, the FFN blocks' hot rows run
+    quantized on the GPU (placement counts their quantized bytes) and the layers that go to the
+    GPU whole (attention, LM head) stay float. Default: float weights.
     gguf (the GGUF file the model was loaded from): its Q8_0 / Q4_0 / Q4_1 tensors are used as
     they are, each in its own format (quantize="gguf", the default when gguf is given; see
     picompile/gguf_weights.py); a quantize format instead re-quantizes the float weights.
@@ -133,7 +135,7 @@ def compile(
         _collect(model)  # modules and their graphs hold each other: freed by the collector only
     cm = _lower(captured, plan, opts.gguf)
     cm.firing = {name: prof.freq for name, prof in profiles.items()}
-    hybrid = opts.budget is not None and torch.cuda.is_available() and plan.placement.fixed_on_gpu
+    hybrid = runs_hybrid(plan)
     if opts.mode == Mode.PREDICTED and not hybrid:  # in the hybrid runtime every predictor runs
         autotune_pass.autotune(cm.ffns(), {n: p.x for n, p in profiles.items()}, quiet=opts.quiet)
         cm.use_predictors(opts.predictors)
@@ -224,8 +226,16 @@ def _decide(captured: Captured, plan: Plan, ids, opts: Options) -> dict[str, Blo
             _attach_predictor(captured.graphs, ffns[name], predictor)
     # place: hot neurons on the GPU within the budget, neurons permuted hot-first
     if opts.budget is not None:
-        _place(model, ffns, plan.placement, profiles, opts.budget, opts.max_context)
+        formats = quantize_pass.planned_ffn_formats(ffns, opts.quantize, opts.gguf)
+        _place(model, ffns, plan.placement, profiles, opts.budget, opts.max_context, formats)
     return profiles
+
+
+def runs_hybrid(plan: Plan) -> bool:
+    """Whether the plan's blocks run split across a GPU here: a budget was given, the non-FFN
+    parts fit it (placement), and a CUDA GPU is present."""
+    p = plan.placement
+    return p.budget_bytes is not None and p.fixed_on_gpu and torch.cuda.is_available()
 
 
 def _lower(captured: Captured, plan: Plan, gguf=None) -> CompiledModel:
@@ -241,7 +251,11 @@ def _lower(captured: Captured, plan: Plan, gguf=None) -> CompiledModel:
     # lower: every other weight-bearing linear (attention projections, LM head) to the dense
     # kernel; after capture and detect, which find FFN blocks by their nn.Linear members
     linear_paths = lower_pass.lower_linears(model)
-    if plan.quantize:
+    if plan.quantize and runs_hybrid(plan):
+        # they go to the GPU with the non-FFN parts, where no kernel reads quantized dense rows
+        quant_notes.append("attention projections and LM head stay float: they run on the GPU, "
+                           "which has no quantized dense kernels yet (placement counted them so)")
+    elif plan.quantize:
         quantized, notes = quantize_pass.quantize_linears(model, plan.quantize, file_blocks)
         linear_paths.update(quantized)
         quant_notes += notes
@@ -325,12 +339,16 @@ def _attach_predictor(graphs, ffn: SparseFFN, predictor) -> None:
     predictors_pass.insert_predictor_node(graphs[ffn.block.module], name_in_graph(ffn.block))
 
 
-def _place(model, ffns, placement, profiles, budget: int, max_context: int) -> None:
-    """Run the placement pass and record its decision in plan.placement and the blocks."""
+def _place(model, ffns, placement, profiles, budget: int, max_context: int,
+           formats: dict[str, tuple[str, str]]) -> None:
+    """Run the placement pass and record its decision in plan.placement and the blocks.
+    `formats`: {block: (gate / up format, down format)} of the blocks quantize will store in a
+    block format (their neurons cost those bytes on the GPU)."""
     from picompile.passes import place as place_pass
 
     fixed = place_pass.account(model, ffns, max_context=max_context, budget_bytes=budget)
-    demands = [place_pass.BlockDemand(name, f.n_ff, place_pass.neuron_bytes(f), profiles[name].freq)
+    demands = [place_pass.BlockDemand(name, f.n_ff, place_pass.neuron_bytes(f, formats.get(name)),
+                                      profiles[name].freq)
                for name, f in ffns.items()]
     result = place_pass.place(budget_bytes=budget, fixed_bytes=fixed, blocks=demands)
     for name, ffn in ffns.items():

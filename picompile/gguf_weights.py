@@ -72,14 +72,18 @@ def _unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
     return rows.reshape(n_head, half, 2, -1).swapaxes(1, 2).reshape(rows.shape[0], -1)
 
 
+def _architecture(reader) -> str:
+    field = reader.fields.get("general.architecture")
+    return bytes(field.parts[field.data[0]]).decode() if field is not None else "?"
+
+
 def read(path, config) -> tuple[dict[str, Blocks], list[str]]:
     """{HF module name: Blocks} for the quantized weights in the GGUF file at `path`, and notes.
     `config`: the model's (head counts, for q / k of Llama models)."""
     import gguf
 
     reader = gguf.GGUFReader(pathlib.Path(path))
-    field = reader.fields.get("general.architecture")
-    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "?"
+    arch = _architecture(reader)
     if arch not in ARCHITECTURES:
         return {}, [f"{path}: architecture {arch!r}: its tensors are not mapped (only "
                     f"{', '.join(ARCHITECTURES)}); quantized from the float weights instead"]
@@ -107,6 +111,22 @@ def read(path, config) -> tuple[dict[str, Blocks], list[str]]:
         else:
             notes.append(f"{name}: {kind} is not supported: stays float")
     return out, notes
+
+
+def formats(path) -> dict[str, str]:
+    """{HF module name: picompile format} of the file's quantized weights, as `read` would give
+    them, without reading their data (the tensors' types only)."""
+    import gguf
+
+    reader = gguf.GGUFReader(pathlib.Path(path))
+    if _architecture(reader) not in ARCHITECTURES:
+        return {}
+    out = {}
+    for t in reader.tensors:
+        module, kind = module_name(t.name), t.tensor_type.name
+        if module is not None and (kind in KEPT or kind in NEAREST):
+            out[module] = KEPT.get(kind) or NEAREST[kind]
+    return out
 
 
 def check_fits(blocks: Blocks, rows: int, cols: int, where: str) -> None:

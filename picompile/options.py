@@ -50,7 +50,7 @@ def check_options(model, *, mode, sparsity, gpu_budget, predictors, dtype, quant
     budget = parse_budget(gpu_budget)
     if gguf is not None and quantize is None:
         quantize = "gguf"
-    _check_quantize(quantize, budget, gguf)
+    _check_quantize(quantize, gguf)
     check_not_compiled(model, "compile")
     return Options(mode=Mode(mode), sparsity=sparsity, budget=budget,
                    predictors=check_predictor_policy(predictors), dtype=check_dtype(dtype),
@@ -67,7 +67,7 @@ def check_dtype(dtype) -> torch.dtype | None:
     return WEIGHT_DTYPES[name]
 
 
-def _check_quantize(quantize, budget, gguf) -> None:
+def _check_quantize(quantize, gguf) -> None:
     if quantize is None:
         return
     if quantize not in QUANT_FORMATS:
@@ -77,9 +77,6 @@ def _check_quantize(quantize, budget, gguf) -> None:
     if quantize == "gguf" and (gguf is None or not pathlib.Path(gguf).is_file()):
         raise ValueError(f"quantize='gguf' keeps the tensors of the GGUF file the model was "
                          f"loaded from: pass gguf=<that file> (got {gguf!r})")
-    if budget is not None:
-        raise ValueError("quantize= runs on the CPU only so far: the GPU kernels read float "
-                         "weights. Drop gpu_budget, or quantize=")
 
 
 def check_not_compiled(model, what: str) -> None:

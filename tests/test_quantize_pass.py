@@ -173,8 +173,6 @@ def test_bad_quantize_arguments_are_refused_before_any_change():
     dense = zoo.make("llama_relu", hidden=64, n_ff=96)
     with pytest.raises(ValueError, match="quantize must be one of"):
         picompile.compile(dense, quantize="q5_k", quiet=True)
-    with pytest.raises(ValueError, match="CPU only"):
-        picompile.compile(dense, quantize="q8_0", gpu_budget="1GB", quiet=True)
     with pytest.raises(ValueError, match="pass gguf="):
         picompile.compile(dense, quantize="gguf", quiet=True)
     assert not any(isinstance(m, SparseFFN) for m in dense.modules())
@@ -221,7 +219,66 @@ def test_gguf_file_tensors_are_kept_as_they_are():
     ref = _fake_quant_model(dense, "q4_1", gguf=True)
     with torch.no_grad():
         a, b, c = zoo.logits(cm, ids), zoo.logits(dense, ids), zoo.logits(ref, ids)
-    assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.99
-    torch.testing.assert_close(a, c, atol=2e-3 * float(c.abs().max()), rtol=1e-3)
+    cos = torch.nn.functional.cosine_similarity
+    assert cos(a.flatten(), b.flatten(), dim=0) > 0.99
+    # Prefill runs the 4-bit kernels, which sum integer products exactly where the reference
+    # sums float ones: each layer's output differs in float32 rounding, and the next layer's
+    # int8 rounding of its input turns some of that into whole steps, so 30 layers agree to
+    # about 1% of a logit (the reference's own distance to float is 4x that).
+    assert cos(a.flatten(), c.flatten(), dim=0) > 0.9999
+    assert torch.equal(a.argmax(-1), c.argmax(-1))
+    assert (a - c).abs().max() < 0.5 * (b - c).abs().max()
     text = picompile.explain(cm)
     assert "FFN q4_1 (down q8_0)" in text and "re-quantized to q8_0 along d" in text
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_quantized_blocks_are_placed_by_their_quantized_bytes(fmt, tmp_path, monkeypatch):
+    """compile(quantize=, gpu_budget=): placement (before quantizing) counts each neuron at the
+    bytes the quantized block holds, so the same budget takes more hot neurons than float; the
+    plan runs on the CPU here, and split across a device as distribute() puts it (the CPU
+    standing in for the GPU) with the same outputs. Where the plan runs hybrid on a GPU, the
+    attention projections and the LM head stay float (they go to the GPU whole)."""
+    import warnings
+
+    from picompile import compiler
+    from picompile.passes import place
+    from picompile.runtime.dense_linear import DenseLinear
+
+    dense = zoo.make("llama_relu", hidden=64, n_ff=256)
+    ids = torch.randint(0, zoo.VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
+    fixed = place.account(dense, {}, max_context=64)  # the non-FFN parts: all but the blocks
+    fixed = sum(fixed.values()) - fixed["non_ffn_weights"] + sum(
+        p.nbytes for name, p in dense.named_parameters() if ".mlp." not in name)
+    float_ffn = sum(p.nbytes for name, p in dense.named_parameters() if ".mlp." in name)
+    budget = int((fixed + 0.3 * float_ffn) / (1 - place.ALLOCATOR_RESERVE_SHARE))  # 30% as float
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no CUDA GPU found": the plan is made
+        kw = dict(gpu_budget=budget, calibration=ids, max_context=64, quiet=True)
+        floated = picompile.compile(copy.deepcopy(dense), **kw)
+        cm = picompile.compile(copy.deepcopy(dense), quantize=fmt, **kw)
+    placement = cm.plan.placement
+    assert placement.fixed_on_gpu
+    hot = {b.name: b.decided.hot_neurons for b in cm.plan.blocks}
+    hot_float = {b.name: b.decided.hot_neurons for b in floated.plan.blocks}
+    assert sum(hot.values()) > sum(hot_float.values())
+    ffn_bytes = sum(hot[name] * place.neuron_bytes(f) for name, f in cm.ffns().items())
+    assert all(f.qformat == fmt for f in cm.ffns().values())
+    assert placement.gpu_bytes == sum(placement.fixed_bytes.values()) + ffn_bytes
+    assert placement.gpu_bytes <= placement.budget_bytes
+    assert any(isinstance(m, QuantLinear) for m in cm._orig_mod.modules())  # CPU: all quantized
+    cm.save(tmp_path / "plan")
+    prompt = torch.randint(0, zoo.VOCAB, (1, 6))
+    with torch.no_grad():
+        want = zoo.logits(cm, prompt)
+        cm.distribute("cpu")
+        assert all(f.hybrid is not None for f in cm.ffns().values())
+        torch.testing.assert_close(zoo.logits(cm, prompt), want, rtol=1e-4, atol=1e-4)
+
+    # the same plan where a GPU runs it: linears stay float, blocks quantized
+    monkeypatch.setattr(compiler, "runs_hybrid", lambda plan: True)
+    loaded = picompile.load(copy.deepcopy(dense), tmp_path / "plan")
+    assert not any(isinstance(m, QuantLinear) for m in loaded._orig_mod.modules())
+    assert any(isinstance(m, DenseLinear) for m in loaded._orig_mod.modules())
+    assert all(f.qformat == fmt for f in loaded.ffns().values())
+    assert any("stay float" in n for n in loaded.quant_notes)

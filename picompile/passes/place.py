@@ -62,12 +62,20 @@ def _row_bytes(t: torch.Tensor | None) -> int:
     return _nbytes(t) // t.shape[0]
 
 
-def neuron_bytes(ffn: SparseFFN) -> int:
+def neuron_bytes(ffn: SparseFFN, formats: tuple[str, str] | None = None) -> int:
     """Bytes one neuron of `ffn` costs on the GPU: its rows of w_gate (if any), w_up and w_down_t,
     and its entries of b_gate / b_up (if any). b_down is not per neuron, and the predictor goes
     to the GPU whole (every neuron's row: the GPU predicts the cold ones too), so both are fixed
-    costs (see `account`)."""
-    return sum(_row_bytes(getattr(ffn, name, None)) for name in FFN_ROW_TENSORS)
+    costs (see `account`). `formats` (gate / up rows' format, down rows' format): the block
+    as the quantize pass will store it (placement runs before it), biases then float32."""
+    if formats is None:
+        return sum(_row_bytes(getattr(ffn, name, None)) for name in FFN_ROW_TENSORS)
+    from picompile import quant
+
+    fmt, down_fmt = formats
+    rows = (ffn.w_gate is not None) + 1
+    biases = sum(getattr(ffn, name) is not None for name in ("b_gate", "b_up"))
+    return rows * quant.row_bytes(ffn.d_model, fmt) + quant.row_bytes(ffn.d_model, down_fmt) + 4 * biases
 
 
 # -- what must be on the GPU besides the hot neurons -------------------------------------------

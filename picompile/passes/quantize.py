@@ -33,6 +33,38 @@ FOUR_BIT = ("q4_0", "q4_1")
 HIGH_PRECISION = "q8_0"  # the LM head and the FFN down rows under a 4-bit format
 
 
+def ffn_formats(fmt: str) -> tuple[str, str]:
+    """(gate / up rows' format, down rows' format) of a block quantized to `fmt` (see the module
+    doc: 4-bit blocks keep their down rows at q8_0)."""
+    return fmt, HIGH_PRECISION if fmt in FOUR_BIT else fmt
+
+
+def planned_ffn_formats(ffns: dict, fmt: str | None, gguf_path=None) -> dict[str, tuple[str, str]]:
+    """{block name: ffn_formats} of the blocks quantize_ffns will quantize (for placement, which
+    runs before it); blocks that will stay float are left out. fmt "gguf": each block's up
+    projection's format in the file at `gguf_path`."""
+    if fmt is None:
+        return {}
+    file_formats = gguf_weights.formats(gguf_path) if fmt == "gguf" else None
+    out = {}
+    for name, ffn in ffns.items():
+        if quant.why_not_quantizable((ffn.n_ff, ffn.d_model)) is not None:
+            continue
+        block_fmt = fmt
+        if file_formats is not None:
+            block_fmt = file_formats.get(_module_names(ffn).get("up", ""))
+            if block_fmt is None:
+                continue
+        out[name] = ffn_formats(block_fmt)
+    return out
+
+
+def _module_names(ffn) -> dict[str, str]:
+    """{role: the model's module name} of a block's linears ("up": "model.layers.0.mlp.up_proj")."""
+    return {role: f"{ffn.block.module}.{attr}" if ffn.block.module else attr
+            for role, attr in ffn.block.linears.items()}
+
+
 def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None) -> list[str]:
     """Quantize the FFN blocks to `fmt` in place (before their kernels are picked). With
     `file_blocks` (gguf_weights.read: fmt "gguf"), each block takes its up projection's format
@@ -44,8 +76,7 @@ def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None) -> list
     requantized_down = 0  # blocks whose 4-bit down rows went to q8_0
     for name, ffn in ffns.items():
         why = quant.why_not_quantizable((ffn.n_ff, ffn.d_model))
-        modules = {role: f"{ffn.block.module}.{attr}" if ffn.block.module else attr
-                   for role, attr in ffn.block.linears.items()}
+        modules = _module_names(ffn)
         block_fmt = fmt
         if file_blocks is not None:
             up = file_blocks.get(modules.get("up", ""))
@@ -54,10 +85,8 @@ def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None) -> list
         if why is not None:
             notes.append(f"{name}: stays {str(ffn.w_up.dtype).removeprefix('torch.')}: {why}")
             continue
-        down_fmt = block_fmt
-        if block_fmt in FOUR_BIT:
-            down_fmt = HIGH_PRECISION
-            requantized_down += 1
+        block_fmt, down_fmt = ffn_formats(block_fmt)
+        requantized_down += down_fmt != block_fmt
         ffn.quantize_(block_fmt, down_fmt)
         for role in ("gate", "up"):
             blocks = (file_blocks or {}).get(modules.get(role, ""))
