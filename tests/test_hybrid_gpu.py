@@ -142,3 +142,29 @@ def test_a_model_on_the_gpu_compiles_in_predicted_mode():
             f.hybrid.hot.w_up.numel() * f.hybrid.hot.w_up.element_size())
     out = cm.generate(torch.randint(0, zoo.VOCAB, (1, 4)), max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 8)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_quantized_model_splits_across_the_gpu_within_the_budget(fmt):
+    """compile(quantize=, gpu_budget=): FFN blocks quantized, hot rows on the GPU in their
+    format (placement counted their quantized bytes), cold rows on the CPU; attention and the
+    LM head float on the GPU. Logits near the float model's, peak memory within the budget."""
+    from picompile.runtime.dense_linear import DenseLinear, QuantLinear
+
+    dense = _model(torch.float32, "llama_relu")
+    cm, budget = _compile(dense, 0.1, quantize=fmt, calibration=torch.randint(0, zoo.VOCAB, (4, 32)))
+    assert _split_blocks(cm) > 0, picompile.explain(cm)
+    assert all(f.qformat == fmt and f.hybrid.hot.qformat == fmt for f in cm.ffns().values()
+               if f.hybrid.hot is not None)
+    assert not any(isinstance(m, QuantLinear) for m in cm._orig_mod.modules())
+    assert all(m.weight.is_cuda for m in cm._orig_mod.modules() if isinstance(m, DenseLinear))
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    ids = torch.randint(0, zoo.VOCAB, (2, 12))
+    with torch.no_grad():
+        got, want = zoo.logits(cm, ids).cpu().float(), zoo.logits(dense, ids)
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
+    assert cos > (0.999 if fmt == "q8_0" else 0.99), cos
+    out = cm.generate(ids[:1], max_new_tokens=6, do_sample=False)
+    assert out.shape == (1, 18)
+    assert _peak_bytes() <= budget, (_peak_bytes(), budget, picompile.explain(cm))
