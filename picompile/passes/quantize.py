@@ -155,7 +155,8 @@ def quantize_linears(model: nn.Module, fmt: str, file_blocks: dict | None = None
     if file_blocks is None and fmt in FOUR_BIT and hasattr(model, "get_output_embeddings"):
         head = model.get_output_embeddings()
     calibrated = rounding is not None and bool(rounding.hessians)
-    modules = list(model.named_modules())
+    modules = [(prefix, m) for prefix, m in model.named_modules()  # those holding linears
+               if any(isinstance(c, DenseLinear) for c in m._modules.values())]
     for prefix, parent in progress_bar(modules, desc="GPTQ linear layers", total=len(modules),
                                        quiet=quiet or not calibrated):
         for name, child in list(parent._modules.items()):
