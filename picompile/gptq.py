@@ -28,6 +28,7 @@ error moves to the later rows.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
@@ -143,29 +144,53 @@ def _pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, fmt: str) -> torch.
     return torch.cat([*head, body], dim=-1).reshape(R, -1)
 
 
-def _inverse_factor(h: torch.Tensor, wt: torch.Tensor, damp: float) -> torch.Tensor:
-    """The upper Cholesky factor of (H + damp * mean(diag H) * I)^-1 [K, K], float32. Inputs
-    no calibration token reached (diag 0) get H's diagonal 1 and their weights zeroed in `wt`
-    [K, O] (in place), as in the paper's code. Raises torch.linalg.LinAlgError where H is not
-    positive definite even damped."""
-    h = h.to(torch.float32).clone()
-    dead = torch.diagonal(h) == 0
-    h[dead, dead] = 1
-    wt[dead] = 0
-    h.diagonal().add_(damp * torch.diagonal(h).mean())
+@dataclass(frozen=True)
+class Prepared:
+    """What GPTQ needs of one Hessian, computed once for every weight reading the same inputs
+    (q, k and v; gate and up): prepare()'s answer."""
+
+    perm: torch.Tensor  # [K] long: position -> input column (the order columns are quantized in)
+    u: torch.Tensor  # [K, K] upper Cholesky factor of the damped inverse Hessian, in that order
+    dead: torch.Tensor  # [K] bool by column: inputs no calibration token reached
+    importance: torch.Tensor  # [K] the Hessian's diagonal by column
+
+
+def prepare(hessian: torch.Tensor, damp: float = DAMP, act_order: bool = True) -> Prepared:
+    """The order (decreasing H diagonal with act_order, else 0..K-1) and the upper Cholesky
+    factor of (H + damp * mean(diag H) * I)^-1 in that order. Inputs no calibration token
+    reached (diag 0) get H's diagonal 1 (their weights are zeroed, as in the paper's code).
+    Raises torch.linalg.LinAlgError where H is not positive definite even damped."""
+    h = hessian.to("cpu", torch.float32)
+    K = h.shape[0]
+    if h.shape != (K, K):
+        raise ValueError(f"a Hessian is square, got {tuple(h.shape)}")
+    diag = h.diagonal().clone()
+    perm = torch.argsort(diag, descending=True, stable=True) if act_order else torch.arange(K)
+    h = h[perm][:, perm]  # a copy, in the order
+    dead = h.diagonal() == 0
+    h.diagonal()[dead] = 1
+    h.diagonal().add_(damp * h.diagonal().mean())
     lower = torch.linalg.cholesky(h)
-    inv = torch.linalg.solve_triangular(lower, torch.eye(len(h)), upper=False)  # L^-1
-    return torch.linalg.cholesky(inv.T @ inv, upper=True)
+    inv = torch.linalg.solve_triangular(lower, torch.eye(K), upper=False)  # L^-1
+    u = torch.linalg.cholesky(inv.T @ inv, upper=True)
+    return Prepared(perm, u, diag == 0, diag)
 
 
-def _run(wt: torch.Tensor, h: torch.Tensor, row, damp: float) -> None:
+def _prepared(hessian, K: int, damp: float, act_order: bool) -> Prepared:
+    prep = hessian if isinstance(hessian, Prepared) else prepare(hessian, damp, act_order)
+    if prep.u.shape != (K, K):
+        raise ValueError(f"the Hessian of a weight with {K} input features is [{K}, {K}], "
+                         f"got {tuple(prep.u.shape)}")
+    return prep
+
+
+def _run(wt: torch.Tensor, u: torch.Tensor, row) -> None:
     """The GPTQ loop over the input columns of a weight, held transposed as wt [K, O] (in
-    place, float32; a column is a contiguous row; h [K, K] in the same order): row(j, rows
-    [B', O] of its lazy batch from row j on, current) -> row j quantized [O], where
-    current(positions) gives rows not yet quantized as the updates so far leave them; each
-    row's error, scaled by the inverse factor, is taken off the rows after it (within the
-    batch at once, beyond it once per batch)."""
-    u = _inverse_factor(h, wt, damp)  # [K, K] upper
+    place, float32; a column is a contiguous row; u [K, K], prepare()'s factor, in the same
+    order): row(j, rows [B', O] of its lazy batch from row j on, current) -> row j quantized
+    [O], where current(positions) gives rows not yet quantized as the updates so far leave
+    them; each row's error, scaled by the inverse factor, is taken off the rows after it
+    (within the batch at once, beyond it once per batch)."""
     with _one_thread():
         _batches(wt, u, row)
 
@@ -206,9 +231,10 @@ def _batches(wt: torch.Tensor, u: torch.Tensor, row) -> None:
         wt[i2:].addmm_(u[i1:i2, i2:].T, err, alpha=-1)
 
 
-def quantize(w: torch.Tensor, fmt: str, hessian: torch.Tensor, damp: float = DAMP,
+def quantize(w: torch.Tensor, fmt: str, hessian: torch.Tensor | Prepared, damp: float = DAMP,
              act_order: bool = True, search: bool = True) -> torch.Tensor:
-    """w [O, K] (any float dtype), hessian [K, K] of the layer's inputs -> uint8 [O,
+    """w [O, K] (any float dtype), hessian [K, K] of the layer's inputs (or prepare()'s answer
+    for it: damp and act_order are then its own) -> uint8 [O,
     row_bytes(K, fmt)]: GGUF blocks of 32 along K, as quant.quantize lays them out, rounded by
     GPTQ.
 
@@ -227,15 +253,12 @@ def quantize(w: torch.Tensor, fmt: str, hessian: torch.Tensor, damp: float = DAM
         raise ValueError(f"cannot quantize to {fmt}: {why}")
     fmt = quant.format_of(fmt).name
     O, K = w.shape
-    if hessian.shape != (K, K):
-        raise ValueError(f"the Hessian of a weight with {K} input features is [{K}, {K}], "
-                         f"got {tuple(hessian.shape)}")
-    hessian = hessian.to("cpu", torch.float32)
-    perm = torch.argsort(hessian.diagonal(), descending=True, stable=True) if act_order \
-        else torch.arange(K)  # position -> column
+    prep = _prepared(hessian, K, damp, act_order)
+    perm, importance = prep.perm, prep.importance  # position -> column; [K] by column
     pos_of = torch.argsort(perm)  # column -> position
-    importance = hessian.diagonal().clone()  # [K] by column
-    W = w.detach().to("cpu", torch.float32).t()[perm].contiguous()  # [K, O], in the order
+    W = w.detach().to("cpu", torch.float32).t().clone()  # [K, O]
+    W[prep.dead] = 0
+    W = W[perm].contiguous()  # in the order
     nb = K // quant.BLOCK
     Q = torch.empty(K, O)  # levels, by column
     D, INV, M = (torch.empty(nb, O) for _ in range(3))
@@ -258,12 +281,12 @@ def quantize(w: torch.Tensor, fmt: str, hessian: torch.Tensor, damp: float = DAM
         Q[j] = q = _levels(rest[0], INV[b], M[b], fmt)
         return _values(q, D16[b], M16[b], fmt)
 
-    _run(W, hessian[perm][:, perm], row, damp)
+    _run(W, prep.u, row)
     levels = Q.T.reshape(O, nb, quant.BLOCK)
     return _pack(levels, D.T.contiguous(), M.T.contiguous(), fmt)
 
 
-def quantize_transposed(wt: torch.Tensor, fmt: str, hessian: torch.Tensor,
+def quantize_transposed(wt: torch.Tensor, fmt: str, hessian: torch.Tensor | Prepared,
                         damp: float = DAMP) -> torch.Tensor:
     """wt [K, O] (a layer's weight transposed: row j is input column j, as the FFN's down_t),
     hessian [K, K] of the layer's inputs -> uint8 [K, row_bytes(O, fmt)]: GGUF blocks of 32
@@ -274,10 +297,11 @@ def quantize_transposed(wt: torch.Tensor, fmt: str, hessian: torch.Tensor,
         raise ValueError(f"cannot quantize to {fmt}: {why}")
     fmt = quant.format_of(fmt).name
     K, O = wt.shape
-    if hessian.shape != (K, K):
-        raise ValueError(f"the Hessian of a weight with {K} input features is [{K}, {K}], "
-                         f"got {tuple(hessian.shape)}")
+    prep = _prepared(hessian, K, damp, act_order=False)
+    if not torch.equal(prep.perm, torch.arange(K)):
+        raise ValueError("quantize_transposed takes its rows in order: prepare(act_order=False)")
     W = wt.detach().to("cpu", torch.float32).clone()  # [K, O]
+    W[prep.dead] = 0
     nb = O // quant.BLOCK
     Q = torch.empty(K, nb, quant.BLOCK)  # levels, down_t's layout
     D, M = torch.empty(K, nb), torch.empty(K, nb)
@@ -289,5 +313,5 @@ def quantize_transposed(wt: torch.Tensor, fmt: str, hessian: torch.Tensor,
         Q[j], D[j], M[j] = q, d[:, 0], m[:, 0]
         return _values(q, d.to(torch.float16).float(), m.to(torch.float16).float(), fmt).reshape(O)
 
-    _run(W, hessian, row, damp)
+    _run(W, prep.u, row)
     return _pack(Q, D, M, fmt)

@@ -56,6 +56,7 @@ def test_output_error_below_round_to_nearest(fmt, seed):
         return float((x @ (w - quant.dequantize(blocks, fmt, K)).T).norm())
 
     assert err(q) < err(quant.quantize(w, fmt))
+    assert torch.equal(gptq.quantize(w, fmt, gptq.prepare(h)), q)  # one factor for many weights
     for kw in (dict(act_order=False), dict(search=False)):  # each part alone beats it too
         assert err(gptq.quantize(w, fmt, h, **kw)) < err(quant.quantize(w, fmt))
     # down_t [K, O]: the same layer with its weight stored transposed, blocks along O = 32 * 2

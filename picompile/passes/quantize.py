@@ -52,6 +52,8 @@ class Rounding:
                  saved: dict[str, torch.Tensor] | None = None, tokens: int = 0):
         self.hessians, self.saved, self.tokens = hessians or {}, saved or {}, tokens
         self.count = 0  # weights given calibrated blocks
+        # id(H) -> (H, gptq.prepare(H)) while another weight still reads H (q, k, v; gate, up)
+        self._prepared: dict[tuple[int, bool], tuple[torch.Tensor, gptq.Prepared]] = {}
 
     def blocks(self, key: str, w: torch.Tensor, fmt: str, transposed: bool = False):
         """uint8 blocks of `w` in GGUF's row layout (w [O, K], blocks along K; transposed: w is
@@ -70,7 +72,14 @@ class Rounding:
         if h is None:
             return None
         self.count += 1
-        return gptq.quantize_transposed(w, fmt, h) if transposed else gptq.quantize(w, fmt, h)
+        cache = (id(h), transposed)
+        prep = self._prepared[cache][1] if cache in self._prepared else \
+            gptq.prepare(h, act_order=not transposed)
+        if any(other is h for other in self.hessians.values()):
+            self._prepared[cache] = (h, prep)
+        else:  # the last weight reading these inputs: H and its factor go
+            self._prepared.pop(cache, None)
+        return gptq.quantize_transposed(w, fmt, prep) if transposed else gptq.quantize(w, fmt, prep)
 
 
 def rounding_note(rounding: Rounding | None, tokens: int) -> str:
