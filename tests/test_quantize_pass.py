@@ -285,3 +285,14 @@ def test_calibrated_plan_saves_and_loads_its_blocks(tmp_path):
     test = torch.randint(0, zoo.VOCAB, (2, 5))
     with torch.no_grad():
         torch.testing.assert_close(zoo.logits(loaded, test), zoo.logits(cm, test), atol=0, rtol=0)
+
+
+def test_calibrated_layer_by_layer_leaves_the_head_to_nearest():
+    """A float16 model on the CPU calibrates layer by layer in float32 (passes/calibrate.py):
+    the Hessians come from the decoder layers; the LM head, not run there, rounds to nearest."""
+    dense = zoo.make("llama_silu", dtype=torch.float16, hidden=64, n_ff=96)
+    ids = torch.randint(0, zoo.VOCAB, (8, 32), generator=torch.Generator().manual_seed(1))
+    cm = picompile.compile(copy.deepcopy(dense), quantize="q4_0", calibration=ids, quiet=True)
+    assert "blocks of 14 weights rounded by GPTQ" in picompile.explain(cm)  # 2 x (3 + 4), no head
+    head = cm._orig_mod.get_output_embeddings()
+    assert torch.equal(head.row_blocks(), quant.quantize(dense.lm_head.weight, "q8_0"))
