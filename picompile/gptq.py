@@ -234,9 +234,8 @@ def _batches(wt: torch.Tensor, u: torch.Tensor, row) -> None:
 def quantize(w: torch.Tensor, fmt: str, hessian: torch.Tensor | Prepared, damp: float = DAMP,
              act_order: bool = True, search: bool = True) -> torch.Tensor:
     """w [O, K] (any float dtype), hessian [K, K] of the layer's inputs (or prepare()'s answer
-    for it: damp and act_order are then its own) -> uint8 [O,
-    row_bytes(K, fmt)]: GGUF blocks of 32 along K, as quant.quantize lays them out, rounded by
-    GPTQ.
+    for it: damp and act_order are then its own) -> uint8 [O, row_bytes(K, fmt)]: GGUF blocks
+    of 32 along K, as quant.quantize lays them out, rounded by GPTQ.
 
     act_order: the columns in order of decreasing H diagonal (the inputs of most energy first,
     while the most columns are left to take their errors: the paper's "act-order"); a block's
@@ -289,7 +288,7 @@ def quantize(w: torch.Tensor, fmt: str, hessian: torch.Tensor | Prepared, damp: 
 def quantize_transposed(wt: torch.Tensor, fmt: str, hessian: torch.Tensor | Prepared,
                         damp: float = DAMP) -> torch.Tensor:
     """wt [K, O] (a layer's weight transposed: row j is input column j, as the FFN's down_t),
-    hessian [K, K] of the layer's inputs -> uint8 [K, row_bytes(O, fmt)]: GGUF blocks of 32
+    hessian [K, K] of the layer's inputs (or prepare(act_order=False)'s answer) -> uint8 [K, row_bytes(O, fmt)]: GGUF blocks of 32
     along O (quant.quantize(wt)'s layout), rounded by GPTQ: each row quantized whole by the
     format's rule, its error moved onto the rows after it."""
     why = quant.why_not_quantizable(wt.shape)
