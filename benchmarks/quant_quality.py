@@ -1,9 +1,10 @@
 """Perplexity of quantized weights: picompile against llama.cpp's `llama-perplexity`, same GGUF
 weights, same text, same scoring (issue 10's quality targets).
 
-    python benchmarks/quant_quality.py [--chunks 16] [--ctx 512]
+    python benchmarks/quant_quality.py [--chunks 16] [--ctx 512] [--no-llama-cpp] [--rows NAME,...]
 
-Needs llama.cpp built by benchmarks/peers.py (build/peers/cmake/bin), plus its llama-perplexity
+--no-llama-cpp measures picompile's rows only (llama.cpp's figures: BENCHMARKS.md). Otherwise
+needs llama.cpp built by benchmarks/peers.py (build/peers/cmake/bin), plus its llama-perplexity
 target (`cmake --build build/peers/cmake --target llama-perplexity`), and the F32 copy of the
 shipped model peers.py makes (build/peers/smollm2-F32.gguf).
 
@@ -18,6 +19,9 @@ Rows, for SmolLM2-135M-Instruct (shipped as Q4_1):
           transformers loads from the shipped file, the same values)
     Q4_1  the shipped file (picompile: compile(gguf=file), its tensors kept as they are)
     Q8_0, Q4_0  of the F32 weights (llama-quantize from F32; picompile: compile(quantize=...))
+    Q4_1  of the F32 weights (picompile only)
+    ... GPTQ  picompile only: compile(quantize=..., tokenizer=...): blocks rounded by GPTQ on the
+          Hessians of the built-in corpus's calibration split (never the heldout text scored)
 """
 
 from __future__ import annotations
@@ -79,16 +83,21 @@ def main():
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-llama-cpp", action="store_true", help="picompile's rows only")
+    ap.add_argument("--rows", default=None, help="comma-separated row names to run (F32 always)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    bins = bench.llama_cpp_bins()
-    if bins is None or not (bins / "llama-perplexity").exists():
-        raise SystemExit("llama.cpp is not built: python benchmarks/peers.py builds it, then "
-                         "cmake --build build/peers/cmake --target llama-perplexity")
     shipped = models.default_gguf()
-    f32 = bins.parent.parent / "smollm2-F32.gguf"
-    if not f32.exists():
-        raise SystemExit(f"{f32} is missing: python benchmarks/peers.py makes it")
+    bins = None
+    if not args.no_llama_cpp:
+        bins = bench.llama_cpp_bins()
+        if bins is None or not (bins / "llama-perplexity").exists():
+            raise SystemExit("llama.cpp is not built: python benchmarks/peers.py builds it, then "
+                             "cmake --build build/peers/cmake --target llama-perplexity "
+                             "(or pass --no-llama-cpp)")
+        f32 = bins.parent.parent / "smollm2-F32.gguf"
+        if not f32.exists():
+            raise SystemExit(f"{f32} is missing: python benchmarks/peers.py makes it")
     OUT.mkdir(parents=True, exist_ok=True)
     model, tokenizer = models.load()
     text = "\n\n".join(corpus.default_texts("heldout"))
@@ -101,26 +110,38 @@ def main():
           f"{args.threads} threads, {platform.processor() or platform.machine()}, "
           f"{time.strftime('%Y-%m-%d')}", flush=True)
 
-    llama = {"F32": f32, "Q4_1 (shipped)": shipped,
-             "Q8_0": bench.requantized(bins, f32, "Q8_0", OUT / "smollm2-Q8_0.gguf"),
-             "Q4_0": bench.requantized(bins, f32, "Q4_0", OUT / "smollm2-Q4_0.gguf")}
     ours = {"F32": dict(), "Q4_1 (shipped)": dict(gguf=shipped),
-            "Q8_0": dict(quantize="q8_0"), "Q4_0": dict(quantize="q4_0")}
+            "Q8_0": dict(quantize="q8_0"), "Q4_0": dict(quantize="q4_0"),
+            "Q4_1": dict(quantize="q4_1"),
+            "Q8_0 GPTQ": dict(quantize="q8_0", tokenizer=tokenizer),
+            "Q4_0 GPTQ": dict(quantize="q4_0", tokenizer=tokenizer),
+            "Q4_1 GPTQ": dict(quantize="q4_1", tokenizer=tokenizer)}
+    llama = {}
+    if bins is not None:
+        llama = {"F32": f32, "Q4_1 (shipped)": shipped,
+                 "Q8_0": bench.requantized(bins, f32, "Q8_0", OUT / "smollm2-Q8_0.gguf"),
+                 "Q4_0": bench.requantized(bins, f32, "Q4_0", OUT / "smollm2-Q4_0.gguf")}
+    names = list(ours) if args.rows is None else ["F32", *(n for n in args.rows.split(",") if n != "F32")]
     rows = []
-    for name in llama:
+    for name in names:
+        t = time.perf_counter()
         cm = picompile.compile(copy.deepcopy(model), quiet=True, **ours[name])
+        took = time.perf_counter() - t
         ppl_ours = chunked_perplexity(cm, ids, args.ctx, chunks, bos)
-        ppl_llama = llama_perplexity(bins, llama[name], text_file, args.ctx, chunks, args.threads)
-        rows.append((name, ppl_ours, ppl_llama))
-        print(f"{name}: picompile {ppl_ours:.4f}, llama.cpp {ppl_llama:.4f}", flush=True)
+        ppl_llama = None
+        if name in llama:
+            ppl_llama = llama_perplexity(bins, llama[name], text_file, args.ctx, chunks, args.threads)
+        rows.append((name, ppl_ours, ppl_llama, took))
+        print(f"{name}: picompile {ppl_ours:.4f} (compile {took:.0f} s), llama.cpp {ppl_llama}", flush=True)
         del cm
     base_ours, base_llama = rows[0][1], rows[0][2]
     print()
-    print("| weights | picompile PPL | vs its F32 | llama.cpp PPL | vs its F32 | picompile / llama.cpp |")
-    print("|---|---|---|---|---|---|")
-    for name, o, l in rows:
-        print(f"| {name} | {o:.4f} | {o / base_ours - 1:+.2%} | {l:.4f} | {l / base_llama - 1:+.2%} "
-              f"| {o / l - 1:+.2%} |")
+    print("| weights | picompile PPL | vs its F32 | compile s | llama.cpp PPL | vs its F32 | picompile / llama.cpp |")
+    print("|---|---|---|---|---|---|---|")
+    for name, o, ll, took in rows:
+        theirs = "| - | - | - |" if ll is None else \
+            f"| {ll:.4f} | {ll / base_llama - 1:+.2%} | {o / ll - 1:+.2%} |"
+        print(f"| {name} | {o:.4f} | {o / base_ours - 1:+.2%} | {took:.0f} {theirs}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from torch import nn
 from picompile import saving
 from picompile.plan import Plan, PredictorPolicy
 from picompile.progress import note
-from picompile.runtime.dense_linear import DenseLinear
+from picompile.runtime.dense_linear import DenseLinear, QuantLinear
 from picompile.runtime.sparse_ffn import SparseFFN
 
 
@@ -176,7 +176,24 @@ class CompiledModel(nn.Module):
             if ffn.predictor is not None:
                 for k in ("p1", "pb1", "p2", "pb2"):
                     tensors[f"{name}.predictor.{k}"] = getattr(ffn.predictor, k)
+        if self.plan.quant_calibration_tokens:  # GPTQ's blocks: load does not calibrate again
+            tensors.update(self._quant_blocks())
         saving.save(self.plan.to_json(), tensors, self.plan.fingerprint, directory)
+
+    def _quant_blocks(self) -> dict[str, torch.Tensor]:
+        """"<key>.blocks" -> every quantized weight's blocks in GGUF's row layout, by the keys
+        of passes/hessians.py (FFN "<block>.w_gate" / ".w_up" / ".w_down_t", linear layers by
+        name, each layer once)."""
+        out = {}
+        for name, ffn in self.ffns().items():
+            for role in ("w_gate", "w_up", "w_down_t"):
+                fmt = ffn.down_qformat if role == "w_down_t" else ffn.qformat
+                if getattr(ffn, role) is not None and fmt is not None:
+                    out[f"{name}.{role}.blocks"] = ffn.row_blocks(role).contiguous()
+        for name, m in self._orig_mod.named_modules():
+            if isinstance(m, QuantLinear):
+                out[f"{name}.blocks"] = m.row_blocks().contiguous()
+        return out
 
     def ffns(self) -> dict[str, SparseFFN]:
         """Block name -> its SparseFFN module."""

@@ -3,6 +3,7 @@ file of its own.
 
     capture -> detect -> rewrite                          _capture     (capture.py, passes/detect, passes/rewrite)
     -> calibrate -> profile -> predictors -> place        _decide      (passes/calibrate, profile, predictors, place)
+    -> Hessians (quantize= a format, with calibration)    _hessians    (passes/hessians)
     -> quantize -> lower linears -> huge pages -> kernels _lower       (passes/quantize, passes/lower)
     -> autotune (time predictors on this CPU)             passes/autotune
     -> distribute (hybrid, when a GPU is there)           runtime/hybrid
@@ -29,12 +30,13 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from picompile import gguf_weights, saving
+from picompile import gguf_weights, quant, saving
 from picompile.capture import capture, replace_module
 from picompile.compiled_model import CompiledModel
 from picompile.options import Options, calibration_ids, check_not_compiled, check_options
 from picompile.passes import autotune as autotune_pass
 from picompile.passes import calibrate as calibrate_pass
+from picompile.passes import hessians as hessians_pass
 from picompile.passes import lower as lower_pass
 from picompile.passes import predictors as predictors_pass
 from picompile.passes import profile as profile_pass
@@ -101,7 +103,10 @@ def compile(
     float16 scale), after calibration, profiling and placement have measured the float model.
     Embeddings, norms and biases stay float. With gpu_budget, the FFN blocks' hot rows run
     quantized on the GPU (placement counts their quantized bytes) and the layers that go to the
-    GPU whole (attention, LM head) stay float. Default: float weights.
+    GPU whole (attention, LM head) stay float. Default: float weights. With calibration data
+    (calibration= or tokenizer=) the blocks are rounded by GPTQ (picompile/gptq.py: each layer's
+    rounding errors compensated along its inputs' Hessian over the calibration tokens; SmolLM2
+    at q4_0: BENCHMARKS.md session 11); without, to nearest.
     gguf (the GGUF file the model was loaded from): its Q8_0 / Q4_0 / Q4_1 tensors are used as
     they are, each in its own format (quantize="gguf", the default when gguf is given; see
     picompile/gguf_weights.py); a quantize format instead re-quantizes the float weights.
@@ -120,6 +125,7 @@ def compile(
     captured = _capture(model, plan)
     try:
         profiles = _decide(captured, plan, ids, opts)
+        rounding = _hessians(captured, plan, ids, opts)
     except BaseException:
         # Nothing has permuted or moved a weight before placement: put the original modules
         # back, so that a retry (with other arguments) starts from the model as it was.
@@ -133,7 +139,8 @@ def compile(
         for gm in captured.graphs.values():
             gm.meta.pop("picompile_original", None)
         _collect(model)  # modules and their graphs hold each other: freed by the collector only
-    cm = _lower(captured, plan, opts.gguf)
+    cm = _lower(captured, plan, opts.gguf, rounding, quiet=opts.quiet)
+    del rounding  # whatever Hessians a weight the quantizer skipped kept
     cm.firing = {name: prof.freq for name, prof in profiles.items()}
     hybrid = runs_hybrid(plan)
     if opts.mode == Mode.PREDICTED and not hybrid:  # in the hybrid runtime every predictor runs
@@ -238,16 +245,34 @@ def runs_hybrid(plan: Plan) -> bool:
     return p.budget_bytes is not None and p.fixed_on_gpu and torch.cuda.is_available()
 
 
-def _lower(captured: Captured, plan: Plan, gguf=None) -> CompiledModel:
-    """quantize (plan.quantize) -> lower the other linears -> weights into huge pages -> pick
-    each block's kernels, once, after every change to the weights -> which predictors run
-    (plan.predictors)."""
+def _hessians(captured: Captured, plan: Plan, ids, opts: Options):
+    """For quantize= a block format with calibration ids: the Hessians of every quantized
+    layer's inputs (passes/hessians.py), gathered from the float model, as the quantize pass's
+    GPTQ rounding (plan.quant_calibration_tokens: how many tokens). Else None: round to nearest."""
+    if opts.quantize not in quant.FORMATS or ids is None:
+        return None
+    need = hessians_pass.estimate_bytes(captured.model, captured.ffns)
+    if need > hessians_pass.MAX_BYTES:
+        return quantize_pass.Rounding(skipped=f"GPTQ's Hessians would take {need / 2**30:.1f} GiB "
+                                              f"(more than {hessians_pass.MAX_BYTES >> 30} GiB)")
+    device, dtype = calibrate_pass.calibration_device(captured.model)
+    hessians, tokens = hessians_pass.collect(captured.model, captured.ffns, ids, quiet=opts.quiet,
+                                             device=device, dtype=dtype)
+    plan.quant_calibration_tokens = tokens
+    return quantize_pass.Rounding(hessians, tokens=tokens)
+
+
+def _lower(captured: Captured, plan: Plan, gguf=None, rounding=None, quiet: bool = True,
+           ) -> CompiledModel:
+    """quantize (plan.quantize; rounding: GPTQ or saved blocks, quantize_pass.Rounding) -> lower
+    the other linears -> weights into huge pages -> pick each block's kernels, once, after every
+    change to the weights -> which predictors run (plan.predictors)."""
     model, ffns = captured.model, captured.ffns
     file_blocks, quant_notes = None, []
     if plan.quantize == "gguf":
         file_blocks, quant_notes = gguf_weights.read(gguf, model.config)
     if plan.quantize:
-        quant_notes += quantize_pass.quantize_ffns(ffns, plan.quantize, file_blocks)
+        quant_notes += quantize_pass.quantize_ffns(ffns, plan.quantize, file_blocks, rounding, quiet)
     # lower: every other weight-bearing linear (attention projections, LM head) to the dense
     # kernel; after capture and detect, which find FFN blocks by their nn.Linear members
     linear_paths = lower_pass.lower_linears(model)
@@ -256,9 +281,12 @@ def _lower(captured: Captured, plan: Plan, gguf=None) -> CompiledModel:
         quant_notes.append("attention projections and LM head stay float: they run on the GPU, "
                            "which has no quantized dense kernels yet (placement counted them so)")
     elif plan.quantize:
-        quantized, notes = quantize_pass.quantize_linears(model, plan.quantize, file_blocks)
+        quantized, notes = quantize_pass.quantize_linears(model, plan.quantize, file_blocks,
+                                                          rounding, quiet)
         linear_paths.update(quantized)
         quant_notes += notes
+    if plan.quantize in quant.FORMATS:
+        quant_notes.append(quantize_pass.rounding_note(rounding, plan.quant_calibration_tokens))
     # the weights the kernels stream, in huge pages (runtime/memory.py); the linears' kernels,
     # bound when they were lowered, bind to the moved tensors again
     linears = [m for m in model.modules() if isinstance(m, (DenseLinear, QuantLinear))]
@@ -307,7 +335,7 @@ def load(model: nn.Module, directory, gguf=None) -> CompiledModel:
     plan = Plan(mode=saved.mode, target_sparsity=saved.target_sparsity,
                 fingerprint=saved.fingerprint, placement=saved.placement,
                 calibration_tokens=saved.calibration_tokens, predictors=saved.predictors,
-                quantize=saved.quantize)
+                quantize=saved.quantize, quant_calibration_tokens=saved.quant_calibration_tokens)
     if plan.quantize == "gguf" and gguf is None:
         raise ValueError(f"the plan in {directory} keeps the GGUF file's quantized tensors: pass "
                          "gguf=<the file the model was loaded from>")
@@ -329,7 +357,11 @@ def load(model: nn.Module, directory, gguf=None) -> CompiledModel:
         except (KeyError, RuntimeError, IndexError) as e:
             raise saving.PlanError(f"the saved tensors for {block.name} are incomplete or do not "
                                    f"fit the model: {e}") from e
-    cm = _lower(captured, plan, gguf)
+    rounding = None  # GPTQ blocks as compile chose them, saved with the plan
+    if plan.quant_calibration_tokens:
+        rounding = quantize_pass.Rounding(saved={k: t for k, t in tensors.items()
+                                                 if k.endswith(".blocks")})
+    cm = _lower(captured, plan, gguf, rounding)
     cm.decoder()
     return cm
 

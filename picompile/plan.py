@@ -158,6 +158,7 @@ class Plan:
     calibration_tokens: int = 0
     fingerprint: str = ""  # of the model before compile rewrote it (see saving.fingerprint)
     quantize: str | None = None  # weight format the kernels read (picompile/quant.py), or float
+    quant_calibration_tokens: int = 0  # tokens GPTQ's Hessians saw (0: rounded to nearest)
 
     def __post_init__(self):
         self.mode, self.predictors = Mode(self.mode), PredictorPolicy(self.predictors)
@@ -213,6 +214,7 @@ class Plan:
             calibration_tokens=data["calibration_tokens"],
             fingerprint=data["fingerprint"],
             quantize=data.get("quantize"),  # plans from before quantize= are float
+            quant_calibration_tokens=data.get("quant_calibration_tokens", 0),
         )
 
 
@@ -287,6 +289,7 @@ PLAN_FIELDS = {
     "calibration_tokens": _int(0),
     "fingerprint": _str(),
     "quantize": _optional(_choice(QUANT_FORMATS)),
+    "quant_calibration_tokens": _int(0),
 }
 PLAN_REQUIRED = ("mode", "target_sparsity", "blocks", "unmatched", "placement",
                  "calibration_tokens", "fingerprint")

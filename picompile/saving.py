@@ -383,7 +383,7 @@ def read(directory: str | os.PathLike, model_fingerprint: str) -> tuple[dict, di
     except (SafetensorError, ValueError, RuntimeError) as e:
         raise PlanError(f"{d / 'tensors.safetensors'} is not a readable safetensors file ({e}); "
                         "compile the model again and save it") from e
-    check_tensors(plan.blocks, tensors)
+    check_tensors(plan.blocks, tensors, quant_blocks=plan.quant_calibration_tokens > 0)
     return plan_json, tensors
 
 
@@ -426,11 +426,20 @@ def check_tensor(name: str, t, shape: tuple[int, ...], kind: str = "float") -> N
                         f"{'a floating point' if kind == 'float' else 'an integer'} dtype")
 
 
-def check_tensors(blocks: list[BlockPlan], tensors: dict[str, torch.Tensor]) -> None:
+def check_tensors(blocks: list[BlockPlan], tensors: dict[str, torch.Tensor],
+                  quant_blocks: bool = False) -> None:
     """PlanError unless `tensors` are exactly what the blocks' plan needs: per block an optional
     hot-first order (a permutation of its d_ff neurons) and, where predictor_rank is set, its
-    predictor p1 [rank, d_model], pb1 [rank], p2 [d_ff, rank], pb2 [d_ff]; nothing else."""
+    predictor p1 [rank, d_model], pb1 [rank], p2 [d_ff, rank], pb2 [d_ff]; with quant_blocks
+    (a plan quantized by GPTQ), "<weight>.blocks" uint8 matrices (their shapes are checked
+    against the weights when loaded); nothing else."""
     expected = set()
+    if quant_blocks:
+        for key, t in tensors.items():
+            if key.endswith(".blocks"):
+                if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 2:
+                    raise PlanError(f"saved tensor {key} is not a uint8 matrix of quantized blocks")
+                expected.add(key)
     for b in blocks:
         key = f"{b.name}.order"
         expected.add(key)

@@ -282,3 +282,96 @@ def test_quantized_blocks_are_placed_by_their_quantized_bytes(fmt, tmp_path, mon
     assert any(isinstance(m, DenseLinear) for m in loaded._orig_mod.modules())
     assert all(f.qformat == fmt for f in loaded.ffns().values())
     assert any("stay float" in n for n in loaded.quant_notes)
+
+
+FIXTURE = __import__("pathlib").Path(__file__).parent / "fixtures" / "relu_llama"
+
+
+@pytest.fixture(scope="module")
+def fixture_model():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(FIXTURE)
+    return AutoModelForCausalLM.from_pretrained(FIXTURE).eval(), tok
+
+
+def _heldout_nll(model, tok, rows: int = 8) -> float:
+    from picompile import corpus
+
+    ids = corpus.token_batches(tok, "heldout", rows * 256)  # [rows, 256]
+    with torch.no_grad():
+        logits = zoo.logits(model, ids)[:, :-1]
+    return float(nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)))
+
+
+@pytest.mark.parametrize("fmt", FOUR_BIT)
+def test_calibrated_quantization_is_closer_to_float(fixture_model, fmt):
+    """compile(quantize=, tokenizer=) rounds by GPTQ on the calibration split's Hessians: the
+    trained fixture's held-out loss moves less from float than with round-to-nearest, the
+    blocks are the kernels' formats as before, explain says how they were rounded, and a saved
+    plan loads back to the same blocks (saved with it: load does not calibrate)."""
+    dense, tok = fixture_model
+    base = _heldout_nll(dense, tok)
+    rtn = picompile.compile(copy.deepcopy(dense), quantize=fmt, quiet=True)
+    cal = picompile.compile(copy.deepcopy(dense), quantize=fmt, tokenizer=tok,
+                            calibration_tokens=4096, quiet=True)
+    assert cal.plan.quant_calibration_tokens == 4096 and rtn.plan.quant_calibration_tokens == 0
+    loss_rtn, loss_cal = _heldout_nll(rtn, tok) - base, _heldout_nll(cal, tok) - base
+    assert 0 < loss_cal < 0.8 * loss_rtn
+    ffn = next(iter(cal.ffns().values()))
+    assert ffn.qformat == fmt and ffn.down_qformat == "q8_0" and ffn.w_up.dtype == torch.uint8
+    assert "rounded by GPTQ on the Hessians of 4096 calibration tokens" in picompile.explain(cal)
+    assert "rounded to nearest" in picompile.explain(rtn)
+
+
+def test_calibrated_plan_saves_and_loads_its_blocks(tmp_path):
+    dense = zoo.make("llama_silu", hidden=64, n_ff=96)
+    ids = torch.randint(0, zoo.VOCAB, (8, 32), generator=torch.Generator().manual_seed(1))
+    cm = picompile.compile(copy.deepcopy(dense), quantize="q4_1", calibration=ids, quiet=True)
+    rtn = picompile.compile(copy.deepcopy(dense), quantize="q4_1", quiet=True)
+    ffn, ffn_rtn = next(iter(cm.ffns().values())), next(iter(rtn.ffns().values()))
+    assert not torch.equal(ffn.w_up, ffn_rtn.w_up)  # GPTQ chose other blocks
+    cm.save(tmp_path / "plan")
+    loaded = picompile.load(copy.deepcopy(dense), tmp_path / "plan")
+    assert loaded.plan.quant_calibration_tokens == cm.plan.quant_calibration_tokens == 256
+    want = {k: t.clone() for k, t in cm._quant_blocks().items()}
+    got = loaded._quant_blocks()
+    assert want.keys() == got.keys() and len(want) == 2 * 7 + 1  # 2 layers: 3 FFN + 4 attention
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert "saved with the plan" in picompile.explain(loaded)
+    test = torch.randint(0, zoo.VOCAB, (2, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(zoo.logits(loaded, test), zoo.logits(cm, test), atol=0, rtol=0)
+
+
+def test_calibrated_layer_by_layer_leaves_the_head_to_nearest():
+    """A float16 model on the CPU calibrates layer by layer in float32 (passes/calibrate.py):
+    the Hessians come from the decoder layers; the LM head, not run there, rounds to nearest."""
+    dense = zoo.make("llama_silu", dtype=torch.float16, hidden=64, n_ff=96)
+    ids = torch.randint(0, zoo.VOCAB, (8, 32), generator=torch.Generator().manual_seed(1))
+    cm = picompile.compile(copy.deepcopy(dense), quantize="q4_0", calibration=ids, quiet=True)
+    assert "blocks of 14 weights rounded by GPTQ" in picompile.explain(cm)  # 2 x (3 + 4), no head
+    head = cm._orig_mod.get_output_embeddings()
+    assert torch.equal(head.row_blocks(), quant.quantize(dense.lm_head.weight, "q8_0"))
+
+
+def test_gptq_too_large_for_memory_rounds_to_nearest_with_a_note(monkeypatch):
+    """Where every layer's Hessians would exceed hessians.MAX_BYTES, compile does not gather
+    them: blocks rounded to nearest (gguf's reference), and a note says why."""
+    from picompile.passes import hessians
+
+    dense = zoo.make("llama_relu", hidden=64, n_ff=96)
+    assert 0 < hessians.estimate_bytes(dense, {}) < hessians.MAX_BYTES
+    monkeypatch.setattr(hessians, "MAX_BYTES", 1)
+    monkeypatch.setattr(hessians, "collect", lambda *a, **k: pytest.fail("Hessians gathered"))
+    ids = torch.randint(0, zoo.VOCAB, (2, 16))
+    cm = picompile.compile(copy.deepcopy(dense), quantize="q4_0", calibration=ids, quiet=True)
+    assert any("rounded to nearest" in n and "would take" in n for n in cm.quant_notes)
+    ffn = next(iter(cm.ffns().values()))
+    assert torch.equal(ffn.row_blocks("w_up"), quant.quantize(ffn_float_up(dense, ffn), "q4_0"))
+
+
+def ffn_float_up(dense, ffn):
+    """The float up rows of `ffn`'s block in the original model (its neuron order)."""
+    up = dense.get_submodule(f"{ffn.block.module}.{ffn.block.linears['up']}").weight
+    return up if ffn.order is None else up[ffn.order]

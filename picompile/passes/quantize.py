@@ -20,13 +20,22 @@ Two kinds of weights get more bits than the format asks for (the notes say so):
   +7.8% perplexity, where llama.cpp on the same file loses 0.5%; its float weights at q4_0
   everywhere: +29.5%, with q8_0 down rows +16.9%, llama.cpp's Q4_0 +23.8%; BENCHMARKS.md). In
   "gguf" mode that means the file's 4-bit down_proj is quantized again from its float values.
+
+Which blocks: round-to-nearest (quant.quantize, gguf's reference), or, where compile has
+calibration tokens and quantize= is a format, GPTQ (picompile/gptq.py: each layer's rounding
+errors compensated along its inputs' Hessian, passes/hessians.py), given as a Rounding: the
+blocks are still GGUF's, only the choice of each block's levels and scale changes. A saved plan
+keeps the GPTQ blocks themselves (Rounding(saved=...)), so load does not calibrate again.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-from picompile import gguf_weights, quant
+from picompile import gguf_weights, gptq, quant
+from picompile.plan import PlanError
+from picompile.progress import progress_bar
 from picompile.runtime.dense_linear import DenseLinear, QuantLinear
 
 FOUR_BIT = ("q4_0", "q4_1")
@@ -65,16 +74,74 @@ def _module_names(ffn) -> dict[str, str]:
             for role, attr in ffn.block.linears.items()}
 
 
-def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None) -> list[str]:
+class Rounding:
+    """Where the blocks of a weight come from, by its key (passes/hessians.py's keys: "<block>.
+    w_gate" / ".w_up" / ".w_down_t", a linear layer's qualified name): GPTQ from `hessians`
+    (each matrix dropped once its weight is quantized), or `saved` blocks (a plan's
+    "<key>.blocks" tensors); a weight with neither is rounded to nearest."""
+
+    def __init__(self, hessians: dict[str, torch.Tensor] | None = None,
+                 saved: dict[str, torch.Tensor] | None = None, tokens: int = 0,
+                 skipped: str | None = None):
+        self.hessians, self.saved, self.tokens = hessians or {}, saved or {}, tokens
+        self.skipped = skipped  # why there are no Hessians though calibration data was given
+        self.count = 0  # weights given calibrated blocks
+        # id(H) -> (H, gptq.prepare(H)) while another weight still reads H (q, k, v; gate, up)
+        self._prepared: dict[tuple[int, bool], tuple[torch.Tensor, gptq.Prepared]] = {}
+
+    def blocks(self, key: str, w: torch.Tensor, fmt: str, transposed: bool = False):
+        """uint8 blocks of `w` in GGUF's row layout (w [O, K], blocks along K; transposed: w is
+        down_t [n_ff, d], blocks along d), or None for round-to-nearest."""
+        rows, cols = w.shape
+        saved = self.saved.get(f"{key}.blocks")
+        if saved is not None:
+            want = (rows, quant.row_bytes(cols, fmt))
+            if saved.dtype != torch.uint8 or tuple(saved.shape) != want:
+                raise PlanError(f"saved tensor {key}.blocks is {saved.dtype} {tuple(saved.shape)}; "
+                                f"{fmt} blocks of this weight are uint8 {want}: compile the model "
+                                "again and save it")
+            self.count += 1
+            return saved
+        h = self.hessians.pop(key, None)
+        if h is None:
+            return None
+        self.count += 1
+        cache = (id(h), transposed)
+        prep = self._prepared[cache][1] if cache in self._prepared else \
+            gptq.prepare(h, act_order=not transposed)
+        if any(other is h for other in self.hessians.values()):
+            self._prepared[cache] = (h, prep)
+        else:  # the last weight reading these inputs: H and its factor go
+            self._prepared.pop(cache, None)
+        return gptq.quantize_transposed(w, fmt, prep) if transposed else gptq.quantize(w, fmt, prep)
+
+
+def rounding_note(rounding: Rounding | None, tokens: int) -> str:
+    """explain()'s line on how the blocks were chosen."""
+    if rounding is not None and rounding.skipped:
+        return f"blocks rounded to nearest (gguf's reference): {rounding.skipped}"
+    if rounding is None or not rounding.count:
+        return ("blocks rounded to nearest (gguf's reference): pass calibration= or tokenizer= "
+                "for GPTQ rounding, calibrated on those tokens")
+    how = "saved with the plan" if rounding.saved else "each layer's rounding errors compensated"
+    return (f"blocks of {rounding.count} weights rounded by GPTQ on the Hessians of {tokens} "
+            f"calibration tokens ({how}); any other weight to nearest")
+
+
+def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None,
+                  rounding: Rounding | None = None, quiet: bool = True) -> list[str]:
     """Quantize the FFN blocks to `fmt` in place (before their kernels are picked). With
     `file_blocks` (gguf_weights.read: fmt "gguf"), each block takes its up projection's format
     from the file, and the gate and up rows are the file's own blocks (in the block's neuron
     order); the down rows, which the file stores along the other axis, are quantized again.
-    Down rows of a 4-bit block are q8_0 (see the module doc).
+    Down rows of a 4-bit block are q8_0 (see the module doc). `rounding`: GPTQ (or saved)
+    blocks for the weights it has (not with file_blocks).
     -> notes on the blocks that stay float, and why, and on the down rows' format."""
     notes = []
     requantized_down = 0  # blocks whose 4-bit down rows went to q8_0
-    for name, ffn in ffns.items():
+    calibrated = rounding is not None and bool(rounding.hessians)
+    for name, ffn in progress_bar(ffns.items(), desc="GPTQ FFN blocks", total=len(ffns),
+                                  quiet=quiet or not calibrated):
         why = quant.why_not_quantizable((ffn.n_ff, ffn.d_model))
         modules = _module_names(ffn)
         block_fmt = fmt
@@ -87,7 +154,19 @@ def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None) -> list
             continue
         block_fmt, down_fmt = ffn_formats(block_fmt)
         requantized_down += down_fmt != block_fmt
+        given = {}  # role -> blocks in GGUF's layout, chosen from the float weights
+        if rounding is not None and file_blocks is None:
+            for role, role_fmt in (("gate", block_fmt), ("up", block_fmt), ("down_t", down_fmt)):
+                w = getattr(ffn, f"w_{role}")
+                if w is not None:
+                    given[role] = rounding.blocks(f"{name}.w_{role}", w, role_fmt,
+                                                  transposed=role == "down_t")
         ffn.quantize_(block_fmt, down_fmt)
+        for role, blocks in given.items():
+            if blocks is not None:
+                dotted = role != "down_t"  # gate / up rows: the kernels' dot layout
+                fmt_r = block_fmt if dotted else down_fmt
+                getattr(ffn, f"w_{role}").data.copy_(quant.interleave_blocks(blocks, fmt_r))
         for role in ("gate", "up"):
             blocks = (file_blocks or {}).get(modules.get(role, ""))
             if blocks is None or blocks.data is None or blocks.fmt != block_fmt:
@@ -104,18 +183,24 @@ def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None) -> list
 
 
 def quantize_linears(model: nn.Module, fmt: str, file_blocks: dict | None = None,
+                     rounding: Rounding | None = None, quiet: bool = True,
                      ) -> tuple[dict[str, str], list[str]]:
     """Replace every DenseLinear under `model` whose width allows it with a QuantLinear of
     `fmt` (after the lowering pass; the LM head q8_0 where `fmt` is 4-bit, see the module doc).
     With `file_blocks` (fmt "gguf"), each layer takes the file's format and its own blocks;
-    layers float in the file stay float. -> ({qualified name: kernel path} of the replaced
+    layers float in the file stay float. `rounding`: GPTQ (or saved) blocks for the layers it
+    has (not with file_blocks). -> ({qualified name: kernel path} of the replaced
     layers, notes on the layers that stay float, and why, and on the LM head's format)."""
     paths, notes = {}, []
     replaced: dict[int, QuantLinear] = {}  # a layer under several names is quantized once
     head = None  # the LM head, when a 4-bit format keeps it at q8_0
     if file_blocks is None and fmt in FOUR_BIT and hasattr(model, "get_output_embeddings"):
         head = model.get_output_embeddings()
-    for prefix, parent in list(model.named_modules()):
+    calibrated = rounding is not None and bool(rounding.hessians)
+    modules = [(prefix, m) for prefix, m in model.named_modules()  # those holding linears
+               if any(isinstance(c, DenseLinear) for c in m._modules.values())]
+    for prefix, parent in progress_bar(modules, desc="GPTQ linear layers", total=len(modules),
+                                       quiet=quiet or not calibrated):
         for name, child in list(parent._modules.items()):
             if not isinstance(child, DenseLinear):
                 continue
@@ -133,7 +218,12 @@ def quantize_linears(model: nn.Module, fmt: str, file_blocks: dict | None = None
                     layer_fmt = HIGH_PRECISION
                     notes.append(f"{qual}: the LM head, {HIGH_PRECISION} (not {fmt}), as "
                                  "llama.cpp keeps its output layer")
+                given = None
+                if rounding is not None and file_blocks is None:
+                    given = rounding.blocks(qual, child.weight, layer_fmt)
                 replaced[id(child)] = QuantLinear.from_linear(child, layer_fmt)
+                if given is not None:
+                    replaced[id(child)].load_row_blocks(given)
                 if blocks is not None and blocks.data is not None:
                     gguf_weights.check_fits(blocks, child.out_features, child.in_features, qual)
                     replaced[id(child)].load_row_blocks(blocks.data)

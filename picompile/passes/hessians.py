@@ -1,0 +1,127 @@
+"""Hessians: what calibrated quantization (picompile/gptq.py) needs to know of each layer's
+inputs, H = X^T X / n over calibration tokens, gathered from the float model.
+
+    hessians = collect(model, ffns, ids)   # {weight key: H [K, K] float32}, shared where inputs are
+
+Keys (quantize.calibrated_rounding reads them): "<block>.w_gate" / "<block>.w_up" (the FFN
+block's input x [d]; one matrix for both), "<block>.w_down_t" (the block's hidden activations
+h = act(gate x) * up x [n_ff], after its threshold: what its down rows are multiplied by), and
+each nn.Linear's qualified name (attention projections, the LM head; q, k and v, which read
+the same tensor, share one matrix). Runs after calibration, profiling and placement, on the
+float weights, before lowering releases them: one more pass over at most `max_tokens`
+calibration tokens, the whole model or layer by layer as calibration runs (passes/calibrate.py;
+layer by layer the LM head is not run, and keeps round-to-nearest).
+
+Memory: one K x K float32 matrix per distinct input, held until its weights are quantized
+(SmolLM2-135M: about 400 MB; a 7B model would want its layers quantized as they are gathered).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from picompile.passes.calibrate import run_calibration
+from picompile.runtime.sparse_ffn import SparseFFN, down_input
+
+MAX_TOKENS = 16384  # calibration tokens the Hessians see: SmolLM2 at q4_0, 32768 gave no better
+# Above this, compile rounds to nearest instead of holding every layer's Hessians (and running
+# GPTQ's per-column loop over them, which grows with them): SmolLM2-135M needs about 400 MB.
+MAX_BYTES = 2 << 30
+
+
+def estimate_bytes(model: nn.Module, ffns: dict[str, SparseFFN]) -> int:
+    """An upper bound on what collect() holds: K x K float32 per FFN input and hidden layer and
+    per linear layer outside the blocks (q, k and v counted apart though they share one)."""
+    linears: dict[int, list[str]] = {}
+    _linears(model, "", linears, set())
+    modules = {id(m): m for m in model.modules()}
+    widths = [f.d_model for f in ffns.values()] + [f.n_ff for f in ffns.values()]
+    widths += [modules[i].in_features for i in linears]
+    return sum(4 * k * k for k in widths)
+
+
+@torch.no_grad()
+def collect(model: nn.Module, ffns: dict[str, SparseFFN], ids: torch.Tensor, *,
+            max_tokens: int = MAX_TOKENS, quiet: bool = False, device=None, dtype=None,
+            ) -> tuple[dict[str, torch.Tensor], int]:
+    """Run ids [batch, seq] (the first rows holding at most max_tokens tokens, at least one
+    row) through the model with hooks on its FFN blocks and linear layers. -> ({weight key:
+    H [K, K] float32 on the CPU}, tokens seen). device, dtype: as run_calibration's."""
+    rows = max(1, min(ids.shape[0], max_tokens // max(1, ids.shape[1])))
+    ids = ids[:rows]
+    sums: dict[str, torch.Tensor] = {}  # key -> sum of x^T x, on the activations' device
+    last = {"x": None, "key": None}  # the previous linear's input, to share q / k / v's sum
+
+    def add(key: str, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).to(torch.float32)  # [T, K]
+        if key in sums:
+            sums[key].addmm_(x.T, x)
+        else:
+            sums[key] = x.T @ x
+
+    def on_ffn(name: str):
+        def hook(ffn: SparseFFN, args, _out):
+            x = args[0].reshape(-1, ffn.d_model)  # [T, d]
+            h = down_input(x, ffn.w_up, w_gate=ffn.w_gate, b_gate=ffn.b_gate, b_up=ffn.b_up,
+                           act=ffn.act, drelu=ffn.drelu)  # [T, n_ff]
+            if ffn.threshold is not None:
+                h = torch.where(h.abs() > ffn.threshold, h, torch.zeros_like(h))
+            add(f"{name}.w_up", x)
+            add(f"{name}.w_down_t", h)
+        return hook
+
+    def on_linear(names: list[str]):
+        def hook(_lin, args, _out):
+            x = args[0]
+            if x is last["x"] and last["key"] != names[0]:  # q, k, v: one input, one sum
+                for n in names:
+                    aliases[n] = last["key"]
+                return
+            last["x"], last["key"] = x, names[0]
+            add(names[0], x)
+        return hook
+
+    aliases: dict[str, str] = {}  # linear name -> the key whose sum it shares
+    linears: dict[int, list[str]] = {}  # id -> every name of an nn.Linear outside the blocks
+    _linears(model, "", linears, set())
+    handles = [ffn.register_forward_hook(on_ffn(name)) for name, ffn in ffns.items()]
+    modules = {id(m): m for m in model.modules()}
+    handles += [modules[i].register_forward_hook(on_linear(names)) for i, names in linears.items()]
+    try:
+        run_calibration(model, ids, quiet=quiet, desc="Hessians for GPTQ", device=device,
+                        dtype=dtype)
+    finally:
+        for h in handles:
+            h.remove()
+        last.clear()
+    n = ids.numel()
+    out = {}
+    for key, s in sums.items():
+        out[key] = (s / n).cpu()  # [K, K]
+    for name in ffns:
+        if f"{name}.w_up" in out:
+            out[f"{name}.w_gate"] = out[f"{name}.w_up"]
+    for names in linears.values():
+        key = aliases.get(names[0], names[0])
+        for name in names:
+            if key in out:
+                out[name] = out[key]
+    sums.clear()
+    return out, n
+
+
+def _linears(parent: nn.Module, prefix: str, found: dict[int, list[str]], seen: set[int]) -> None:
+    """id -> qualified names of every nn.Linear under `parent` outside SparseFFN blocks (what
+    lower_linears will make DenseLinear layers of), each name it is reachable under."""
+    if id(parent) in seen:
+        return
+    seen.add(id(parent))
+    for name, child in parent._modules.items():
+        if child is None or isinstance(child, SparseFFN):
+            continue
+        qual = f"{prefix}.{name}" if prefix else name
+        if isinstance(child, nn.Linear):
+            found.setdefault(id(child), []).append(qual)
+        else:
+            _linears(child, qual, found, seen)
