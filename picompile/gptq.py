@@ -7,8 +7,7 @@ Why: round-to-nearest (quant.quantize) makes each weight as close as it can be, 
 model needs close is each layer's output X W^T over the inputs it sees. GPTQ quantizes the
 weight one input column at a time and moves each column's rounding error onto the columns not
 yet quantized, weighted by the inverse of the inputs' Hessian H = X^T X / n, so that the errors
-cancel along the directions the inputs actually take. On SmolLM2-135M (BENCHMARKS.md, session
-11) it takes q4_0 from +16.9% perplexity over float to +4.5%.
+cancel along the directions the inputs actually take (perplexities: BENCHMARKS.md, session 11).
 
 The output is exactly GGUF's block layout (quant.py): only which blocks are chosen changes, so
 every kernel reads it unchanged. Each block's scale (and q4_1's minimum) is chosen when the

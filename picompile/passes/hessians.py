@@ -12,8 +12,9 @@ float weights, before lowering releases them: one more pass over at most `max_to
 calibration tokens, the whole model or layer by layer as calibration runs (passes/calibrate.py;
 layer by layer the LM head is not run, and keeps round-to-nearest).
 
-Memory: one K x K float32 matrix per distinct input, held until its weights are quantized
-(SmolLM2-135M: about 400 MB; a 7B model would want its layers quantized as they are gathered).
+Memory: one K x K float32 matrix per distinct input, held until its weights are quantized;
+above MAX_BYTES compile rounds to nearest instead (a 7B model would want its layers quantized
+as they are gathered).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from torch import nn
 from picompile.passes.calibrate import run_calibration
 from picompile.runtime.sparse_ffn import SparseFFN, down_input
 
-MAX_TOKENS = 16384  # calibration tokens the Hessians see: SmolLM2 at q4_0, 32768 gave no better
+MAX_TOKENS = 16384  # calibration tokens the Hessians see (more cost time; BENCHMARKS.md, session 11)
 # Above this, compile rounds to nearest instead of holding every layer's Hessians (and running
-# GPTQ's per-column loop over them, which grows with them): SmolLM2-135M needs about 400 MB.
+# GPTQ's per-column loop over them, which grows with them).
 MAX_BYTES = 2 << 30
 
 
