@@ -137,8 +137,20 @@ def _head_only(model: nn.Module) -> set[int]:
 @torch.no_grad()
 def run_calibration(model: nn.Module, ids: torch.Tensor, batch_size: int = 4, quiet: bool = False,
                     desc: str = "calibrating", device: str | torch.device | None = None,
-                    dtype: torch.dtype | None = None) -> None:
-    """Feed calibration rows through the model (no KV cache), `batch_size` rows at a time.
+                    dtype: torch.dtype | None = None, hooks=()) -> None:
+    """Feed calibration rows through the model (no KV cache), `batch_size` rows at a time, with
+    `hooks` ((module, forward hook) pairs) registered for this run only. See _feed."""
+    handles = [module.register_forward_hook(hook) for module, hook in hooks]
+    try:
+        _feed(model, ids, batch_size, quiet, desc, device, dtype)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _feed(model: nn.Module, ids: torch.Tensor, batch_size: int, quiet: bool, desc: str,
+          device: str | torch.device | None, dtype: torch.dtype | None) -> None:
+    """run_calibration's forward passes.
 
     device=None: the whole model, on the device of its first weights. A device ("cuda", or "cpu"
     in tests): layer by layer, as GPTQ calibrates, so a model larger than that device is run
@@ -221,12 +233,8 @@ def calibrate(
             samples[name].append(h)  # stays on the activations' device
         return record
 
-    handles = [ffn.register_forward_hook(hook(name)) for name, ffn in ffns.items()]
-    try:
-        run_calibration(model, ids, quiet=quiet, device=device, dtype=dtype)
-    finally:
-        for h in handles:
-            h.remove()
+    run_calibration(model, ids, quiet=quiet, device=device, dtype=dtype,
+                    hooks=[(ffn, hook(name)) for name, ffn in ffns.items()])
 
     for name, ffn in ffns.items():
         h = torch.cat(samples[name])  # [n] |down input| samples

@@ -86,16 +86,12 @@ def collect(model: nn.Module, ffns: dict[str, SparseFFN], ids: torch.Tensor, *,
     aliases: dict[str, str] = {}  # linear name -> the key whose sum it shares
     linears: dict[int, list[str]] = {}  # id -> every name of an nn.Linear outside the blocks
     _linears(model, "", linears, set())
-    handles = [ffn.register_forward_hook(on_ffn(name)) for name, ffn in ffns.items()]
     modules = {id(m): m for m in model.modules()}
-    handles += [modules[i].register_forward_hook(on_linear(names)) for i, names in linears.items()]
-    try:
-        run_calibration(model, ids, quiet=quiet, desc="Hessians for GPTQ", device=device,
-                        dtype=dtype)
-    finally:
-        for h in handles:
-            h.remove()
-        last.clear()
+    hooks = [(ffn, on_ffn(name)) for name, ffn in ffns.items()]
+    hooks += [(modules[i], on_linear(names)) for i, names in linears.items()]
+    run_calibration(model, ids, quiet=quiet, desc="Hessians for GPTQ", device=device, dtype=dtype,
+                    hooks=hooks)
+    last.clear()
     n = ids.numel()
     out = {}
     for key, s in sums.items():

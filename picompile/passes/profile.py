@@ -88,13 +88,8 @@ def profile(
             ys[name].append(active[sel])
         return record
 
-    handles = [f.register_forward_hook(hook(n)) for n, f in ffns.items()]
-    try:
-        run_calibration(model, ids, quiet=quiet, desc="profiling neurons", device=device,
-                        dtype=dtype)
-    finally:
-        for h in handles:
-            h.remove()
+    run_calibration(model, ids, quiet=quiet, desc="profiling neurons", device=device, dtype=dtype,
+                    hooks=[(f, hook(n)) for n, f in ffns.items()])
     return {
         n: BlockProfile(
             freq=(counts[n].double() / max(seen[n], 1)).float().cpu(),
