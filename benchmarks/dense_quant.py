@@ -6,14 +6,16 @@ float32 builds, in GB/s of weight bytes read.
     .venv/bin/python benchmarks/dense_quant.py --isa     # quantized rows also forced AVX2 / AVX-512
 
 One token (x [1, K]) through W [O, K] for SmolLM2-135M's LM head (49152x576) and its q/o
-(576x576), gate/up (1536x576) and down (576x1536) projections. Each format's kernel is called
-as the whole-step decoder calls it (the bare ctypes call with preallocated buffers, the build
-picompile selects for T=1), cycling over copies of W that together exceed the last-level cache
-("cold": the weights come from memory, as in decoding a model much larger than the caches).
+(576x576), gate/up (1536x576) and down (576x1536) projections, the build picompile selects for
+T=1, cycling over copies of W that together exceed the last-level cache ("cold": the weights
+come from memory, as in decoding a model much larger than the caches). Each kernel is timed two
+ways: "C" calls it back to back from C (benchmarks/call_timer.c), as the whole-step decoder
+does, so the time is the kernel's own; "ctypes" is the bare ctypes call from Python with
+preallocated buffers, about a microsecond more per call, which weighs on the small shapes.
 Bytes are the weight matrix as stored: O*K*4 (float32), O*K*2 (float16), O*K/32 * 34 / 18 / 20
 (q8_0 / q4_0 / q4_1, scales included). Methods are interleaved in rounds so that load from other
 processes hits all of them alike; reported are medians ("best": the fastest call) and the share
-of CPU time other processes took during the run.
+of CPU time other processes took during the run. "% BW" is from the C timing.
 
 Memory bandwidth: benchmarks/gemv.py's streaming-read probe (torch sum of a 1 GB float32 tensor)
 at the start and the end of the run; "% BW" is a format's median GB/s over the higher of the two.
@@ -22,7 +24,9 @@ at the start and the end of the run; "% BW" is a format's median GB/s over the h
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import pathlib
 import statistics
 
 import torch
@@ -30,7 +34,9 @@ import torch
 from gemv import cycler, time_calls  # benchmarks/gemv.py, beside this script
 from machine import COLD_BYTES, OtherLoad, cpu_name, stream_probe
 from picompile import quant
+from picompile.codegen import c as c_codegen
 from picompile.codegen import dense
+from picompile.codegen.decoder import function_pointer
 
 SHAPES = [  # (name, O, K)
     ("lm_head", 49152, 576),
@@ -62,10 +68,30 @@ def methods(O: int, K: int, isa: bool) -> list[tuple[str, str, int, list]]:
     return out
 
 
+def call_timer() -> ctypes.CDLL:
+    """benchmarks/call_timer.c, built with the kernels' compiler and flags."""
+    src = (pathlib.Path(__file__).parent / "call_timer.c").read_text()
+    lib = ctypes.CDLL(str(c_codegen.build_library(src, c_codegen.build_flags(), "bench-timer")))
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.pi_time_dense.argtypes = [vp, ctypes.c_int, vp, i64, i64, vp, ctypes.c_int, i64, vp, vp]
+    lib.pi_time_dense.restype = None
+    return lib
+
+
+def time_in_c(timer, lib, x, K: int, weights: list, O: int, out, calls: int) -> list[float]:
+    """Seconds of `calls` back-to-back calls of lib.pi_dense from C, cycling over `weights`."""
+    ptrs = (ctypes.c_void_p * len(weights))(*[w.data_ptr() for w in weights])
+    seconds = (ctypes.c_double * calls)()
+    timer.pi_time_dense(function_pointer(lib.pi_dense), calls, x.data_ptr(), 1, K, ptrs,
+                        len(weights), O, out.data_ptr(), seconds)
+    return list(seconds)
+
+
 def bench(O: int, K: int, calls: int, rounds: int, isa: bool) -> list[dict]:
     x = torch.randn(1, K, generator=torch.Generator().manual_seed(1))
     out = torch.empty(1, O)
-    fns, info = {}, {}
+    fns, info, in_c = {}, {}, {}
+    timer = call_timer()
     alive = methods(O, K, isa)  # the weights the raw calls below read by pointer
     for fmt, label, nbytes, kernels in alive:
         k0 = kernels[0][0]
@@ -78,15 +104,21 @@ def bench(O: int, K: int, calls: int, rounds: int, isa: bool) -> list[dict]:
         nxt = cycler(raw)
         key = f"{fmt} {label} {len(fns)}"
         fns[key] = (lambda f=lib.pi_dense, n=nxt: f(*n()))
+        in_c[key] = (lib, [c for _, c in kernels])
         variant = lib.pi_dense_variant().decode().split()[-1] + (f" ({label})" if label else "")
         info[key] = (fmt, variant, nbytes)
     times = time_calls(fns, calls, rounds)
+    c_times = {key: [] for key in fns}
+    for _ in range(rounds):  # interleaved too
+        for key, (lib, weights) in in_c.items():
+            c_times[key] += time_in_c(timer, lib, x, K, weights, O, out, calls)
     rows = []
     for key, t in times.items():
         fmt, variant, nbytes = info[key]
-        med = statistics.median(t)
-        rows.append(dict(format=fmt, build=variant, bytes=nbytes, gbs=nbytes / med / 1e9,
-                         best=nbytes / t[0] / 1e9, us=med * 1e6))
+        med, c_med = statistics.median(t), statistics.median(c_times[key])
+        rows.append(dict(format=fmt, build=variant, bytes=nbytes, gbs=nbytes / c_med / 1e9,
+                         best=nbytes / min(c_times[key]) / 1e9, us=c_med * 1e6,
+                         ctypes_gbs=nbytes / med / 1e9, ctypes_us=med * 1e6))
     return rows
 
 
@@ -111,13 +143,13 @@ def main() -> None:
         results.append((name, O, K, bench(O, K, calls, rounds, args.isa)))
     bw1 = stream_probe(5 if args.quick else 15)
     bw = max(bw0, bw1)
-    print("| O x K | layer | format | build | MB | GB/s | best GB/s | us | % BW |")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|")
+    print("| O x K | layer | format | build | MB | C GB/s | best | C us | % BW | ctypes GB/s | ctypes us |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, O, K, rows in results:
         for r in rows:
             print(f"| {O}x{K} | {name} | {r['format']} | {r['build']} | {r['bytes'] / 1e6:.2f} | "
                   f"{r['gbs']:.1f} | {r['best']:.1f} | {r['us']:.0f} | "
-                  f"{100 * r['gbs'] / bw:.0f}% |")
+                  f"{100 * r['gbs'] / bw:.0f}% | {r['ctypes_gbs']:.1f} | {r['ctypes_us']:.0f} |")
     print(other.footer(bw1))
 
 
