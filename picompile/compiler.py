@@ -212,11 +212,14 @@ def _decide(captured: Captured, plan: Plan, ids, opts: Options) -> dict[str, Blo
     model, ffns = captured.model, captured.ffns
     # layer by layer on the GPU for a CPU model, or in float32 for a float16 model on the CPU
     device, dtype = calibrate_pass.calibration_device(model)
-    # calibrate: thresholds for SiLU/GELU blocks, measured sparsity for all
+    # calibrate: thresholds for SiLU/GELU blocks, measured sparsity for all. Without a target
+    # sparsity only ReLU blocks have one to measure (a SiLU / GELU block at threshold 0 skips
+    # nothing), so with none of those the pass would run every calibration token for nothing.
     needs_threshold = bool(opts.sparsity) and any(not b.exact for b in plan.blocks)
+    measures = not opts.needs_profile and any(b.exact for b in plan.blocks)
     if ids is not None:
         plan.calibration_tokens = int(ids.numel())
-        if needs_threshold or not opts.needs_profile:
+        if needs_threshold or measures:
             calibrate_pass.calibrate(model, ffns, ids, opts.sparsity, quiet=opts.quiet, device=device,
                                      dtype=dtype)
     if not opts.needs_profile:

@@ -85,6 +85,20 @@ def test_threshold_sparsity_zero_equals_dense():
         torch.testing.assert_close(zoo.logits(cm, ids), zoo.logits(dense, ids), **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("arch, measured", [("llama_silu", False), ("llama_relu", True)])
+def test_calibration_without_a_target_runs_only_where_there_is_sparsity_to_measure(arch, measured):
+    """No sparsity= asked: ReLU blocks get their natural sparsity measured; SiLU blocks (which
+    skip nothing at threshold 0) do not make compile run its calibration tokens for nothing."""
+    calib = torch.randint(0, zoo.VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
+    _, cm = compile_pair(arch, calibration=calib)
+    assert cm.plan.calibration_tokens == calib.numel()
+    for b in cm.plan.blocks:
+        assert b.decided.threshold == 0.0
+        assert (b.measured.sparsity is not None) == measured
+        if measured:
+            assert 0.2 < b.measured.sparsity < 0.8  # random ReLU blocks: about half fire
+
+
 @pytest.mark.parametrize("target", [0.3, 0.5, 0.9])
 def test_threshold_calibration_reaches_target_sparsity(target):
     calib = torch.randint(0, zoo.VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
