@@ -251,18 +251,28 @@ def runs_hybrid(plan: Plan) -> bool:
 def _hessians(captured: Captured, plan: Plan, ids, opts: Options):
     """For quantize= a block format with calibration ids: the Hessians of every quantized
     layer's inputs (passes/hessians.py), gathered from the float model, as the quantize pass's
-    GPTQ rounding (plan.quant_calibration_tokens: how many tokens). Else None: round to nearest."""
+    GPTQ rounding (plan.quant_calibration_tokens: how many tokens). Else None: round to nearest.
+    Where calibration runs layer by layer, GPTQ runs there too, on each layer's Hessians as
+    they are complete, so only one layer's are held (a 7B model's all take ~22 GB)."""
     if opts.quantize not in quant.FORMATS or ids is None:
         return None
-    need = hessians_pass.estimate_bytes(captured.model, captured.ffns)
+    model, ffns = captured.model, captured.ffns
+    device, dtype = calibrate_pass.calibration_device(model)
+    layers = None if device is None else calibrate_pass.decoder_layers(model)
+    need = hessians_pass.estimate_bytes(model, ffns, layers)
     if need > hessians_pass.MAX_BYTES:
+        held = "per layer " if layers is not None else ""
         return quantize_pass.Rounding(skipped=f"GPTQ's Hessians would take {need / 2**30:.1f} GiB "
-                                              f"(more than {hessians_pass.MAX_BYTES >> 30} GiB)")
-    device, dtype = calibrate_pass.calibration_device(captured.model)
-    hessians, tokens = hessians_pass.collect(captured.model, captured.ffns, ids, quiet=opts.quiet,
-                                             device=device, dtype=dtype)
-    plan.quant_calibration_tokens = tokens
-    return quantize_pass.Rounding(hessians, tokens=tokens)
+                                              f"{held}(more than {hessians_pass.MAX_BYTES >> 30} GiB)")
+    rounding = quantize_pass.Rounding()
+    done = None
+    if layers is not None:
+        targets = quantize_pass.gptq_targets(model, ffns, opts.quantize)
+        done = lambda hessians: rounding.gather(hessians, targets)  # noqa: E731
+    rounding.hessians, rounding.tokens = hessians_pass.collect(
+        model, ffns, ids, quiet=opts.quiet, device=device, dtype=dtype, done=done)
+    plan.quant_calibration_tokens = rounding.tokens
+    return rounding
 
 
 def _lower(captured: Captured, plan: Plan, gguf=None, rounding=None, quiet: bool = True,

@@ -18,6 +18,7 @@ from torch import nn
 
 import picompile
 from picompile import quant
+from picompile.passes import quantize as quantize_pass
 from picompile.runtime.dense_linear import QuantLinear
 from picompile.runtime.sparse_ffn import SparseFFN
 from tests import zoo
@@ -128,8 +129,6 @@ def test_gguf_mode_requantizes_4_bit_down_rows_to_q8_0(fmt):
     up rows are the file's blocks, down rows q8_0 along d for 4-bit files (noted once), the
     file's format for q8_0 ones; the model equals the fake-quantized reference and explain shows
     the down rows' format."""
-    from picompile.passes import quantize as quantize_pass
-
     dense = zoo.make("llama_silu", hidden=64, n_ff=96)
     with torch.no_grad():  # the float model a GGUF file loads as: its blocks dequantized
         for m in dense.modules():
@@ -375,3 +374,42 @@ def ffn_float_up(dense, ffn):
     """The float up rows of `ffn`'s block in the original model (its neuron order)."""
     up = dense.get_submodule(f"{ffn.block.module}.{ffn.block.linears['up']}").weight
     return up if ffn.order is None else up[ffn.order]
+
+
+def test_gptq_layer_by_layer_equals_gptq_on_every_hessian_and_holds_one_layer():
+    """Layer by layer, hessians.collect hands each decoder layer's Hessians to `done` once every
+    batch has passed the layer, and Rounding.gather runs GPTQ on them at once and keeps only
+    the blocks: the same blocks as GPTQ on all the Hessians held to the end, with at most one
+    layer's Hessians alive. (The FFN blocks' weights: the linears are lowered here already.)"""
+    from picompile.passes import hessians as hessians_pass
+
+    cm = picompile.compile(zoo.make("llama_silu", hidden=64, n_ff=96, layers=3), quiet=True)
+    model, ffns = cm._orig_mod, cm.ffns()
+    ids = torch.randint(0, zoo.VOCAB, (5, 16), generator=torch.Generator().manual_seed(3))
+    whole, n = hessians_pass.collect(model, ffns, ids, quiet=True, device="cpu",
+                                     dtype=torch.float32)
+    targets = quantize_pass.gptq_targets(model, ffns, "q4_0")
+    gathered = quantize_pass.Rounding()
+    layers_seen = []
+
+    def done(hessians):
+        assert not gathered.hessians  # the previous layer's are gone
+        layers_seen.append({key.split(".")[2] for key in hessians})  # model.layers.<i>.…
+        gathered.gather(hessians, targets)
+
+    rest, n2 = hessians_pass.collect(model, ffns, ids, quiet=True, device="cpu",
+                                     dtype=torch.float32, done=done)
+    assert n == n2 == ids.numel() and rest == {}
+    assert layers_seen == [{"0"}, {"1"}, {"2"}]
+    assert set(gathered.ready) == set(whole) and len(whole) == 3 * 3  # gate, up, down_t
+    held = quantize_pass.Rounding(dict(whole))  # (takes each H out as it uses it)
+    for key in whole:
+        w, fmt, transposed = targets[key]
+        assert (fmt, transposed) == (("q8_0", True) if key.endswith("down_t") else ("q4_0", False))
+        want = held.blocks(key, w, fmt, transposed)
+        assert torch.equal(gathered.blocks(key, w, fmt, transposed), want), key
+    assert gathered.count == held.count == len(whole) and not gathered.ready
+    key = next(iter(ffns)) + ".w_up"
+    gathered.gather({key: whole[key]}, targets)
+    with pytest.raises(AssertionError, match="q8_0"):  # not the format GPTQ used: a bug, loud
+        gathered.blocks(key, targets[key][0], "q8_0")

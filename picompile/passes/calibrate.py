@@ -137,19 +137,21 @@ def _head_only(model: nn.Module) -> set[int]:
 @torch.no_grad()
 def run_calibration(model: nn.Module, ids: torch.Tensor, batch_size: int = 4, quiet: bool = False,
                     desc: str = "calibrating", device: str | torch.device | None = None,
-                    dtype: torch.dtype | None = None, hooks=()) -> None:
+                    dtype: torch.dtype | None = None, hooks=(), after_layer=None) -> None:
     """Feed calibration rows through the model (no KV cache), `batch_size` rows at a time, with
-    `hooks` ((module, forward hook) pairs) registered for this run only. See _feed."""
+    `hooks` ((module, forward hook) pairs) registered for this run only. See _feed.
+    after_layer(layer): called layer by layer (device given) once every batch has passed a
+    decoder layer, so a pass can finish with that layer's statistics and free them."""
     handles = [module.register_forward_hook(hook) for module, hook in hooks]
     try:
-        _feed(model, ids, batch_size, quiet, desc, device, dtype)
+        _feed(model, ids, batch_size, quiet, desc, device, dtype, after_layer)
     finally:
         for h in handles:
             h.remove()
 
 
 def _feed(model: nn.Module, ids: torch.Tensor, batch_size: int, quiet: bool, desc: str,
-          device: str | torch.device | None, dtype: torch.dtype | None) -> None:
+          device: str | torch.device | None, dtype: torch.dtype | None, after_layer=None) -> None:
     """run_calibration's forward passes.
 
     device=None: the whole model, on the device of its first weights. A device ("cuda", or "cpu"
@@ -201,6 +203,8 @@ def _feed(model: nn.Module, ids: torch.Tensor, batch_size: int, quiet: bool, des
             out = functional_call(layer, tensors, (hidden[i], *args), kwargs)
             hidden[i] = out[0] if isinstance(out, (tuple, list)) else out  # OPT: maybe a tuple
         del tensors
+        if after_layer is not None:
+            after_layer(layer)
 
 
 @torch.no_grad()

@@ -12,9 +12,10 @@ float weights, before lowering releases them: one more pass over at most `max_to
 calibration tokens, the whole model or layer by layer as calibration runs (passes/calibrate.py;
 layer by layer the LM head is not run, and keeps round-to-nearest).
 
-Memory: one K x K float32 matrix per distinct input, held until its weights are quantized;
-above MAX_BYTES compile rounds to nearest instead (a 7B model would want its layers quantized
-as they are gathered).
+Memory: one K x K float32 matrix per distinct input. Run whole, every layer's are held until
+the weights are quantized; layer by layer, `done` takes each decoder layer's as soon as every
+batch has passed it (compile runs GPTQ on them there and drops them), so at most one layer's
+are held. Above MAX_BYTES (estimate_bytes) compile rounds to nearest instead.
 """
 
 from __future__ import annotations
@@ -31,35 +32,47 @@ MAX_TOKENS = 16384  # calibration tokens the Hessians see (more cost time; BENCH
 MAX_BYTES = 2 << 30
 
 
-def estimate_bytes(model: nn.Module, ffns: dict[str, SparseFFN]) -> int:
+def estimate_bytes(model: nn.Module, ffns: dict[str, SparseFFN], layers=None) -> int:
     """An upper bound on what collect() holds: K x K float32 per FFN input and hidden layer and
-    per linear layer outside the blocks (q, k and v counted apart though they share one)."""
+    per linear layer outside the blocks (q, k and v counted apart though they share one); with
+    `layers` (the decoder layers, collect run layer by layer with `done`), the most any one of
+    them holds."""
     linears: dict[int, list[str]] = {}
     _linears(model, "", linears, set())
     modules = {id(m): m for m in model.modules()}
-    widths = [f.d_model for f in ffns.values()] + [f.n_ff for f in ffns.values()]
-    widths += [modules[i].in_features for i in linears]
-    return sum(4 * k * k for k in widths)
+
+    def held(within: nn.Module) -> int:
+        inside = {id(m) for m in within.modules()}
+        widths = [w for f in ffns.values() if id(f) in inside for w in (f.d_model, f.n_ff)]
+        widths += [modules[i].in_features for i in linears if i in inside]
+        return sum(4 * k * k for k in widths)
+
+    return held(model) if layers is None else max((held(layer) for layer in layers), default=0)
 
 
 @torch.no_grad()
 def collect(model: nn.Module, ffns: dict[str, SparseFFN], ids: torch.Tensor, *,
             max_tokens: int = MAX_TOKENS, quiet: bool = False, device=None, dtype=None,
-            ) -> tuple[dict[str, torch.Tensor], int]:
+            done=None) -> tuple[dict[str, torch.Tensor], int]:
     """Run ids [batch, seq] (the first rows holding at most max_tokens tokens, at least one
     row) through the model with hooks on its FFN blocks and linear layers. -> ({weight key:
-    H [K, K] float32 on the CPU}, tokens seen). device, dtype: as run_calibration's."""
+    H [K, K] float32 on the CPU}, tokens seen). device, dtype: as run_calibration's.
+    done({weight key: H}): with a device (layer by layer), called with each decoder layer's
+    Hessians once they are complete, which are then not kept (nor returned)."""
     rows = max(1, min(ids.shape[0], max_tokens // max(1, ids.shape[1])))
     ids = ids[:rows]
+    n = ids.numel()
     sums: dict[str, torch.Tensor] = {}  # key -> sum of x^T x, on the activations' device
+    owner: dict[str, int] = {}  # key -> id of the module whose hook gathers it
     last = {"x": None, "key": None}  # the previous linear's input, to share q / k / v's sum
 
-    def add(key: str, x: torch.Tensor) -> None:
+    def add(key: str, x: torch.Tensor, module: nn.Module) -> None:
         x = x.reshape(-1, x.shape[-1]).to(torch.float32)  # [T, K]
         if key in sums:
             sums[key].addmm_(x.T, x)
         else:
             sums[key] = x.T @ x
+            owner[key] = id(module)
 
     def on_ffn(name: str):
         def hook(ffn: SparseFFN, args, _out):
@@ -68,20 +81,38 @@ def collect(model: nn.Module, ffns: dict[str, SparseFFN], ids: torch.Tensor, *,
                            act=ffn.act, drelu=ffn.drelu)  # [T, n_ff]
             if ffn.threshold is not None:
                 h = torch.where(h.abs() > ffn.threshold, h, torch.zeros_like(h))
-            add(f"{name}.w_up", x)
-            add(f"{name}.w_down_t", h)
+            add(f"{name}.w_up", x, ffn)
+            add(f"{name}.w_down_t", h, ffn)
         return hook
 
     def on_linear(names: list[str]):
-        def hook(_lin, args, _out):
+        def hook(lin, args, _out):
             x = args[0]
             if x is last["x"] and last["key"] != names[0]:  # q, k, v: one input, one sum
-                for n in names:
-                    aliases[n] = last["key"]
+                for name in names:
+                    aliases[name] = last["key"]
                 return
             last["x"], last["key"] = x, names[0]
-            add(names[0], x)
+            add(names[0], x, lin)
         return hook
+
+    def finish(keys) -> dict[str, torch.Tensor]:
+        """{weight key: H} of the sums under `keys`, each under every key that reads it."""
+        out = {key: (sums.pop(key) / n).cpu() for key in keys}  # [K, K]
+        for name in ffns:
+            if f"{name}.w_up" in out:
+                out[f"{name}.w_gate"] = out[f"{name}.w_up"]
+        for names in linears.values():
+            key = aliases.get(names[0], names[0])
+            for name in names:
+                if key in out:
+                    out[name] = out[key]
+        return out
+
+    def layer_done(layer: nn.Module) -> None:
+        inside = {id(m) for m in layer.modules()}
+        last["x"] = None  # (the last input seen belongs to this layer)
+        done(finish([key for key in list(sums) if owner[key] in inside]))
 
     aliases: dict[str, str] = {}  # linear name -> the key whose sum it shares
     linears: dict[int, list[str]] = {}  # id -> every name of an nn.Linear outside the blocks
@@ -89,23 +120,12 @@ def collect(model: nn.Module, ffns: dict[str, SparseFFN], ids: torch.Tensor, *,
     modules = {id(m): m for m in model.modules()}
     hooks = [(ffn, on_ffn(name)) for name, ffn in ffns.items()]
     hooks += [(modules[i], on_linear(names)) for i, names in linears.items()]
-    run_calibration(model, ids, quiet=quiet, desc="Hessians for GPTQ", device=device, dtype=dtype,
-                    hooks=hooks)
+    by_layer = done is not None and device is not None
+    run_calibration(model, ids, quiet=quiet, device=device, dtype=dtype, hooks=hooks,
+                    desc="Hessians and GPTQ, layer by layer" if by_layer else "Hessians for GPTQ",
+                    after_layer=layer_done if by_layer else None)
     last.clear()
-    n = ids.numel()
-    out = {}
-    for key, s in sums.items():
-        out[key] = (s / n).cpu()  # [K, K]
-    for name in ffns:
-        if f"{name}.w_up" in out:
-            out[f"{name}.w_gate"] = out[f"{name}.w_up"]
-    for names in linears.values():
-        key = aliases.get(names[0], names[0])
-        for name in names:
-            if key in out:
-                out[name] = out[key]
-    sums.clear()
-    return out, n
+    return finish(list(sums)), n
 
 
 def _linears(parent: nn.Module, prefix: str, found: dict[int, list[str]], seen: set[int]) -> None:

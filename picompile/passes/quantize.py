@@ -74,11 +74,41 @@ def _module_names(ffn) -> dict[str, str]:
             for role, attr in ffn.block.linears.items()}
 
 
+def gptq_targets(model: nn.Module, ffns: dict, fmt: str) -> dict[str, tuple[torch.Tensor, str, bool]]:
+    """{Hessian key: (float weight, format, transposed)} of every weight quantize_ffns and
+    quantize_linears round to `fmt` from float weights, read before lowering (nn.Linear
+    layers): what Rounding.gather quantizes as a layer's Hessians are complete."""
+    out = {}
+    for name, ffn in ffns.items():
+        if quant.why_not_quantizable((ffn.n_ff, ffn.d_model)) is not None:
+            continue
+        block_fmt, down_fmt = ffn_formats(fmt)
+        for role, role_fmt in (("gate", block_fmt), ("up", block_fmt), ("down_t", down_fmt)):
+            w = getattr(ffn, f"w_{role}")
+            if w is not None:
+                out[f"{name}.w_{role}"] = (w, role_fmt, role == "down_t")
+    head = _kept_head(model, fmt)
+    inside = {id(m) for ffn in ffns.values() for m in ffn.modules()}
+    for qual, layer in model.named_modules(remove_duplicate=False):
+        if isinstance(layer, nn.Linear) and id(layer) not in inside and \
+                quant.why_not_quantizable((layer.out_features, layer.in_features)) is None:
+            out[qual] = (layer.weight, HIGH_PRECISION if layer is head else fmt, False)
+    return out
+
+
+def _kept_head(model: nn.Module, fmt: str) -> nn.Module | None:
+    """The LM head where `fmt` (4-bit) keeps it at HIGH_PRECISION (see the module doc)."""
+    if fmt in FOUR_BIT and hasattr(model, "get_output_embeddings"):
+        return model.get_output_embeddings()
+    return None
+
+
 class Rounding:
     """Where the blocks of a weight come from, by its key (passes/hessians.py's keys: "<block>.
     w_gate" / ".w_up" / ".w_down_t", a linear layer's qualified name): GPTQ from `hessians`
-    (each matrix dropped once its weight is quantized), or `saved` blocks (a plan's
-    "<key>.blocks" tensors); a weight with neither is rounded to nearest."""
+    (each matrix dropped once its weight is quantized), GPTQ blocks computed as the Hessians
+    were gathered (gather: layer by layer), or `saved` blocks (a plan's "<key>.blocks"
+    tensors); a weight with none of these is rounded to nearest."""
 
     def __init__(self, hessians: dict[str, torch.Tensor] | None = None,
                  saved: dict[str, torch.Tensor] | None = None, tokens: int = 0,
@@ -86,8 +116,26 @@ class Rounding:
         self.hessians, self.saved, self.tokens = hessians or {}, saved or {}, tokens
         self.skipped = skipped  # why there are no Hessians though calibration data was given
         self.count = 0  # weights given calibrated blocks
+        # key -> (format, transposed, blocks): GPTQ done by gather, not yet taken by blocks()
+        self.ready: dict[str, tuple[str, bool, torch.Tensor]] = {}
         # id(H) -> (H, gptq.prepare(H)) while another weight still reads H (q, k, v; gate, up)
         self._prepared: dict[tuple[int, bool], tuple[torch.Tensor, gptq.Prepared]] = {}
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether GPTQ has anything to do or to give (the quantize passes' progress bars)."""
+        return bool(self.hessians or self.ready)
+
+    def gather(self, hessians: dict[str, torch.Tensor], targets: dict) -> None:
+        """GPTQ now for the weights of `hessians` (one layer's, hessians.collect's `done`)
+        that `targets` (gptq_targets) names; the Hessians are not kept."""
+        self.hessians.update(hessians)
+        for key in hessians:
+            if key in targets:
+                w, fmt, transposed = targets[key]
+                self.ready[key] = (fmt, transposed, self._gptq(key, w, fmt, transposed))
+        for key in hessians:
+            self.hessians.pop(key, None)
 
     def blocks(self, key: str, w: torch.Tensor, fmt: str, transposed: bool = False):
         """uint8 blocks of `w` in GGUF's row layout (w [O, K], blocks along K; transposed: w is
@@ -102,10 +150,23 @@ class Rounding:
                                 "again and save it")
             self.count += 1
             return saved
+        if key in self.ready:
+            ready_fmt, ready_transposed, blocks = self.ready.pop(key)
+            if (ready_fmt, ready_transposed) != (fmt, transposed):  # gptq_targets disagrees
+                raise AssertionError(f"picompile: GPTQ made {key}'s blocks in {ready_fmt}, "
+                                     f"its layer is quantized to {fmt}")
+            self.count += 1
+            return blocks
+        blocks = self._gptq(key, w, fmt, transposed)
+        if blocks is not None:
+            self.count += 1
+        return blocks
+
+    def _gptq(self, key: str, w: torch.Tensor, fmt: str, transposed: bool):
+        """GPTQ's blocks of w from its Hessian (then dropped), or None where there is none."""
         h = self.hessians.pop(key, None)
         if h is None:
             return None
-        self.count += 1
         cache = (id(h), transposed)
         prep = self._prepared[cache][1] if cache in self._prepared else \
             gptq.prepare(h, act_order=not transposed)
@@ -139,7 +200,7 @@ def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None,
     -> notes on the blocks that stay float, and why, and on the down rows' format."""
     notes = []
     requantized_down = 0  # blocks whose 4-bit down rows went to q8_0
-    calibrated = rounding is not None and bool(rounding.hessians)
+    calibrated = rounding is not None and rounding.calibrated
     for name, ffn in progress_bar(ffns.items(), desc="GPTQ FFN blocks", total=len(ffns),
                                   quiet=quiet or not calibrated):
         why = quant.why_not_quantizable((ffn.n_ff, ffn.d_model))
@@ -193,10 +254,8 @@ def quantize_linears(model: nn.Module, fmt: str, file_blocks: dict | None = None
     layers, notes on the layers that stay float, and why, and on the LM head's format)."""
     paths, notes = {}, []
     replaced: dict[int, QuantLinear] = {}  # a layer under several names is quantized once
-    head = None  # the LM head, when a 4-bit format keeps it at q8_0
-    if file_blocks is None and fmt in FOUR_BIT and hasattr(model, "get_output_embeddings"):
-        head = model.get_output_embeddings()
-    calibrated = rounding is not None and bool(rounding.hessians)
+    head = None if file_blocks is not None else _kept_head(model, fmt)  # q8_0 under 4-bit
+    calibrated = rounding is not None and rounding.calibrated
     modules = [(prefix, m) for prefix, m in model.named_modules()  # those holding linears
                if any(isinstance(c, DenseLinear) for c in m._modules.values())]
     for prefix, parent in progress_bar(modules, desc="GPTQ linear layers", total=len(modules),
