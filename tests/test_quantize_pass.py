@@ -396,6 +396,7 @@ def test_gptq_layer_by_layer_equals_gptq_on_every_hessian_and_holds_one_layer():
         assert not gathered.hessians  # the previous layer's are gone
         layers_seen.append({key.split(".")[2] for key in hessians})  # model.layers.<i>.…
         gathered.gather(hessians, targets)
+        assert not gathered.hessians and not gathered._prepared  # blocks kept, nothing else
 
     rest, n2 = hessians_pass.collect(model, ffns, ids, quiet=True, device="cpu",
                                      dtype=torch.float32, done=done)

@@ -136,6 +136,8 @@ class Rounding:
                 self.ready[key] = (fmt, transposed, self._gptq(key, w, fmt, transposed))
         for key in hessians:
             self.hessians.pop(key, None)
+        self._prepared = {c: v for c, v in self._prepared.items()  # (none left reading them)
+                          if any(v[0] is h for h in self.hessians.values())}
 
     def blocks(self, key: str, w: torch.Tensor, fmt: str, transposed: bool = False):
         """uint8 blocks of `w` in GGUF's row layout (w [O, K], blocks along K; transposed: w is
