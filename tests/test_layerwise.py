@@ -226,3 +226,16 @@ def test_compile_predicted_profiles_layer_by_layer_on_the_gpu():
         assert b.measured.predictor_recall >= 0.98 and 0.4 < b.measured.true_density < 0.6
     with torch.no_grad():
         assert zoo.logits(cm, _ids(rows=1, seq=5)).isfinite().all()
+
+
+@pytest.mark.parametrize("all_logits, positions", [(True, 24), (False, 1)])
+def test_calibration_runs_the_lm_head_on_every_position_only_where_a_pass_reads_it(
+        all_logits, positions):
+    """calibrate and profile read the FFN blocks only: their forward passes run the LM head on
+    the last position (logits_to_keep=1); the Hessians pass, which reads its input, on all."""
+    cm = _compiled("llama_silu")
+    head = cm._orig_mod.get_output_embeddings()
+    seen = []
+    calibrate_pass.run_calibration(cm._orig_mod, _ids(seq=24), quiet=True, all_logits=all_logits,
+                                   hooks=[(head, lambda _m, args, _o: seen.append(args[0].shape[-2]))])
+    assert len(seen) == 2 and set(seen) == {positions}  # 5 rows in batches of 4

@@ -9,6 +9,8 @@ predictors (mode="predicted") then skip gate and up too."""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from torch.func import functional_call
@@ -18,6 +20,10 @@ from picompile.runtime.sparse_ffn import SparseFFN, down_input
 
 # |h| samples kept per block per forward call; the quantile is taken over all of them.
 SAMPLES_PER_CALL = 1 << 16
+# Token rows whose h a call computes: this many times the rows that hold SAMPLES_PER_CALL
+# values (a random subset of the call's tokens; computing h for all of them was most of a
+# SmolLM2 calibration's time, for samples drawn from 4% of the values).
+SAMPLE_ROW_FACTOR = 4
 
 
 def calibration_ids(calibration, tokenizer, seq_len: int = 256) -> torch.Tensor:
@@ -94,10 +100,16 @@ def calibration_device(model: nn.Module) -> tuple[str | None, torch.dtype | None
     return None, None
 
 
-def _forward(model: nn.Module, batch: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
-    """model(batch), its tensors named in `tensors` replaced by those for the call."""
+def _forward(model: nn.Module, batch: torch.Tensor, tensors: dict[str, torch.Tensor],
+             all_logits: bool = True) -> None:
+    """model(batch), its tensors named in `tensors` replaced by those for the call. Without
+    all_logits, an HF model's LM head runs on the last position only (`logits_to_keep`): no
+    hook reads the logits, and the head is a fifth of SmolLM2's multiply-adds per token."""
+    kwargs = {"use_cache": False}
+    if not all_logits and "logits_to_keep" in inspect.signature(model.forward).parameters:
+        kwargs["logits_to_keep"] = 1
     try:
-        functional_call(model, tensors, (batch,), {"use_cache": False})
+        functional_call(model, tensors, (batch,), kwargs)
     except TypeError:  # plain nn.Module models take only the ids
         functional_call(model, tensors, (batch,))
 
@@ -137,21 +149,25 @@ def _head_only(model: nn.Module) -> set[int]:
 @torch.no_grad()
 def run_calibration(model: nn.Module, ids: torch.Tensor, batch_size: int = 4, quiet: bool = False,
                     desc: str = "calibrating", device: str | torch.device | None = None,
-                    dtype: torch.dtype | None = None, hooks=(), after_layer=None) -> None:
+                    dtype: torch.dtype | None = None, hooks=(), after_layer=None,
+                    all_logits: bool = True) -> None:
     """Feed calibration rows through the model (no KV cache), `batch_size` rows at a time, with
     `hooks` ((module, forward hook) pairs) registered for this run only. See _feed.
+    all_logits: the LM head runs on every position (False: on the last only, for passes whose
+    hooks do not read it).
     after_layer(layer): called layer by layer (device given) once every batch has passed a
     decoder layer, so a pass can finish with that layer's statistics and free them."""
     handles = [module.register_forward_hook(hook) for module, hook in hooks]
     try:
-        _feed(model, ids, batch_size, quiet, desc, device, dtype, after_layer)
+        _feed(model, ids, batch_size, quiet, desc, device, dtype, after_layer, all_logits)
     finally:
         for h in handles:
             h.remove()
 
 
 def _feed(model: nn.Module, ids: torch.Tensor, batch_size: int, quiet: bool, desc: str,
-          device: str | torch.device | None, dtype: torch.dtype | None, after_layer=None) -> None:
+          device: str | torch.device | None, dtype: torch.dtype | None, after_layer=None,
+          all_logits: bool = True) -> None:
     """run_calibration's forward passes.
 
     device=None: the whole model, on the device of its first weights. A device ("cuda", or "cpu"
@@ -165,7 +181,7 @@ def _feed(model: nn.Module, ids: torch.Tensor, batch_size: int, quiet: bool, des
     if device is None:
         first = next(model.parameters()).device
         for start in progress_bar(range(0, ids.shape[0], batch_size), desc=desc, quiet=quiet):
-            _forward(model, ids[start : start + batch_size].to(first), {})
+            _forward(model, ids[start : start + batch_size].to(first), {}, all_logits)
         return
 
     layers = decoder_layers(model)
@@ -227,17 +243,21 @@ def calibrate(
 
     def hook(name):
         def record(ffn: SparseFFN, args, _out):
-            x = args[0].reshape(-1, ffn.d_model)
+            x = args[0].reshape(-1, ffn.d_model)  # [T, d]
+            rows = SAMPLE_ROW_FACTOR * -(-SAMPLES_PER_CALL // ffn.n_ff)
+            if x.shape[0] > rows:  # the samples come from a random subset of the tokens
+                keep = torch.randperm(x.shape[0], generator=gens[name])[:rows]  # CPU
+                x = x[keep.to(x.device)]
             h = down_input(x, ffn.w_up, w_gate=ffn.w_gate, b_gate=ffn.b_gate, b_up=ffn.b_up,
                            act=ffn.act, drelu=ffn.drelu,
-                           qformat=ffn.qformat).abs().flatten()  # [T * n_ff]
+                           qformat=ffn.qformat).abs().flatten()  # [rows * n_ff]
             if h.numel() > SAMPLES_PER_CALL:
                 pick = torch.randint(h.numel(), (SAMPLES_PER_CALL,), generator=gens[name])  # CPU
                 h = h[pick.to(h.device)]
             samples[name].append(h)  # stays on the activations' device
         return record
 
-    run_calibration(model, ids, quiet=quiet, device=device, dtype=dtype,
+    run_calibration(model, ids, quiet=quiet, device=device, dtype=dtype, all_logits=False,
                     hooks=[(ffn, hook(name)) for name, ffn in ffns.items()])
 
     for name, ffn in ffns.items():

@@ -89,7 +89,7 @@ def profile(
         return record
 
     run_calibration(model, ids, quiet=quiet, desc="profiling neurons", device=device, dtype=dtype,
-                    hooks=[(f, hook(n)) for n, f in ffns.items()])
+                    hooks=[(f, hook(n)) for n, f in ffns.items()], all_logits=False)
     return {
         n: BlockProfile(
             freq=(counts[n].double() / max(seen[n], 1)).float().cpu(),
