@@ -248,6 +248,13 @@ def runs_hybrid(plan: Plan) -> bool:
     return p.budget_bytes is not None and p.fixed_on_gpu and torch.cuda.is_available()
 
 
+def quantizes_linears(plan: Plan) -> bool:
+    """Whether compile quantizes the linears outside the FFN blocks too: not where the plan runs
+    hybrid on a GPU, which they go to with the non-FFN parts and where no kernel reads
+    quantized dense rows (placement counted them float)."""
+    return bool(plan.quantize) and not runs_hybrid(plan)
+
+
 def _hessians(captured: Captured, plan: Plan, ids, opts: Options):
     """For quantize= a block format with calibration ids: the Hessians of every quantized
     layer's inputs (passes/hessians.py), gathered from the float model, as the quantize pass's
@@ -267,7 +274,8 @@ def _hessians(captured: Captured, plan: Plan, ids, opts: Options):
     rounding = quantize_pass.Rounding()
     done = None
     if layers is not None:
-        targets = quantize_pass.gptq_targets(model, ffns, opts.quantize)
+        targets = quantize_pass.gptq_targets(model, ffns, opts.quantize,
+                                             linears=quantizes_linears(plan))
         done = lambda hessians: rounding.gather(hessians, targets)  # noqa: E731
     rounding.hessians, rounding.tokens = hessians_pass.collect(
         model, ffns, ids, quiet=opts.quiet, device=device, dtype=dtype, done=done)
@@ -289,8 +297,7 @@ def _lower(captured: Captured, plan: Plan, gguf=None, rounding=None, quiet: bool
     # lower: every other weight-bearing linear (attention projections, LM head) to the dense
     # kernel; after capture and detect, which find FFN blocks by their nn.Linear members
     linear_paths = lower_pass.lower_linears(model)
-    if plan.quantize and runs_hybrid(plan):
-        # they go to the GPU with the non-FFN parts, where no kernel reads quantized dense rows
+    if plan.quantize and not quantizes_linears(plan):
         quant_notes.append("attention projections and LM head stay float: they run on the GPU, "
                            "which has no quantized dense kernels yet (placement counted them so)")
     elif plan.quantize:

@@ -414,3 +414,14 @@ def test_gptq_layer_by_layer_equals_gptq_on_every_hessian_and_holds_one_layer():
     gathered.gather({key: whole[key]}, targets)
     with pytest.raises(AssertionError, match="q8_0"):  # not the format GPTQ used: a bug, loud
         gathered.blocks(key, targets[key][0], "q8_0")
+
+
+def test_gptq_targets_name_each_weight_with_the_format_compile_gives_it():
+    model = zoo.make("llama_silu", hidden=64, n_ff=96)  # uncompiled: every linear an nn.Linear
+    targets = quantize_pass.gptq_targets(model, {}, "q4_0")
+    formats = {key: (fmt, transposed) for key, (w, fmt, transposed) in targets.items()}
+    assert formats["lm_head"] == ("q8_0", False)  # 4-bit formats keep the head at q8_0
+    assert formats["model.layers.1.self_attn.k_proj"] == ("q4_0", False)
+    assert targets["model.layers.0.mlp.up_proj"][0] is model.model.layers[0].mlp.up_proj.weight
+    assert quantize_pass.gptq_targets(model, {}, "q4_0", linears=False) == {}  # hybrid on a GPU
+    assert quantize_pass.gptq_targets(model, {}, "q8_0")["lm_head"][1] == "q8_0"

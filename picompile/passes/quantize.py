@@ -74,10 +74,12 @@ def _module_names(ffn) -> dict[str, str]:
             for role, attr in ffn.block.linears.items()}
 
 
-def gptq_targets(model: nn.Module, ffns: dict, fmt: str) -> dict[str, tuple[torch.Tensor, str, bool]]:
+def gptq_targets(model: nn.Module, ffns: dict, fmt: str, linears: bool = True,
+                 ) -> dict[str, tuple[torch.Tensor, str, bool]]:
     """{Hessian key: (float weight, format, transposed)} of every weight quantize_ffns and
-    quantize_linears round to `fmt` from float weights, read before lowering (nn.Linear
-    layers): what Rounding.gather quantizes as a layer's Hessians are complete."""
+    (with `linears`: compile quantizes them) quantize_linears round to `fmt` from float
+    weights, read before lowering (nn.Linear layers): what Rounding.gather quantizes as a
+    layer's Hessians are complete."""
     out = {}
     for name, ffn in ffns.items():
         if quant.why_not_quantizable((ffn.n_ff, ffn.d_model)) is not None:
@@ -87,6 +89,8 @@ def gptq_targets(model: nn.Module, ffns: dict, fmt: str) -> dict[str, tuple[torc
             w = getattr(ffn, f"w_{role}")
             if w is not None:
                 out[f"{name}.w_{role}"] = (w, role_fmt, role == "down_t")
+    if not linears:
+        return out
     head = _kept_head(model, fmt)
     inside = {id(m) for ffn in ffns.values() for m in ffn.modules()}
     for qual, layer in model.named_modules(remove_duplicate=False):
