@@ -259,14 +259,24 @@ def _hessians(captured: Captured, plan: Plan, ids, opts: Options):
     """For quantize= a block format with calibration ids: the Hessians of every quantized
     layer's inputs (passes/hessians.py), gathered from the float model, as the quantize pass's
     GPTQ rounding (plan.quant_calibration_tokens: how many tokens). Else None: round to nearest.
-    Where calibration runs layer by layer, GPTQ runs there too, on each layer's Hessians as
-    they are complete, so only one layer's are held (a 7B model's all take ~22 GB)."""
+    Where calibration runs layer by layer, or where every layer's Hessians would not fit
+    hessians.MAX_BYTES at once (a float32 model of a billion parameters and more, which
+    calibrates whole), GPTQ runs layer by layer, on each layer's Hessians as they are
+    complete, so only one layer's are held (a 7B model's all take ~22 GB). Layer by layer the
+    LM head is not run: it rounds to nearest."""
     if opts.quantize not in quant.FORMATS or ids is None:
         return None
     model, ffns = captured.model, captured.ffns
     device, dtype = calibrate_pass.calibration_device(model)
     layers = None if device is None else calibrate_pass.decoder_layers(model)
     need = hessians_pass.estimate_bytes(model, ffns, layers)
+    if need > hessians_pass.MAX_BYTES and layers is None:
+        try:  # layer by layer where the model is, in its dtype
+            layers = calibrate_pass.decoder_layers(model)
+            device, dtype = next(model.parameters()).device, None
+            need = hessians_pass.estimate_bytes(model, ffns, layers)
+        except calibrate_pass.LayerwiseUnsupported:
+            pass
     if need > hessians_pass.MAX_BYTES:
         held = "per layer " if layers is not None else ""
         return quantize_pass.Rounding(skipped=f"GPTQ's Hessians would take {need / 2**30:.1f} GiB "

@@ -425,3 +425,25 @@ def test_gptq_targets_name_each_weight_with_the_format_compile_gives_it():
     assert targets["model.layers.0.mlp.up_proj"][0] is model.model.layers[0].mlp.up_proj.weight
     assert quantize_pass.gptq_targets(model, {}, "q4_0", linears=False) == {}  # hybrid on a GPU
     assert quantize_pass.gptq_targets(model, {}, "q8_0")["lm_head"][1] == "q8_0"
+
+
+def test_gptq_goes_layer_by_layer_where_all_hessians_at_once_are_too_many(monkeypatch):
+    """A float32 model calibrates whole, holding every layer's Hessians; where those would
+    exceed hessians.MAX_BYTES but one layer's would not, GPTQ runs layer by layer instead of
+    giving up (the LM head, not run there, rounds to nearest)."""
+    from picompile.passes import hessians
+
+    dense = zoo.make("llama_silu", hidden=64, n_ff=96)
+    # the plain model's per-layer count (gate and up apart) is above the compiled model's
+    # per-layer one (one FFN input) and below its whole one (two layers and the head)
+    bound = hessians.estimate_bytes(dense, {}, layers=dense.model.layers)
+    monkeypatch.setattr(hessians, "MAX_BYTES", bound)
+    ids = torch.randint(0, zoo.VOCAB, (8, 32), generator=torch.Generator().manual_seed(1))
+    cm = picompile.compile(copy.deepcopy(dense), quantize="q4_0", calibration=ids, quiet=True)
+    assert "blocks of 14 weights rounded by GPTQ" in picompile.explain(cm)  # 2 x (3 + 4)
+    assert not any("would take" in n for n in cm.quant_notes)
+    head = cm._orig_mod.get_output_embeddings()
+    assert torch.equal(head.row_blocks(), quant.quantize(dense.lm_head.weight, "q8_0"))
+    monkeypatch.setattr(hessians, "MAX_BYTES", 1)  # not even one layer's: to nearest, noted
+    cm = picompile.compile(copy.deepcopy(dense), quantize="q4_0", calibration=ids, quiet=True)
+    assert any("per layer" in n and "would take" in n for n in cm.quant_notes)

@@ -15,7 +15,8 @@ layer by layer the LM head is not run, and keeps round-to-nearest).
 Memory: one K x K float32 matrix per distinct input. Run whole, every layer's are held until
 the weights are quantized; layer by layer, `done` takes each decoder layer's as soon as every
 batch has passed it (compile runs GPTQ on them there and drops them), so at most one layer's
-are held. Above MAX_BYTES (estimate_bytes) compile rounds to nearest instead.
+are held (compile goes layer by layer where all of them would exceed MAX_BYTES). Where even
+one layer's would (estimate_bytes), compile rounds to nearest instead.
 """
 
 from __future__ import annotations
