@@ -139,7 +139,7 @@ def compile(
         for gm in captured.graphs.values():
             gm.meta.pop("picompile_original", None)
         _collect(model)  # modules and their graphs hold each other: freed by the collector only
-    cm = _lower(captured, plan, opts.gguf, rounding, quiet=opts.quiet)
+    cm = _lower(captured, plan, opts.gguf, rounding)
     del rounding  # whatever Hessians a weight the quantizer skipped kept
     cm.firing = {name: prof.freq for name, prof in profiles.items()}
     hybrid = runs_hybrid(plan)
@@ -282,19 +282,16 @@ def _hessians(captured: Captured, plan: Plan, ids, opts: Options):
         return quantize_pass.Rounding(skipped=f"GPTQ's Hessians would take {need / 2**30:.1f} GiB "
                                               f"{held}(more than {hessians_pass.MAX_BYTES >> 30} GiB)")
     rounding = quantize_pass.Rounding()
-    done = None
-    if layers is not None:
-        targets = quantize_pass.gptq_targets(model, ffns, opts.quantize,
-                                             linears=quantizes_linears(plan))
-        done = lambda hessians: rounding.gather(hessians, targets)  # noqa: E731
-    rounding.hessians, rounding.tokens = hessians_pass.collect(
-        model, ffns, ids, quiet=opts.quiet, device=device, dtype=dtype, done=done)
+    targets = quantize_pass.gptq_targets(model, ffns, opts.quantize, linears=quantizes_linears(plan))
+    done = None if layers is None else (lambda hessians: rounding.gather(hessians, targets))
+    rest, rounding.tokens = hessians_pass.collect(model, ffns, ids, quiet=opts.quiet,
+                                                  device=device, dtype=dtype, done=done)
+    rounding.gather(rest, targets, quiet=opts.quiet)  # whole model: all; layer by layer: none
     plan.quant_calibration_tokens = rounding.tokens
     return rounding
 
 
-def _lower(captured: Captured, plan: Plan, gguf=None, rounding=None, quiet: bool = True,
-           ) -> CompiledModel:
+def _lower(captured: Captured, plan: Plan, gguf=None, rounding=None) -> CompiledModel:
     """quantize (plan.quantize; rounding: GPTQ or saved blocks, quantize_pass.Rounding) -> lower
     the other linears -> weights into huge pages -> pick each block's kernels, once, after every
     change to the weights -> which predictors run (plan.predictors)."""
@@ -303,7 +300,7 @@ def _lower(captured: Captured, plan: Plan, gguf=None, rounding=None, quiet: bool
     if plan.quantize == "gguf":
         file_blocks, quant_notes = gguf_weights.read(gguf, model.config)
     if plan.quantize:
-        quant_notes += quantize_pass.quantize_ffns(ffns, plan.quantize, file_blocks, rounding, quiet)
+        quant_notes += quantize_pass.quantize_ffns(ffns, plan.quantize, file_blocks, rounding)
     # lower: every other weight-bearing linear (attention projections, LM head) to the dense
     # kernel; after capture and detect, which find FFN blocks by their nn.Linear members
     linear_paths = lower_pass.lower_linears(model)
@@ -312,7 +309,7 @@ def _lower(captured: Captured, plan: Plan, gguf=None, rounding=None, quiet: bool
                            "which has no quantized dense kernels yet (placement counted them so)")
     elif plan.quantize:
         quantized, notes = quantize_pass.quantize_linears(model, plan.quantize, file_blocks,
-                                                          rounding, quiet)
+                                                          rounding)
         linear_paths.update(quantized)
         quant_notes += notes
     if plan.quantize in quant.FORMATS:

@@ -109,39 +109,44 @@ def _kept_head(model: nn.Module, fmt: str) -> nn.Module | None:
 
 class Rounding:
     """Where the blocks of a weight come from, by its key (passes/hessians.py's keys: "<block>.
-    w_gate" / ".w_up" / ".w_down_t", a linear layer's qualified name): GPTQ from `hessians`
-    (each matrix dropped once its weight is quantized), GPTQ blocks computed as the Hessians
-    were gathered (gather: layer by layer), or `saved` blocks (a plan's "<key>.blocks"
-    tensors); a weight with none of these is rounded to nearest."""
+    w_gate" / ".w_up" / ".w_down_t", a linear layer's qualified name): GPTQ's blocks, made by
+    gather from the Hessians, or `saved` blocks (a plan's "<key>.blocks" tensors); a weight with
+    neither is rounded to nearest."""
 
-    def __init__(self, hessians: dict[str, torch.Tensor] | None = None,
-                 saved: dict[str, torch.Tensor] | None = None, tokens: int = 0,
+    def __init__(self, saved: dict[str, torch.Tensor] | None = None, tokens: int = 0,
                  skipped: str | None = None):
-        self.hessians, self.saved, self.tokens = hessians or {}, saved or {}, tokens
+        self.saved, self.tokens = saved or {}, tokens
         self.skipped = skipped  # why there are no Hessians though calibration data was given
         self.count = 0  # weights given calibrated blocks
-        # key -> (format, transposed, blocks): GPTQ done by gather, not yet taken by blocks()
+        # key -> (format, transposed, blocks): GPTQ's, made by gather, until blocks() takes them
         self.ready: dict[str, tuple[str, bool, torch.Tensor]] = {}
-        # id(H) -> (H, gptq.prepare(H)) while another weight still reads H (q, k, v; gate, up)
-        self._prepared: dict[tuple[int, bool], tuple[torch.Tensor, gptq.Prepared]] = {}
 
-    @property
-    def calibrated(self) -> bool:
-        """Whether GPTQ has anything to do or to give (the quantize passes' progress bars)."""
-        return bool(self.hessians or self.ready)
-
-    def gather(self, hessians: dict[str, torch.Tensor], targets: dict) -> None:
-        """GPTQ now for the weights of `hessians` (one layer's, hessians.collect's `done`)
-        that `targets` (gptq_targets) names; the Hessians are not kept."""
-        self.hessians.update(hessians)
-        for key in hessians:
+    def gather(self, hessians: dict[str, torch.Tensor], targets: dict, quiet: bool = True) -> None:
+        """GPTQ now for the weights of `hessians` ({key: H}: one layer's, as hessians.collect's
+        `done` hands them over, or all of them) that `targets` (gptq_targets) names; only the
+        blocks are kept. Weights that read one Hessian (q, k and v; gate and up) in one format go
+        through GPTQ's column loop together, stacked: its rows are independent, so the blocks
+        are those of one weight at a time, for one loop instead of three. quiet=False: a
+        progress bar over those groups."""
+        groups: dict[tuple[int, str, bool], list[str]] = {}
+        for key, h in hessians.items():
             if key in targets:
-                w, fmt, transposed = targets[key]
-                self.ready[key] = (fmt, transposed, self._gptq(key, w, fmt, transposed))
-        for key in hessians:
-            self.hessians.pop(key, None)
-        self._prepared = {c: v for c, v in self._prepared.items()  # (none left reading them)
-                          if any(v[0] is h for h in self.hessians.values())}
+                _, fmt, transposed = targets[key]
+                groups.setdefault((id(h), fmt, transposed), []).append(key)
+        for (_, fmt, transposed), keys in progress_bar(groups.items(), desc="GPTQ", quiet=quiet,
+                                                       total=len(groups)):
+            prep = gptq.prepare(hessians[keys[0]], act_order=not transposed)
+            weights: dict[int, torch.Tensor] = {}  # one weight under several keys: once
+            for key in keys:
+                weights.setdefault(id(targets[key][0]), targets[key][0])
+            if transposed:  # FFN down rows: one block's, each blocked along its own rows
+                made = {i: gptq.quantize_transposed(w, fmt, prep) for i, w in weights.items()}
+            else:
+                stacked = gptq.quantize(torch.cat([w.detach().float() for w in weights.values()]),
+                                        fmt, prep)
+                made = dict(zip(weights, stacked.split([w.shape[0] for w in weights.values()])))
+            for key in keys:
+                self.ready[key] = (fmt, transposed, made[id(targets[key][0])])
 
     def blocks(self, key: str, w: torch.Tensor, fmt: str, transposed: bool = False):
         """uint8 blocks of `w` in GGUF's row layout (w [O, K], blocks along K; transposed: w is
@@ -156,31 +161,14 @@ class Rounding:
                                 "again and save it")
             self.count += 1
             return saved
-        if key in self.ready:
-            ready_fmt, ready_transposed, blocks = self.ready.pop(key)
-            if (ready_fmt, ready_transposed) != (fmt, transposed):  # gptq_targets disagrees
-                raise AssertionError(f"picompile: GPTQ made {key}'s blocks in {ready_fmt}, "
-                                     f"its layer is quantized to {fmt}")
-            self.count += 1
-            return blocks
-        blocks = self._gptq(key, w, fmt, transposed)
-        if blocks is not None:
-            self.count += 1
-        return blocks
-
-    def _gptq(self, key: str, w: torch.Tensor, fmt: str, transposed: bool):
-        """GPTQ's blocks of w from its Hessian (then dropped), or None where there is none."""
-        h = self.hessians.pop(key, None)
-        if h is None:
+        if key not in self.ready:
             return None
-        cache = (id(h), transposed)
-        prep = self._prepared[cache][1] if cache in self._prepared else \
-            gptq.prepare(h, act_order=not transposed)
-        if any(other is h for other in self.hessians.values()):
-            self._prepared[cache] = (h, prep)
-        else:  # the last weight reading these inputs: H and its factor go
-            self._prepared.pop(cache, None)
-        return gptq.quantize_transposed(w, fmt, prep) if transposed else gptq.quantize(w, fmt, prep)
+        ready_fmt, ready_transposed, blocks = self.ready.pop(key)
+        if (ready_fmt, ready_transposed) != (fmt, transposed):  # gptq_targets disagrees: a bug
+            raise AssertionError(f"picompile: GPTQ made {key}'s blocks in {ready_fmt}, "
+                                 f"its layer is quantized to {fmt}")
+        self.count += 1
+        return blocks
 
 
 def rounding_note(rounding: Rounding | None, tokens: int) -> str:
@@ -196,7 +184,7 @@ def rounding_note(rounding: Rounding | None, tokens: int) -> str:
 
 
 def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None,
-                  rounding: Rounding | None = None, quiet: bool = True) -> list[str]:
+                  rounding: Rounding | None = None) -> list[str]:
     """Quantize the FFN blocks to `fmt` in place (before their kernels are picked). With
     `file_blocks` (gguf_weights.read: fmt "gguf"), each block takes its up projection's format
     from the file, and the gate and up rows are the file's own blocks (in the block's neuron
@@ -206,9 +194,7 @@ def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None,
     -> notes on the blocks that stay float, and why, and on the down rows' format."""
     notes = []
     requantized_down = 0  # blocks whose 4-bit down rows went to q8_0
-    calibrated = rounding is not None and rounding.calibrated
-    for name, ffn in progress_bar(ffns.items(), desc="GPTQ FFN blocks", total=len(ffns),
-                                  quiet=quiet or not calibrated):
+    for name, ffn in ffns.items():
         why = quant.why_not_quantizable((ffn.n_ff, ffn.d_model))
         modules = _module_names(ffn)
         block_fmt = fmt
@@ -250,8 +236,7 @@ def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None,
 
 
 def quantize_linears(model: nn.Module, fmt: str, file_blocks: dict | None = None,
-                     rounding: Rounding | None = None, quiet: bool = True,
-                     ) -> tuple[dict[str, str], list[str]]:
+                     rounding: Rounding | None = None) -> tuple[dict[str, str], list[str]]:
     """Replace every DenseLinear under `model` whose width allows it with a QuantLinear of
     `fmt` (after the lowering pass; the LM head q8_0 where `fmt` is 4-bit, see the module doc).
     With `file_blocks` (fmt "gguf"), each layer takes the file's format and its own blocks;
@@ -261,11 +246,9 @@ def quantize_linears(model: nn.Module, fmt: str, file_blocks: dict | None = None
     paths, notes = {}, []
     replaced: dict[int, QuantLinear] = {}  # a layer under several names is quantized once
     head = None if file_blocks is not None else _kept_head(model, fmt)  # q8_0 under 4-bit
-    calibrated = rounding is not None and rounding.calibrated
     modules = [(prefix, m) for prefix, m in model.named_modules()  # those holding linears
                if any(isinstance(c, DenseLinear) for c in m._modules.values())]
-    for prefix, parent in progress_bar(modules, desc="GPTQ linear layers", total=len(modules),
-                                       quiet=quiet or not calibrated):
+    for prefix, parent in modules:
         for name, child in list(parent._modules.items()):
             if not isinstance(child, DenseLinear):
                 continue
