@@ -3,7 +3,7 @@ inputs, H = X^T X / n over calibration tokens, gathered from the float model.
 
     hessians = collect(model, ffns, ids)   # {weight key: H [K, K] float32}, shared where inputs are
 
-Keys (quantize.calibrated_rounding reads them): "<block>.w_gate" / "<block>.w_up" (the FFN
+Keys (quantize.gptq_targets names the weights by them): "<block>.w_gate" / "<block>.w_up" (the FFN
 block's input x [d]; one matrix for both), "<block>.w_down_t" (the block's hidden activations
 h = act(gate x) * up x [n_ff], after its threshold: what its down rows are multiplied by), and
 each nn.Linear's qualified name (attention projections, the LM head; q, k and v, which read
