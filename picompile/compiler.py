@@ -140,7 +140,7 @@ def compile(
             gm.meta.pop("picompile_original", None)
         _collect(model)  # modules and their graphs hold each other: freed by the collector only
     cm = _lower(captured, plan, opts.gguf, rounding)
-    del rounding  # whatever Hessians a weight the quantizer skipped kept
+    del rounding  # GPTQ blocks no layer took (a weight under two names is quantized once)
     cm.firing = {name: prof.freq for name, prof in profiles.items()}
     hybrid = runs_hybrid(plan)
     if opts.mode == Mode.PREDICTED and not hybrid:  # in the hybrid runtime every predictor runs
@@ -269,14 +269,13 @@ def _hessians(captured: Captured, plan: Plan, ids, opts: Options):
     model, ffns = captured.model, captured.ffns
     device, dtype = calibrate_pass.calibration_device(model)
     layers = None if device is None else calibrate_pass.decoder_layers(model)
-    need = hessians_pass.estimate_bytes(model, ffns, layers)
-    if need > hessians_pass.MAX_BYTES and layers is None:
+    if layers is None and hessians_pass.estimate_bytes(model, ffns) > hessians_pass.MAX_BYTES:
         try:  # layer by layer where the model is, in its dtype
             layers = calibrate_pass.decoder_layers(model)
             device, dtype = next(model.parameters()).device, None
-            need = hessians_pass.estimate_bytes(model, ffns, layers)
         except calibrate_pass.LayerwiseUnsupported:
             pass
+    need = hessians_pass.estimate_bytes(model, ffns, layers)
     if need > hessians_pass.MAX_BYTES:
         held = "per layer " if layers is not None else ""
         return quantize_pass.Rounding(skipped=f"GPTQ's Hessians would take {need / 2**30:.1f} GiB "

@@ -91,13 +91,8 @@ def read(path, config) -> tuple[dict[str, Blocks], list[str]]:
              "attn_k": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
     out: dict[str, Blocks] = {}
     notes: list[str] = []
-    tensors = {t.name: t for t in reader.tensors}
-    if "output.weight" not in tensors and "token_embd.weight" in tensors:
-        tensors["output.weight"] = tensors["token_embd.weight"]  # tied LM head
-    for name, t in tensors.items():
-        module = module_name(name)
-        kind = t.tensor_type.name
-        if module is None or kind in FLOAT_TYPES:
+    for name, module, kind, t in _module_tensors(reader):
+        if kind in FLOAT_TYPES:
             continue
         if kind in KEPT:
             rows = np.asarray(t.data)  # uint8 [rows, row_bytes], GGUF's own blocks
@@ -121,12 +116,20 @@ def formats(path) -> dict[str, str]:
     reader = gguf.GGUFReader(pathlib.Path(path))
     if _architecture(reader) not in ARCHITECTURES:
         return {}
-    out = {}
-    for t in reader.tensors:
-        module, kind = module_name(t.name), t.tensor_type.name
-        if module is not None and (kind in KEPT or kind in NEAREST):
-            out[module] = KEPT.get(kind) or NEAREST[kind]
-    return out
+    return {module: KEPT.get(kind) or NEAREST[kind] for _, module, kind, _ in _module_tensors(reader)
+            if kind in KEPT or kind in NEAREST}
+
+
+def _module_tensors(reader):
+    """(GGUF name, HF module name, tensor type name, tensor) of each of the file's tensors that
+    maps to a module, the LM head included where it is tied to the embedding."""
+    tensors = {t.name: t for t in reader.tensors}
+    if "output.weight" not in tensors and "token_embd.weight" in tensors:
+        tensors["output.weight"] = tensors["token_embd.weight"]  # tied LM head
+    for name, t in tensors.items():
+        module = module_name(name)
+        if module is not None:
+            yield name, module, t.tensor_type.name, t
 
 
 def check_fits(blocks: Blocks, rows: int, cols: int, where: str) -> None:

@@ -48,6 +48,11 @@ def ffn_formats(fmt: str) -> tuple[str, str]:
     return fmt, HIGH_PRECISION if fmt in FOUR_BIT else fmt
 
 
+def _role_formats(block_fmt: str, down_fmt: str) -> tuple[tuple[str, str], ...]:
+    """(SparseFFN row tensor, its format) for a block stored as ffn_formats says."""
+    return ("w_gate", block_fmt), ("w_up", block_fmt), ("w_down_t", down_fmt)
+
+
 def planned_ffn_formats(ffns: dict, fmt: str | None, gguf_path=None) -> dict[str, tuple[str, str]]:
     """{block name: ffn_formats} of the blocks quantize_ffns will quantize (for placement, which
     runs before it); blocks that will stay float are left out. fmt "gguf": each block's up
@@ -81,14 +86,11 @@ def gptq_targets(model: nn.Module, ffns: dict, fmt: str, linears: bool = True,
     weights, read before lowering (nn.Linear layers): what Rounding.gather quantizes as a
     layer's Hessians are complete."""
     out = {}
-    for name, ffn in ffns.items():
-        if quant.why_not_quantizable((ffn.n_ff, ffn.d_model)) is not None:
-            continue
-        block_fmt, down_fmt = ffn_formats(fmt)
-        for role, role_fmt in (("gate", block_fmt), ("up", block_fmt), ("down_t", down_fmt)):
-            w = getattr(ffn, f"w_{role}")
+    for name, formats in planned_ffn_formats(ffns, fmt).items():
+        for role, role_fmt in _role_formats(*formats):
+            w = getattr(ffns[name], role)
             if w is not None:
-                out[f"{name}.w_{role}"] = (w, role_fmt, role == "down_t")
+                out[f"{name}.{role}"] = (w, role_fmt, role == "w_down_t")
     if not linears:
         return out
     head = _kept_head(model, fmt)
@@ -209,17 +211,15 @@ def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None,
         requantized_down += down_fmt != block_fmt
         given = {}  # role -> blocks in GGUF's layout, chosen from the float weights
         if rounding is not None and file_blocks is None:
-            for role, role_fmt in (("gate", block_fmt), ("up", block_fmt), ("down_t", down_fmt)):
-                w = getattr(ffn, f"w_{role}")
+            for role, role_fmt in _role_formats(block_fmt, down_fmt):
+                w = getattr(ffn, role)
                 if w is not None:
-                    given[role] = rounding.blocks(f"{name}.w_{role}", w, role_fmt,
-                                                  transposed=role == "down_t")
+                    given[role] = (role_fmt, rounding.blocks(f"{name}.{role}", w, role_fmt,
+                                                             transposed=role == "w_down_t"))
         ffn.quantize_(block_fmt, down_fmt)
-        for role, blocks in given.items():
-            if blocks is not None:
-                dotted = role != "down_t"  # gate / up rows: the kernels' dot layout
-                fmt_r = block_fmt if dotted else down_fmt
-                getattr(ffn, f"w_{role}").data.copy_(quant.interleave_blocks(blocks, fmt_r))
+        for role, (role_fmt, blocks) in given.items():
+            if blocks is not None:  # (interleave_blocks: gate / up rows in the dot layout)
+                getattr(ffn, role).data.copy_(quant.interleave_blocks(blocks, role_fmt))
         for role in ("gate", "up"):
             blocks = (file_blocks or {}).get(modules.get(role, ""))
             if blocks is None or blocks.data is None or blocks.fmt != block_fmt:
