@@ -14,7 +14,8 @@ independent direction of x, which no low-rank predictor, and no real model, has)
 
 Each run starts from a fresh copy of the same weights (same seed). picompile runs predicted
 mode (PowerInfer's), calibrated on random token ids; the all-CPU run loads the hybrid run's plan
-(no second profile). Reports decode tokens/s per run, compile (profile + training) time, peak GPU
+(no second profile). Reports decode tokens/s per run (picompile's decode step with its CUDA graphs, without them,
+and the per-module path that times each block), compile (profile + training) time, peak GPU
 memory against the budget (PyTorch's reserved pool + CuPy's pool + the CUDA context), and per
 block and decode step: GPU time of the hot part and its bytes read / s (CUDA events), CPU time of
 the cold part, wall time against max(hot, cold).
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
+import os
 import pstats
 import statistics
 import sys
@@ -34,6 +36,7 @@ import time
 import torch
 
 import picompile
+from picompile.config import CUDA_GRAPHS_ENV
 from picompile.timing import timed_generate
 
 # kind, hidden, ffn, layers, heads, vocab
@@ -120,6 +123,18 @@ def weight_bytes(model) -> int:
 def decode_tps(model, ids, new_tokens: int) -> float:
     timed_generate(model, ids, 4)
     return timed_generate(model, ids, new_tokens, exact_length=True)[1]
+
+
+def decode_step_line(cm) -> str:
+    """Which decode step runs: the device decoder (CUDA graphs replayed or why not) or the
+    per-module path (why)."""
+    dec = cm.decoder()
+    if dec is None:
+        return f"per-module path ({cm.decoder_reason})"
+    graphs = getattr(dec, "graph_reason", None)
+    if graphs is None:
+        return type(dec).__name__
+    return f"{type(dec).__name__}, CUDA graphs {'replayed' if not graphs else 'off: ' + graphs}"
 
 
 def gpu_peak_bytes() -> int:
@@ -224,10 +239,18 @@ def main():
     print(results, flush=True)
     if gpu:
         peak = gpu_peak_bytes()
-    for f in cm.ffns().values():  # a second pass, timed per block (events cost a little)
-        if f.hybrid is not None:
+    dec = cm.decoder()
+    print(f"decode step: {decode_step_line(cm)}", flush=True)
+    if getattr(dec, "graphs", None) is not None:  # the same decoder, its segments run eagerly
+        os.environ[CUDA_GRAPHS_ENV] = "0"
+        results[f"{label}, no CUDA graphs"] = decode_tps(cm, ids, args.new_tokens)
+        del os.environ[CUDA_GRAPHS_ENV]
+        print(results, flush=True)
+    for f in cm.ffns().values():  # a pass timed per block (events cost a little): the
+        if f.hybrid is not None:  # per-module path, which records each block's hand-off
             f.hybrid.timeline = []
-    timed_generate(cm, ids, 8)
+    _, tps = timed_generate(cm, ids, 8)
+    results[f"{label}, per-module path timed per block"] = tps
     overlap = overlap_report(cm)
     if args.profile:
         for f in cm.ffns().values():

@@ -32,3 +32,12 @@ COLD_THREADS_ENV = "PICOMPILE_COLD_THREADS"
 def cold_threads_override() -> int | None:
     value = os.environ.get(COLD_THREADS_ENV, "")
     return int(value) if value.strip() else None
+
+
+# Set PICOMPILE_CUDA_GRAPHS=0 to run the GPU decode step's segments eagerly instead of replaying
+# them as CUDA graphs (runtime/device_decoder.py): for comparing the two, or debugging.
+CUDA_GRAPHS_ENV = "PICOMPILE_CUDA_GRAPHS"
+
+
+def cuda_graphs_enabled() -> bool:
+    return os.environ.get(CUDA_GRAPHS_ENV, "1").strip() not in ("0", "false", "no")

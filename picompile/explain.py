@@ -94,8 +94,7 @@ def explain(cm: CompiledModel) -> str:
                      "; ".join(f"{n} {path}" for path, n in by_path.items()))
     lines.append("weights: " + _weights_line(cm))
     lines += [f"  quantization: {n}" for n in cm.quant_notes]
-    lines.append("decode step: " + ("picompile decoder (kernels/decoder.c, one C call per token)"
-                                    if cm._decoder is not None else
+    lines.append("decode step: " + (cm._decoder.describe() if cm._decoder is not None else
                                     f"per module in PyTorch (whole-step decoder: {cm.decoder_reason})"))
     lines.append("whole-model graph: " + ("not captured (cm.capture_steps() exports it)"
                                           if cm.step_graphs is None else cm.step_graphs.line(cm._orig_mod)))

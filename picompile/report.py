@@ -121,7 +121,7 @@ def _header(cm) -> str:
             ("target sparsity", "none" if not plan.target_sparsity else f"{plan.target_sparsity:.0%}"),
             ("calibration tokens", f"{plan.calibration_tokens:,}" if plan.calibration_tokens
              else "none (no calibration data)"),
-            ("decode step", "whole-step decoder (one C call per token)" if cm._decoder is not None
+            ("decode step", cm._decoder.describe() if cm._decoder is not None
              else f"per module in PyTorch ({cm.decoder_reason})"),
             ("written", time.strftime("%Y-%m-%d %H:%M:%S"))]
     if plan.mode == "predicted":

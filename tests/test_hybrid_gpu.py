@@ -168,3 +168,35 @@ def test_quantized_model_splits_across_the_gpu_within_the_budget(fmt):
     out = cm.generate(ids[:1], max_new_tokens=6, do_sample=False)
     assert out.shape == (1, 18)
     assert _peak_bytes() <= budget, (_peak_bytes(), budget, picompile.explain(cm))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("ffn_share", [0.3, 1.5])
+def test_decode_replays_cuda_graphs_and_equals_the_eager_segments(dtype, ffn_share, monkeypatch):
+    """The device decoder's segments captured as CUDA graphs (split blocks: one graph per hand-off
+    to the CPU; everything on the GPU: one graph per step): the same tokens as the segments run
+    eagerly, in float32 with every neuron predicted the dense model's, its only KV cache within
+    the budget."""
+    from picompile.runtime.device_decoder import DeviceDecoder
+
+    dense = _model(dtype, "llama_relu")
+    cm, budget = _compile(dense, ffn_share, mode="predicted",
+                          calibration=torch.randint(0, zoo.VOCAB, (4, 32)))
+    for f in cm.ffns().values():
+        f.predictor.tau = float("-inf")
+    dec = cm.decoder()
+    assert isinstance(dec, DeviceDecoder), cm.decoder_reason
+    cold = sum(f.hybrid.cold is not None for f in cm.ffns().values())
+    assert len(dec.segments) == cold + 1 and (cold > 0) == (ffn_share < 1), picompile.explain(cm)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    ids = torch.randint(0, zoo.VOCAB, (1, 8))
+    got = cm.generate(ids, max_new_tokens=12, do_sample=False)
+    assert dec.graphs is not None and len(dec.graphs) == len(dec.segments), dec.graph_reason
+    assert _peak_bytes() <= budget, (_peak_bytes(), budget, picompile.explain(cm))
+    if dtype == torch.float32:
+        assert torch.equal(got.cpu(), dense.generate(ids, max_new_tokens=12, do_sample=False))
+    monkeypatch.setenv("PICOMPILE_CUDA_GRAPHS", "0")
+    eager = cm.decoder()
+    assert isinstance(eager, DeviceDecoder) and eager is not dec and eager.graphs is None
+    assert torch.equal(cm.generate(ids, max_new_tokens=12, do_sample=False), got)

@@ -498,6 +498,22 @@ class CudaKernels:
 # ------------------------------------------------------------------------------------------------
 
 
+def memcpy_async(dst, src) -> None:
+    """cudaMemcpyAsync(dst, src) on PyTorch's current stream: contiguous tensors of one dtype and
+    size, at least one on a CUDA device, a host side pinned (a graph-capturable copy)."""
+    if not (dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype
+            and dst.numel() == src.numel()):
+        raise ValueError(f"memcpy_async: {tuple(dst.shape)} {dst.dtype} <- {tuple(src.shape)} "
+                         f"{src.dtype} (contiguous tensors of one dtype and size only)")
+    import torch
+
+    cp = _cupy()
+    device = dst.device if dst.device.type == "cuda" else src.device
+    stream = torch.cuda.current_stream(device).cuda_stream
+    cp.cuda.runtime.memcpyAsync(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size(),
+                                cp.cuda.runtime.memcpyDefault, stream)
+
+
 def _require_cuda(t) -> None:
     if not t.is_cuda:
         raise CudaUnavailable(f"CudaFFN needs CUDA tensors (got one on {t.device}); use the C / "

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from picompile import quant
+from picompile.config import cuda_graphs_enabled
 from picompile.codegen import c as c_codegen
 from picompile.codegen import decoder as native
 from picompile.runtime.dense_linear import DenseLinear, QuantLinear
@@ -79,7 +80,8 @@ def _dense(mod: nn.Module, where: str) -> DenseLinear | QuantLinear:
     return mod
 
 
-def _sparse_ffn_of(mlp: nn.Module, where: str) -> SparseFFN:
+def ffn_block(mlp: nn.Module, where: str) -> SparseFFN:
+    """The one rewritten SparseFFN that `mlp` consists of (Unsupported otherwise)."""
     ffns = [m for m in mlp.modules() if isinstance(m, SparseFFN)]
     if len(ffns) != 1:
         raise Unsupported(f"{where} is not one rewritten sparse FFN block")
@@ -87,6 +89,11 @@ def _sparse_ffn_of(mlp: nn.Module, where: str) -> SparseFFN:
     own = {id(p) for p in ffn.parameters()}
     if any(id(p) not in own for p in mlp.parameters()):
         raise Unsupported(f"{where} holds weights outside its sparse FFN block")
+    return ffn
+
+
+def _sparse_ffn_of(mlp: nn.Module, where: str) -> SparseFFN:
+    ffn = ffn_block(mlp, where)
     if ffn.hybrid is not None:
         raise Unsupported(f"{where} runs split across the GPU and the CPU")
     if ffn.kernel is None:
@@ -108,10 +115,16 @@ def _window(config) -> int | None:
     return int(window)
 
 
-class Decoder:
-    """A bound decode step over `model` (a compiled HF causal LM on the CPU)."""
+class Stack:
+    """A Llama-family decoder stack, its structure checked (Unsupported otherwise): what the
+    decode steps read from the model, this file's C one and runtime/device_decoder.py's.
+    `linear_of(module, where)` and `ffn_of(mlp, where)` check (and return) a layer's linear
+    modules and its FFN block as the step that runs them needs them. `prefills`: the decoder
+    runs the prompt into its cache itself (`prefill`), else it copies the model's (`load_cache`)."""
 
-    def __init__(self, model: nn.Module):
+    prefills = False
+
+    def __init__(self, model: nn.Module, linear_of, ffn_of):
         self.model = model
         config = getattr(model, "config", None)
         base = getattr(model, "model", None)
@@ -123,9 +136,7 @@ class Decoder:
                 raise Unsupported(f"{type(model).__name__}.model has no {name}")
         if not isinstance(base.embed_tokens, nn.Embedding):
             raise Unsupported("model.embed_tokens is not an nn.Embedding")
-        self.lm_head = _dense(getattr(model, "lm_head", None), "lm_head")
-        if any(p.device.type != "cpu" for p in model.parameters()):
-            raise Unsupported("the model's weights are not all on the CPU")
+        self.lm_head = linear_of(getattr(model, "lm_head", None), "lm_head")
         self.final_norm, eps = _norm(base.norm, "model.norm")
         self.embedding = base.embed_tokens.weight  # [vocab, d]
         self.vocab, self.d = self.embedding.shape
@@ -158,7 +169,7 @@ class Decoder:
                 raise Unsupported(f"{where}.self_attn: head_dim / scaling differ between layers")
             linears = {}
             for name, shape in shapes.items():
-                lin = _dense(getattr(attn, name), f"{where}.self_attn.{name}")
+                lin = linear_of(getattr(attn, name), f"{where}.self_attn.{name}")
                 if (lin.out_features, lin.in_features) != shape:
                     raise Unsupported(f"{where}.self_attn.{name} is "
                                       f"{(lin.out_features, lin.in_features)}, not {shape}")
@@ -168,34 +179,43 @@ class Decoder:
                 _norm(layer.post_attention_layernorm, f"{where}.post_attention_layernorm"))
             if eps_in != eps or eps_post != eps:
                 raise Unsupported("RMSNorm epsilons differ between layers")
-            ffn = _sparse_ffn_of(layer.mlp, f"{where}.mlp")
+            ffn = ffn_of(layer.mlp, f"{where}.mlp")
             if ffn.d_model != self.d:
                 raise Unsupported(f"{where}.mlp has d={ffn.d_model}, the model {self.d}")
             self.layers.append(((w_in, w_post), linears, ffn))
         self.eps = eps
-        self.lib = native.load()
-        self.max_len = 0
-        self.n_active = torch.zeros(len(self.layers), dtype=torch.int64)  # [n_layers]
-        self.x = torch.empty(1, self.d)  # [1, d] float32: the embedding in
-        self.logits = torch.empty(1, self.vocab)  # [1, vocab] float32
-        self._struct = None
 
-    # ---- binding ------------------------------------------------------------------------
     @staticmethod
     def key(model: nn.Module) -> tuple:
         """What the bound pointers were taken from: every kernel (its generation), the predictor
-        switches and thresholds, the norms' and embedding's storage."""
-        parts = []
+        switches and thresholds, how each block is split across a GPU (and whether it times
+        its hand-offs: the per-module path does), the norms' and embedding's storage, the CUDA
+        graphs switch."""
+        parts = [cuda_graphs_enabled()]
         for mod in model.modules():
             if isinstance(mod, (*_LINEARS, SparseFFN)):
                 parts.append(mod.kernel_generation)
             if isinstance(mod, SparseFFN):
                 pred = mod.predictor
-                parts += [mod.threshold, mod.hybrid is None, pred is not None and pred.enabled,
+                hybrid = mod.hybrid
+                split = None if hybrid is None else (id(hybrid), hybrid.timeline is None)
+                parts += [mod.threshold, split, pred is not None and pred.enabled,
                           None if pred is None else (pred.kernel_generation, pred.tau)]
             elif not isinstance(mod, _LINEARS):
                 parts += [(p.data_ptr(), p.dtype) for p in mod.parameters(recurse=False)]
         return tuple(parts)
+
+    @torch.no_grad()
+    def rope_tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [n, head_dim] float32 from the model's own rotary embedding (any scaling),
+        on the embedding's device."""
+        device = self.embedding.device
+        pos = torch.arange(n, device=device).unsqueeze(0)  # [1, n]
+        probe = torch.zeros(1, n, self.head_dim, device=device)
+        cos, sin = self.model.model.rotary_emb(probe, pos)
+        if cos.shape[-1] != self.head_dim:
+            raise Unsupported(f"RoPE over {cos.shape[-1]} of {self.head_dim} head dimensions")
+        return (cos.reshape(n, -1).float().contiguous(), sin.reshape(n, -1).float().contiguous())
 
     def rounds_activations(self) -> bool:
         """Some layer's kernel reads its input rounded to int8 blocks (quant.INT8_ACTIVATIONS)."""
@@ -204,6 +224,36 @@ class Decoder:
             formats |= {getattr(lin, "qformat", None) for lin in linears.values()} | {ffn.qformat}
         return bool(formats & quant.INT8_ACTIVATIONS)
 
+    def flush_stats(self, steps: int) -> None:
+        """Add what `steps` decode steps computed to each block's statistics, as the per-module
+        path counts them per call: active (token, neuron) pairs, and n_ff pairs per token."""
+        for (_, _, ffn), n in zip(self.layers, self.n_active.tolist()):
+            ffn.active_pairs += n
+            ffn.total_pairs += steps * ffn.n_ff
+        self.reset_counts()
+
+    def reset_counts(self) -> None:
+        self.n_active.zero_()
+
+
+class Decoder(Stack):
+    """A bound decode step over `model` (a compiled HF causal LM on the CPU)."""
+
+    def __init__(self, model: nn.Module):
+        if any(p.device.type != "cpu" for p in model.parameters()):
+            raise Unsupported("the model's weights are not all on the CPU")
+        super().__init__(model, _dense, _sparse_ffn_of)
+        self.lib = native.load()
+        self.max_len = 0
+        self.n_active = torch.zeros(len(self.layers), dtype=torch.int64)  # [n_layers]
+        self.x = torch.empty(1, self.d)  # [1, d] float32: the embedding in
+        self.logits = torch.empty(1, self.vocab)  # [1, vocab] float32
+        self._struct = None
+
+    def describe(self) -> str:
+        return "picompile decoder (kernels/decoder.c, one C call per token)"
+
+    # ---- binding ------------------------------------------------------------------------
     def _linear(self, lin: DenseLinear | QuantLinear) -> native.Linear:
         lib = lin.kernel.library_for(1)
         bias = lin.kernel.bias
@@ -235,20 +285,10 @@ class Decoder:
         L, hd = len(self.layers), self.head_dim
         self.k_cache = torch.zeros(L, self.n_kv_heads, max_len, hd)  # float32
         self.v_cache = torch.zeros(L, self.n_kv_heads, max_len, hd)
-        self.cos, self.sin = self._rope(max_len)
+        self.cos, self.sin = self.rope_tables(max_len)
         self.max_len = max_len
         self._bind()
         return True
-
-    @torch.no_grad()
-    def _rope(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [n, head_dim] float32 from the model's own rotary embedding (any scaling)."""
-        pos = torch.arange(n).unsqueeze(0)  # [1, n]
-        probe = torch.zeros(1, n, self.head_dim)
-        cos, sin = self.model.model.rotary_emb(probe, pos)
-        if cos.shape[-1] != self.head_dim:
-            raise Unsupported(f"RoPE over {cos.shape[-1]} of {self.head_dim} head dimensions")
-        return (cos.reshape(n, -1).float().contiguous(), sin.reshape(n, -1).float().contiguous())
 
     def _bind(self) -> None:
         layers = (native.Layer * len(self.layers))()
@@ -320,42 +360,45 @@ class Decoder:
                    else MemoryError("picompile decoder step: an FFN kernel ran out of memory"))
         return self.logits
 
-    def flush_stats(self, steps: int) -> None:
-        """Add what `steps` decode steps computed to each block's statistics, as the per-module
-        path counts them per call: active (token, neuron) pairs, and n_ff pairs per token."""
-        for (_, _, ffn), n in zip(self.layers, self.n_active.tolist()):
-            ffn.active_pairs += n
-            ffn.total_pairs += steps * ffn.n_ff
-        self.n_active.zero_()
-
-
 @torch.no_grad()
-def verify(model: nn.Module, decoder: Decoder) -> None:
-    """One decode step through `decoder` against the model's own forward on the same tokens;
-    raises Unsupported when the logits differ by more than the dtype's tolerance (relative to
-    the largest logit). The probe's statistics are not reset here (the compiler resets)."""
+def verify(model: nn.Module, decoder: Stack) -> None:
+    """One decode step through `decoder` (after its own prefill, where it has one) against the
+    model's own forward on the same tokens; raises Unsupported when the logits differ by more than the dtype's tolerance (relative to
+    the largest logit)."""
     from transformers import StaticCache
 
     from picompile.runtime.generate import cache_kwarg
 
     n = VERIFY_TOKENS
     ids = (torch.arange(1, n + 1) * 7919 % decoder.vocab).unsqueeze(0)  # [1, n]
-    ffns = [ffn for _, _, ffn in decoder.layers]
-    stats = [(f.active_pairs, f.total_pairs) for f in ffns]
+    ids = ids.to(decoder.embedding.device)
+    # The probe is not the user's run: every count it adds (each block's, and each side's of a
+    # block split across a GPU) is put back.
+    counted = [m for _, _, f in decoder.layers
+               for m in (f, *((f.hybrid.hot, f.hybrid.cold) if f.hybrid is not None else ()))
+               if m is not None]
+    stats = [(m.active_pairs, m.total_pairs) for m in counted]
     try:
         want = model(ids, use_cache=False).logits[0, -1].float()  # [vocab]
-        cache = StaticCache(config=model.config, max_cache_len=n)
-        model(ids[:, :-1], **{cache_kwarg(model): cache}, use_cache=True)
-    finally:  # the probe is not the user's run
-        for f, (active, total) in zip(ffns, stats):
-            f.active_pairs, f.total_pairs = active, total
-    if not decoder.reserve(n):
-        raise Unsupported("sliding window shorter than the probe")
-    decoder.load_cache(cache, n - 1)
-    decoder.set_threads()
-    got = decoder.step(ids[0, -1:], n - 1)[0]
-    decoder.n_active.zero_()
+        if not decoder.reserve(n):
+            raise Unsupported("sliding window shorter than the probe")
+        if decoder.prefills:  # its own prefill, checked against the forward on the prompt
+            prompt_want = model(ids[:, :-1], use_cache=False).logits[0, -1].float()
+            err = float((decoder.prefill(ids[:, :-1])[0] - prompt_want).abs().max())
+            prefill_err = err / max(float(prompt_want.abs().max()), 1e-6)
+        else:
+            cache = StaticCache(config=model.config, max_cache_len=n)
+            model(ids[:, :-1], **{cache_kwarg(model): cache}, use_cache=True)
+            decoder.load_cache(cache, n - 1)
+            prefill_err = 0.0
+        decoder.set_threads()
+        got = decoder.step(ids[0, -1:], n - 1)[0]
+    finally:
+        for m, (active, total) in zip(counted, stats):
+            m.active_pairs, m.total_pairs = active, total
+        decoder.reset_counts()
     err = float((got - want).abs().max()) / max(float(want.abs().max()), 1e-6)
+    err = max(err, prefill_err)
     rtol = VERIFY_RTOL.get(decoder.embedding.dtype, 0.15)
     if decoder.rounds_activations():
         rtol = max(rtol, VERIFY_RTOL_INT8)
@@ -365,8 +408,9 @@ def verify(model: nn.Module, decoder: Decoder) -> None:
                           "does not reproduce")
 
 
-def build(model: nn.Module) -> tuple[Decoder | None, str]:
-    """(a verified Decoder, "") or (None, why not).
+def build(model: nn.Module) -> tuple[Stack | None, str]:
+    """(a verified decoder, "") or (None, why not): the C Decoder for a model on the CPU, the
+    DeviceDecoder (runtime/device_decoder.py) for one split across a GPU and the CPU.
 
     The probe runs with the predictors off on both sides: it checks that the decoder computes
     the model's architecture, and in predicted mode the model's forward over the probe's tokens
@@ -374,17 +418,21 @@ def build(model: nn.Module) -> tuple[Decoder | None, str]:
     differ by the neurons a predictor misses. The decoder returned runs the predictors."""
     preds = [m.predictor for m in model.modules()
              if isinstance(m, SparseFFN) and m.predictor is not None and m.predictor.enabled]
+    from picompile.runtime.device_decoder import DeviceDecoder
+
+    hybrid = any(isinstance(m, SparseFFN) and m.hybrid is not None for m in model.modules())
+    kind = DeviceDecoder if hybrid else Decoder
     try:
         for p in preds:
             p.enabled = False
         try:
-            dec = Decoder(model)
+            dec = kind(model)
             verify(model, dec)
         finally:
             for p in preds:
                 p.enabled = True
         if preds:
-            dec = Decoder(model)  # bound again, to the predictors
+            dec = kind(model)  # bound again, to the predictors
     except Unsupported as e:
         return None, str(e)
     except (c_codegen.CompilerNotFound, c_codegen.BuildFailed, c_codegen.LoadFailed) as e:

@@ -112,8 +112,9 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     eos_token_id (after min_new_tokens new tokens) and is padded with pad_token_id
     (eos_token_id's first when None). streamer: HF protocol (put(prompt ids, on the CPU), put(each
     new token [B]), end()). callback(tokens [B]) per new token, on the model's device.
-    decoder: a runtime.decoder.Decoder bound to `model`: it runs the decode steps of a single
-    unpadded row (one C call each) after the model's own prefill.
+    decoder: a decoder bound to `model` (runtime/decoder.py's C one, or device_decoder.py's for
+    a model split across a GPU): it runs the decode steps of a single unpadded row after the
+    model's own prefill (or its own, where it has one).
     steps: a capture_whole.StepGraphs of `model`: its exported prefill and decode steps run a
     single unpadded row within their max_len (the decoder, when given, takes precedence).
     """
@@ -182,9 +183,15 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     if cache_pos:
         prefill["cache_position"] = torch.arange(s, device=device)
         step_cache_pos = torch.tensor([s], device=device)
-    logits = steps.prefill(input_ids) if steps is not None else model(**prefill).logits[:, -1]
+    if decoder is not None and decoder.prefills:  # into its own cache: the model's stays unused
+        logits = decoder.prefill(input_ids)
+    elif steps is not None:
+        logits = steps.prefill(input_ids)
+    else:
+        logits = model(**prefill).logits[:, -1]
+        if decoder is not None:
+            decoder.load_cache(cache, s)
     if decoder is not None:
-        decoder.load_cache(cache, s)
         decoder.set_threads()
 
     gen = None

@@ -12,7 +12,9 @@ Per block and step (SparseFFN.forward hands over when the block has a `hybrid`):
       3. it waits for the worker (the GIL released);
       4. the cold partial output goes back through the pinned buffer and is added on the device.
 
-So the CPU starts the moment x reaches it, and the launches of the GPU part overlap it. Each
+So the CPU starts the moment x reaches it, and the launches of the GPU part overlap it. The
+hand-off's phases are methods of their own (arm: host, send: device, receive: host), so that the
+device decoder (runtime/device_decoder.py) can replay the device side as part of a CUDA graph. Each
 side is an ordinary SparseFFN over its rows (a "view"), so decode (the kernels over the predicted
 rows) and prefill (dense BLAS over each side's rows, masked, on the calling thread) are the same
 code as the CPU-only runtime. With `device="cpu"` the CPU stands in for the GPU: every split and merge runs, which is
@@ -43,6 +45,18 @@ def cold_threads() -> int:
     if override is not None:
         return max(1, override)
     return max(1, torch.get_num_threads() // 2)
+
+
+def copy_async(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) for two contiguous tensors of one dtype and size. Between a GPU and pinned
+    host memory: a bare cudaMemcpyAsync on the current stream (no host-allocator bookkeeping,
+    so a CUDA graph captures it as a copy node); elsewhere a plain copy."""
+    if dst.device.type == "cuda" or src.device.type == "cuda":
+        from picompile.codegen.cuda import memcpy_async
+
+        memcpy_async(dst, src)
+    else:
+        dst.copy_(src)
 
 
 def _rows(t: torch.Tensor | None, rows: slice, device) -> torch.Tensor | None:
@@ -124,9 +138,9 @@ class HybridFFN:
             self.cold.select_kernel()
         # Decode runs the cold part on the cold worker where its rows have a C kernel.
         self.cold_on_worker = self.cold is not None and self.cold.kernel is not None
+        self._one = torch.ones(1, dtype=torch.int32, device=self.device)  # `ready`'s source
         if self.hot is not None and self.cuda:
             self.hot.kernel = CudaHotKernel(self.hot)
-            self._one = torch.ones(1, dtype=torch.int32, device=self.device)  # `ready`'s source
         elif self.hot is not None:
             self.hot.select_kernel()
         self._staging: _Staging | None = None
@@ -154,10 +168,11 @@ class HybridFFN:
             self._staging = _Staging(max(tokens, 8), self.d, self.n_ff - self.n_hot, self.cuda)
         return self._staging
 
-    def _start_cold(self, x: torch.Tensor, predicted: torch.Tensor | None) -> _Staging:
-        """Queue x [T, d] and the cold columns of `predicted` to the host and start the cold
-        worker on them; it runs as soon as they land. -> the staging, for _finish_cold."""
-        T = x.shape[0]
+    def arm(self, T: int, predicted: bool) -> _Staging:
+        """Host side of the hand-off: start the cold worker on this block's staging for T tokens
+        (with the predictor's mask or without); it spins until send()'s `ready` lands. The
+        device work that sends may be queued before or after (a CUDA graph replayed next).
+        -> the staging, for send() and receive()."""
         stage = self._stage(T)
         if stage.job is None:
             kernel = self.cold.kernel
@@ -166,15 +181,8 @@ class HybridFFN:
                 0, self.cold.threshold, stage.x.data_ptr(), None, stage.out.data_ptr(),
                 stage.ready.data_ptr(), cold_threads())
         stage.ready.zero_()
-        stage.x[:T].copy_(x, non_blocking=self.cuda)
-        if predicted is not None:
-            stage.mask[:T].copy_(predicted[:, self.n_hot :], non_blocking=self.cuda)
-        if self.cuda:  # lands after the copies above: the worker's signal
-            stage.ready.copy_(self._one, non_blocking=True)
-        else:
-            stage.ready.fill_(1)
         stage.job.T = T
-        stage.job.mask = None if predicted is None else stage.mask.data_ptr()
+        stage.job.mask = stage.mask.data_ptr() if predicted else None
         # The job's threshold follows the block's (calibration may set it after distribute).
         stage.job.threshold = self.cold.threshold
         rc = cold_worker.load().pi_cold_start(ctypes.byref(stage.job))
@@ -182,9 +190,20 @@ class HybridFFN:
             raise RuntimeError(f"picompile: the cold worker did not start (pi_cold_start {rc})")
         return stage
 
-    def _finish_cold(self, stage: _Staging, T: int) -> torch.Tensor:
-        """Wait for the cold worker. -> its output [T, d] float32 on the host."""
-        n_active = cold_worker.load().pi_cold_wait()  # ctypes releases the GIL while it blocks
+    def send(self, stage: _Staging, x: torch.Tensor, predicted: torch.Tensor | None) -> None:
+        """Device side of the hand-off: x [T, d] float32 and the cold columns of `predicted`
+        into the staging, then `ready` (on a GPU, copies queued on the current stream, the flag
+        last: it lands after them). Nothing here waits, so a CUDA graph can hold it."""
+        T = x.shape[0]
+        copy_async(stage.x[:T], x)
+        if predicted is not None:
+            copy_async(stage.mask[:T], predicted[:, self.n_hot :].contiguous())
+        copy_async(stage.ready, self._one)
+
+    def receive(self, stage: _Staging, T: int) -> torch.Tensor:
+        """Wait for the cold worker (the GIL released). -> its output [T, d] float32 on the host;
+        its active pairs are added to the cold side's count."""
+        n_active = cold_worker.load().pi_cold_wait()
         if n_active < 0:
             raise RuntimeError(f"picompile: cold FFN part failed: {cold_worker.ERRORS.get(n_active, n_active)}")
         self.cold.active_pairs += n_active
@@ -210,7 +229,10 @@ class HybridFFN:
         # 1. the cold part starts on the worker thread as soon as its input reaches the host
         # (prefill: the cold side's dense BLAS path, on this thread)
         on_worker = self.cold_on_worker and T <= KERNEL_MAX_TOKENS
-        stage = self._start_cold(x, predicted) if on_worker else None
+        stage = None
+        if on_worker:
+            stage = self.arm(T, predicted is not None)
+            self.send(stage, x, predicted)
         out, cold_s, cold_wait_s = None, 0.0, 0.0
         try:
             if self.hot is not None:  # 2. meanwhile: the hot part (asynchronous on a GPU)
@@ -225,7 +247,7 @@ class HybridFFN:
                     hot_bytes = self._bytes_read(candidates, self.hot.active_pairs - active_before)
         finally:
             if stage is not None:  # 3. the cold part's result (waited for even on an error)
-                cold_out = self._finish_cold(stage, T)
+                cold_out = self.receive(stage, T)
                 if timing:
                     cold_wait_s, cold_s = self._cold_seconds()
         if self.cold is not None:

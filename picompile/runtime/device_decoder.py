@@ -1,0 +1,313 @@
+"""DeviceDecoder: picompile's decode step for a Llama-family model split across a GPU and the CPU.
+
+    dec = DeviceDecoder(model)        # model distributed (runtime/hybrid.distribute); Unsupported
+    dec.reserve(max_len)              # static KV cache and RoPE tables on the device
+    logits = dec.prefill(input_ids)   # the prompt [1, S] into that cache
+    logits = dec.step(tokens, pos)    # tokens [1] long on the device -> [1, vocab] float32
+    dec.flush_stats(steps)
+
+The interface and the structure checks (decoder.Stack) of the C whole-step decoder, for the case
+that one cannot run, and a prefill of its own (so that on a GPU the only KV cache is the
+decoder's, within the budget placement counted for it): the non-FFN layers on the device (the model's own modules: norms,
+projections, LM head), attention over a static KV cache written in place, and per layer the
+block's hybrid hand-off in its phases (runtime/hybrid.py): the cold worker armed, the block
+input sent to the host, the hot rows' kernels, the cold output received and merged.
+
+Why a step of its own: Hugging Face eager runs some 15 launches per layer with Python between
+them; here every shape is static and the position is a device tensor, so on a GPU the device
+work between two hand-offs is one CUDA graph, replayed per step:
+
+    segment 0: embed, layer 0 attention, layer 0 FFN input sent + hot kernels
+    host:      wait for layer 0's cold rows (the CPU computed them meanwhile)
+    segment 1: layer 0 merged, layer 1 attention, layer 1 sent + hot ...
+    ...
+    segment L: layer L-1 merged, final norm, LM head
+
+A layer whose rows are all hot has no hand-off, so its work joins the next segment (a model
+entirely on the GPU is one graph per step). Before a segment is replayed the host arms its cold
+worker, which spins until the segment's copies land; nothing in a segment waits for the host.
+The graphs are captured at reserve() and checked against the eager step on the same inputs;
+where capture fails or differs the decoder runs the same segments eagerly and says why
+(`graph_reason`). On the CPU stand-in (device "cpu", how CI runs this file) the segments run
+eagerly: every hand-off, copy and merge of the GPU path runs, with no graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from picompile.config import cuda_graphs_enabled
+from picompile.runtime.decoder import Stack, Unsupported, ffn_block
+from picompile.runtime.hybrid import copy_async
+from picompile.runtime.sparse_ffn import SparseFFN
+
+# Largest difference between a graph replay's logits and the eager step's, relative to the
+# largest logit: the same kernels on the same inputs (cuBLAS may pick another algorithm inside
+# a capture, so not bit for bit).
+GRAPH_RTOL = 1e-2
+
+
+def _linear_of(mod: nn.Module | None, where: str) -> nn.Module:
+    if mod is None or not isinstance(getattr(mod, "in_features", None), int):
+        raise Unsupported(f"{where} is a {type(mod).__name__}, not a linear layer")
+    return mod
+
+
+def _hybrid_ffn_of(mlp: nn.Module, where: str) -> SparseFFN:
+    ffn = ffn_block(mlp, where)
+    hy = ffn.hybrid
+    if hy is None:
+        raise Unsupported(f"{where} is not split across a device and the CPU")
+    if hy.timeline is not None:
+        raise Unsupported(f"{where} times its hand-offs (hybrid timeline): the per-module path "
+                          "runs, which records them")
+    if hy.hot is not None and hy.hot.kernel is None:
+        raise Unsupported(f"{where}: its hot rows have no kernel")
+    if hy.cold is not None and not hy.cold_on_worker:
+        raise Unsupported(f"{where}: its cold rows have no C kernel")
+    return ffn
+
+
+def _rotate_half(t: torch.Tensor) -> torch.Tensor:
+    half = t.shape[-1] // 2
+    return torch.cat((-t[..., half:], t[..., :half]), dim=-1)
+
+
+class DeviceDecoder(Stack):
+    """A decode step over a distributed model, segment by segment (module docstring)."""
+
+    prefills = True
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model, _linear_of, _hybrid_ffn_of)
+        self.device, self.dtype = self.embedding.device, self.embedding.dtype
+        inside = {id(p) for _, _, ffn in self.layers for p in ffn.parameters()}
+        stray = [n for n, p in model.named_parameters()
+                 if id(p) not in inside and p.device != self.device]
+        if stray:
+            raise Unsupported(f"{stray[0]} is on another device than the embedding "
+                              f"({self.device})")
+        self.base = model.model
+        self.ffns = [ffn for _, _, ffn in self.layers]
+        self.predicted = [f.predictor is not None and f.predictor.enabled for f in self.ffns]
+        self.stages = [f.hybrid._stage(1) if f.hybrid.cold is not None else None for f in self.ffns]
+        L = len(self.layers)
+        self.n_active = torch.zeros(L, dtype=torch.int64, device=self.device)  # hot side, [L]
+        self.tok = torch.zeros(1, dtype=torch.long, device=self.device)  # the step's token
+        self.pos = torch.zeros(1, dtype=torch.long, device=self.device)  # and its position
+        self.cold_out = [None if s is None else torch.empty(1, self.d, device=self.device)
+                         for s in self.stages]  # [1, d] float32: a cold part's output, landed
+        self.max_len = 0
+        self.graphs = None
+        self.graph_reason = "not captured (no reserve yet)"
+        # The step's device work, cut where a layer's cold part goes to the CPU:
+        # [(functions to run in order, the layer whose cold part follows, or None)].
+        self.segments, fns = [], [self._embed]
+        for i, stage in enumerate(self.stages):
+            fns += [functools.partial(self._attention, i), functools.partial(self._ffn_begin, i)]
+            if stage is not None:
+                self.segments.append((fns, i))
+                fns = []
+            fns.append(functools.partial(self._ffn_end, i))
+        self.segments.append((fns + [self._head], None))
+
+    def describe(self) -> str:
+        graphs = ("each a CUDA graph" if self.graphs is not None else
+                  f"eager: {self.graph_reason}")
+        return (f"picompile device decoder (runtime/device_decoder.py, {len(self.segments)} "
+                f"segments per token, {graphs})")
+
+    # ---- the step's pieces (device work only: capturable) --------------------------------
+    def _embed(self) -> None:
+        self.x = self.embedding.index_select(0, self.tok)  # [1, d], the model's dtype
+
+    def _attention(self, i: int) -> None:
+        self.x = self.x + self._attend(i, self.x, self.pos)
+
+    def _attend(self, i: int, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Layer i's attention sublayer for x [T, d] at positions pos [T] (device): their keys
+        and values written into the cache, each token attending to positions up to its own.
+        -> [T, d], the model's dtype."""
+        layer, (_, lin, _) = self.base.layers[i], self.layers[i]
+        H, KV, hd, T = self.n_heads, self.n_kv_heads, self.head_dim, x.shape[0]
+        h = layer.input_layernorm(x)  # [T, d]
+        q = lin["q_proj"](h).view(T, H, hd).transpose(0, 1).unsqueeze(0)  # [1, H, T, hd]
+        k = lin["k_proj"](h).view(T, KV, hd).transpose(0, 1).unsqueeze(0)  # [1, KV, T, hd]
+        v = lin["v_proj"](h).view(T, KV, hd).transpose(0, 1).unsqueeze(0)
+        cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)  # [T, hd]
+        q = q * cos + _rotate_half(q) * sin  # as HF's apply_rotary_pos_emb, in the model's dtype
+        k = k * cos + _rotate_half(k) * sin
+        self.k_cache[i].index_copy_(2, pos, k)  # [1, KV, max_len, hd]
+        self.v_cache[i].index_copy_(2, pos, v)
+        visible = self.positions.view(1, -1) <= pos.view(-1, 1)  # [T, max_len]
+        a = F.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i],
+                                           attn_mask=visible.view(1, 1, T, -1), scale=self.scale,
+                                           enable_gqa=KV != H)  # [1, H, T, hd]
+        return lin["o_proj"](a[0].transpose(0, 1).reshape(T, H * hd))
+
+    def _ffn_begin(self, i: int) -> None:
+        """Layer i's FFN input to the cold worker's staging (where it has cold rows) and its hot
+        rows' kernels on the device; the hot output and count stay on the device."""
+        ffn, hy = self.ffns[i], self.ffns[i].hybrid
+        h = self.base.layers[i].post_attention_layernorm(self.x)  # [1, d]
+        predicted = ffn.predictor(h) if self.predicted[i] else None  # [1, n_ff] bool or None
+        h = h.float()
+        if self.stages[i] is not None:
+            hy.send(self.stages[i], h, predicted)
+        self.hot_out[i] = None
+        if hy.hot is not None:
+            mask = None if predicted is None else predicted[:, : hy.n_hot]
+            out, n_active = hy.hot.kernel(h, threshold=hy.hot.threshold, mask=mask)
+            self.n_active[i : i + 1].add_(n_active)
+            self.hot_out[i] = out  # [1, d] float32
+
+    def _ffn_end(self, i: int) -> None:
+        out = self.hot_out[i]
+        if self.stages[i] is not None:  # landed on the host: receive() has returned
+            copy_async(self.cold_out[i], self.stages[i].out[:1])
+            out = self.cold_out[i] if out is None else out + self.cold_out[i]
+        self.x = self.x + out.to(self.dtype)
+
+    def _head(self) -> None:
+        self.logits = self.lm_head(self.base.norm(self.x)).float()  # [1, vocab]
+
+    # ---- running ------------------------------------------------------------------------
+    def _run(self) -> None:
+        """One step over the inputs in self.tok, self.pos: each segment (a graph replay where
+        captured), its cold part armed before and received after."""
+        for k, (fns, cold) in enumerate(self.segments):
+            stage = None
+            if cold is not None:
+                stage = self.ffns[cold].hybrid.arm(1, self.predicted[cold])
+            try:
+                if self.graphs is not None:
+                    self.graphs[k].replay()
+                else:
+                    for fn in fns:
+                        fn()
+            except BaseException:
+                if stage is not None:  # release the worker before waiting for it
+                    stage.ready.fill_(1)
+                raise
+            finally:
+                if stage is not None:
+                    self.ffns[cold].hybrid.receive(stage, 1)
+
+    def step(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
+        """tokens [1] (long) at position pos -> logits [1, vocab] float32 (a buffer reused by
+        the next step). The KV cache holds positions 0..pos-1."""
+        if not 0 <= pos < self.max_len:
+            raise IndexError(f"position {pos} outside the reserved {self.max_len}")
+        if any(f.hybrid._staging is not s for f, s in zip(self.ffns, self.stages) if s is not None):
+            raise RuntimeError("picompile: a hybrid block's staging changed under the decoder; "
+                               "build it again (CompiledModel.decoder())")
+        self.tok.copy_(tokens.reshape(1))
+        self.pos.fill_(pos)
+        self._run()
+        return self.logits
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [1, S] (long, on the device) at positions 0..S-1 into the KV cache (reserved
+        for S positions and more) -> logits [1, vocab] float32 of the last. Eager, through the
+        model's own FFN modules (each side of a split block batched), so the cache the decode
+        steps read is the only one on the device."""
+        S = input_ids.shape[-1]
+        if S > self.max_len:
+            raise IndexError(f"{S} prompt positions, room for {self.max_len} (reserve first)")
+        pos = torch.arange(S, device=self.device)
+        x = self.embedding.index_select(0, input_ids.reshape(S))  # [S, d]
+        for i, layer in enumerate(self.base.layers):
+            x = x + self._attend(i, x, pos)
+            x = x + layer.mlp(layer.post_attention_layernorm(x).unsqueeze(0))[0].to(self.dtype)
+        return self.lm_head(self.base.norm(x[-1:])).float()
+
+    def set_threads(self) -> None:
+        """The cold worker sets its own OpenMP threads (hybrid.cold_threads)."""
+
+    def reserve(self, max_len: int) -> bool:
+        """Make room for positions 0..max_len-1 (static KV cache, RoPE tables; on a GPU the
+        step's graphs captured for them); False past a sliding window."""
+        if self.window is not None and max_len > self.window:
+            return False
+        if max_len <= self.max_len:
+            return True
+        # Up to a multiple of 64, not geometrically: on a GPU the cache is counted in the budget
+        # (placement's max_context), and each growth captures the graphs again.
+        max_len = -(-max_len // 64) * 64
+        if self.window is not None:
+            max_len = min(max_len, self.window)
+        shape = (len(self.layers), 1, self.n_kv_heads, max_len, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        cos, sin = self.rope_tables(max_len)
+        self.cos, self.sin = cos.to(self.dtype), sin.to(self.dtype)
+        self.positions = torch.arange(max_len, device=self.device)
+        self.hot_out = [None] * len(self.layers)
+        self.max_len = max_len
+        self.graphs = None
+        self.graph_reason = self._capture()
+        return True
+
+    # ---- CUDA graphs ----------------------------------------------------------------------
+    def _capture(self) -> str:
+        """Capture each segment as a CUDA graph (sharing one memory pool, in replay order, so a
+        tensor one segment leaves for the next stays put) and check a replayed step against the
+        eager one. -> "" when the graphs run, else why not."""
+        if self.device.type != "cuda":
+            return f"no CUDA graphs on {self.device.type}"
+        if not cuda_graphs_enabled():
+            return "CUDA graphs switched off (PICOMPILE_CUDA_GRAPHS=0)"
+        counts = self.n_active.clone(), [f.hybrid.cold.active_pairs if s is not None else 0
+                                         for f, s in zip(self.ffns, self.stages)]
+        try:
+            # A scratch step at the last position (rewritten when decoding reaches it), eager
+            # on a side stream first: cuBLAS, cupy's modules and the allocator warm up there.
+            self.tok.zero_()
+            self.pos.fill_(self.max_len - 1)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._run()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            want = self.logits.clone()
+            pool, graphs = torch.cuda.graph_pool_handle(), []
+            for fns, _ in self.segments:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    for fn in fns:
+                        fn()
+                graphs.append(graph)
+            self.graphs = graphs
+            self._run()
+            err = float((self.logits - want).abs().max()) / max(float(want.abs().max()), 1e-6)
+            if not err <= GRAPH_RTOL:
+                self.graphs = None
+                return (f"a replayed step differed from the eager one by {err:.2g} of the "
+                        f"largest logit (tolerance {GRAPH_RTOL:g}); running eagerly")
+            return ""
+        except RuntimeError as e:  # capture refused an operation: run the same steps eagerly
+            self.graphs = None
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            return f"capture failed ({type(e).__name__}: {first}); running eagerly"
+        finally:
+            self.n_active.copy_(counts[0])
+            for f, s, cold in zip(self.ffns, self.stages, counts[1]):
+                if s is not None:
+                    f.hybrid.cold.active_pairs = cold
+
+    # ---- statistics -----------------------------------------------------------------------
+    def flush_stats(self, steps: int) -> None:
+        """Add what `steps` decode steps computed to each block's statistics: the hot side's
+        active pairs (counted on the device) to its hot rows, n_ff pairs per token to the block.
+        The cold side counted its own (hybrid.receive)."""
+        for ffn, n in zip(self.ffns, self.n_active.tolist()):
+            if ffn.hybrid.hot is not None:
+                ffn.hybrid.hot.active_pairs += n
+            ffn.total_pairs += steps * ffn.n_ff
+        self.reset_counts()

@@ -1,0 +1,151 @@
+"""The decode step of a model split across a GPU and the CPU (runtime/device_decoder.py), with the
+CPU standing in for the GPU: every hand-off, copy and merge runs, the segments eagerly. (Their
+CUDA graphs: the gpu-marked tests in test_hybrid_gpu.py.)"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+import picompile
+from picompile.compiler import apply_order
+from picompile.runtime import generate as fast
+from picompile.runtime.device_decoder import DeviceDecoder
+from tests import zoo
+
+
+def _split(arch, shares, mode="exact", dtype=torch.float32, seed=0):
+    """(dense, compiled and split on the CPU stand-in): block i keeps shares[i % len] of its
+    neurons (a random order) on the "GPU"."""
+    dense = zoo.make(arch, dtype, seed=seed)
+    kw = {}
+    if mode == "predicted":
+        kw = dict(mode="predicted", calibration=torch.randint(0, zoo.VOCAB, (6, 32)))
+    cm = picompile.compile(copy.deepcopy(dense), quiet=True, **kw)
+    gen = torch.Generator().manual_seed(seed)
+    for ffn, share in zip(cm.ffns().values(), itertools.cycle(shares)):
+        apply_order(ffn, torch.randperm(ffn.n_ff, generator=gen))
+        ffn.block.decided.hot_neurons = int(round(share * ffn.n_ff))
+        ffn.select_kernel()
+    cm.distribute("cpu")
+    return dense, cm
+
+
+def _ids(n=5, seed=1):
+    return torch.randint(0, zoo.VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("arch", ["llama_relu", "llama_silu", "qwen2", "mistral"])
+@pytest.mark.parametrize("shares", [(0.4,), (0.0,), (1.0,), (1.0, 0.3)])
+def test_split_model_decodes_through_the_device_decoder_as_dense(arch, shares):
+    dense, cm = _split(arch, shares)
+    dec = cm.decoder()
+    assert isinstance(dec, DeviceDecoder), cm.decoder_reason
+    cold = sum(f.hybrid.cold is not None for f in cm.ffns().values())
+    assert len(dec.segments) == cold + 1  # one cut per hand-off to the CPU
+    assert dec.graphs is None and "cpu" in dec.graph_reason
+    ids = _ids()
+    want = dense.generate(ids, max_new_tokens=10, do_sample=False)
+    assert torch.equal(cm.generate(ids, max_new_tokens=10, do_sample=False), want)
+
+
+def test_float16_split_model_matches_its_own_forward():
+    """The residual stream, norms and attention stay in the model's dtype, as HF's do."""
+    dense, cm = _split("llama_relu", (0.5,), dtype=torch.float16)
+    assert isinstance(cm.decoder(), DeviceDecoder), cm.decoder_reason
+    ids = _ids(seed=3)
+    # greedy through the device decoder against the per-module path (no decoder)
+    got = cm.generate(ids, max_new_tokens=8, do_sample=False)
+    want = fast.generate(cm._orig_mod, ids, max_new_tokens=8)
+    assert torch.equal(got, want)
+
+
+def test_counts_each_side_as_the_per_module_path_does():
+    _, cm = _split("llama_relu", (0.5,))
+    assert isinstance(cm.decoder(), DeviceDecoder), cm.decoder_reason
+    ffns = list(cm.ffns().values())
+
+    def counts():
+        return [(f.hybrid.hot.active_pairs, f.hybrid.cold.active_pairs, f.total_pairs)
+                for f in ffns]
+
+    assert all(c == (0, 0, 0) for c in counts())  # building (and verifying) counted nothing
+    ids = _ids(seed=4)
+    cm.reset_stats()
+    got = cm.generate(ids, max_new_tokens=8, do_sample=False)
+    through_decoder = counts()
+    cm.reset_stats()
+    assert torch.equal(fast.generate(cm._orig_mod, ids, max_new_tokens=8), got)
+    per_module = counts()
+    for (hot, cold, total), (hot_m, cold_m, total_m) in zip(through_decoder, per_module):
+        assert total == total_m and hot > 0 and cold > 0
+        assert abs(hot - hot_m) <= 0.03 * hot_m and abs(cold - cold_m) <= 0.03 * cold_m
+
+
+def test_predicted_split_decodes_as_the_cpu_decoder_on_the_same_plan():
+    _, cm = _split("llama_relu", (0.5,), mode="predicted", seed=2)
+    cpu = copy.deepcopy(cm)
+    for ffn in cpu.ffns().values():
+        ffn.hybrid = None  # the same plan on the CPU alone: the C whole-step decoder
+    assert isinstance(cm.decoder(), DeviceDecoder), cm.decoder_reason
+    assert cpu.decoder() is not None and not isinstance(cpu.decoder(), DeviceDecoder)
+    ids = _ids(seed=5)
+    assert torch.equal(cm.generate(ids, max_new_tokens=10, do_sample=False),
+                       cpu.generate(ids, max_new_tokens=10, do_sample=False))
+    assert 0.0 < cm.sparsity() < 1.0
+
+
+def test_timing_a_block_hands_decode_to_the_per_module_path():
+    dense, cm = _split("llama_relu", (0.5,))
+    assert isinstance(cm.decoder(), DeviceDecoder)
+    ffn = next(iter(cm.ffns().values()))
+    ffn.hybrid.timeline = []
+    assert cm.decoder() is None and "times its hand-offs" in cm.decoder_reason
+    ids = _ids(seed=6)
+    want = dense.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(cm.generate(ids, max_new_tokens=4, do_sample=False), want)
+    assert sum(s["tokens"] == 1 for s in ffn.hybrid.timeline) == 3  # every decode step timed
+    ffn.hybrid.timeline = None
+    assert isinstance(cm.decoder(), DeviceDecoder)
+
+
+def test_an_architecture_it_does_not_reproduce_falls_back_with_a_reason():
+    dense, cm = _split("gemma", (0.5,))  # scaled embeddings, offset norms: same module names
+    assert cm.decoder() is None and cm.decoder_reason
+    ids = _ids(seed=7)
+    assert torch.equal(cm.generate(ids, max_new_tokens=6, do_sample=False),
+                       dense.generate(ids, max_new_tokens=6, do_sample=False))
+
+
+def test_positions_outside_the_reserve_are_refused():
+    _, cm = _split("llama_relu", (0.5,))
+    dec = cm.decoder()
+    dec.reserve(16)
+    with pytest.raises(IndexError, match="outside the reserved"):
+        dec.step(torch.tensor([1]), dec.max_len)
+
+
+@pytest.mark.parametrize("mode", ["exact", "predicted"])
+def test_its_own_prefill_of_a_long_prompt_then_sampling_equals_the_per_module_path(mode):
+    """Prompts past the kernels' token limit take each side's batched path inside prefill; the
+    decode steps then read the cache that prefill wrote."""
+    _, cm = _split("llama_silu", (0.5,), mode=mode, seed=3)
+    dec = cm.decoder()
+    assert isinstance(dec, DeviceDecoder), cm.decoder_reason
+    ids = _ids(n=21, seed=8)
+    kw = dict(max_new_tokens=8, do_sample=True, temperature=0.8, top_k=20, seed=11)
+    got = fast.generate(cm._orig_mod, ids, decoder=dec, **kw)
+    assert torch.equal(got, fast.generate(cm._orig_mod, ids, **kw))
+    assert torch.equal(cm.generate(ids, max_new_tokens=8, do_sample=False),
+                       fast.generate(cm._orig_mod, ids, max_new_tokens=8))
+
+
+def test_explain_names_the_decode_step():
+    _, cm = _split("llama_relu", (0.5,))
+    cm.decoder()
+    text = picompile.explain(cm)
+    assert ("decode step: picompile device decoder (runtime/device_decoder.py, 3 segments per "
+            "token, eager: no CUDA graphs on cpu)") in text  # 2 layers, each handing off
