@@ -280,11 +280,11 @@ def _hessians(captured: Captured, plan: Plan, ids, opts: Options):
         held = "per layer " if layers is not None else ""
         return quantize_pass.Rounding(skipped=f"GPTQ's Hessians would take {need / 2**30:.1f} GiB "
                                               f"{held}(more than {hessians_pass.MAX_BYTES >> 30} GiB)")
-    rounding = quantize_pass.Rounding()
+    rounding = quantize_pass.Rounding(tokens=hessians_pass.calibration_rows(ids).numel())
     targets = quantize_pass.gptq_targets(model, ffns, opts.quantize, linears=quantizes_linears(plan))
     done = None if layers is None else (lambda hessians: rounding.gather(hessians, targets))
-    rest, rounding.tokens = hessians_pass.collect(model, ffns, ids, quiet=opts.quiet,
-                                                  device=device, dtype=dtype, done=done)
+    rest, _ = hessians_pass.collect(model, ffns, ids, quiet=opts.quiet, device=device,
+                                    dtype=dtype, done=done)
     rounding.gather(rest, targets, quiet=opts.quiet)  # whole model: all; layer by layer: none
     plan.quant_calibration_tokens = rounding.tokens
     return rounding

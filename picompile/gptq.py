@@ -151,13 +151,15 @@ class Prepared:
     perm: torch.Tensor  # [K] long: position -> input column (the order columns are quantized in)
     u: torch.Tensor  # [K, K] upper Cholesky factor of the damped inverse Hessian, in that order
     dead: torch.Tensor  # [K] bool by column: inputs no calibration token reached
-    importance: torch.Tensor  # [K] the Hessian's diagonal by column
+    importance: torch.Tensor  # [K] the Hessian's diagonal by column (dead ones: the live mean)
 
 
 def prepare(hessian: torch.Tensor, damp: float = DAMP, act_order: bool = True) -> Prepared:
     """The order (decreasing H diagonal with act_order, else 0..K-1) and the upper Cholesky
     factor of (H + damp * mean(diag H) * I)^-1 in that order. Inputs no calibration token
-    reached (diag 0) get H's diagonal 1 (their weights are zeroed, as in the paper's code).
+    reached (diag 0) get H's diagonal 1: uncoupled from the others, their weights are rounded
+    to nearest. (The paper's code zeroes them, right for an input that is always zero; an FFN
+    neuron that never fired on the calibration tokens may fire on the user's.)
     Raises torch.linalg.LinAlgError where H is not positive definite even damped."""
     h = hessian.to("cpu", torch.float32)
     K = h.shape[0]
@@ -172,7 +174,9 @@ def prepare(hessian: torch.Tensor, damp: float = DAMP, act_order: bool = True) -
     lower = torch.linalg.cholesky(h)
     inv = torch.linalg.solve_triangular(lower, torch.eye(K), upper=False)  # L^-1
     u = torch.linalg.cholesky(inv.T @ inv, upper=True)
-    return Prepared(perm, u, diag == 0, diag)
+    importance = diag.clone()  # the 4-bit scale search weighs a dead input as an average one
+    importance[diag == 0] = diag[diag > 0].mean() if bool((diag > 0).any()) else 1.0
+    return Prepared(perm, u, diag == 0, importance)
 
 
 def _prepared(hessian, K: int, damp: float, act_order: bool) -> Prepared:
@@ -255,7 +259,6 @@ def quantize(w: torch.Tensor, fmt: str, hessian: torch.Tensor | Prepared, damp: 
     perm, importance = prep.perm, prep.importance  # position -> column; [K] by column
     pos_of = torch.argsort(perm)  # column -> position
     W = w.detach().to("cpu", torch.float32).t().clone()  # [K, O]
-    W[prep.dead] = 0
     W = W[perm].contiguous()  # in the order
     nb = K // quant.BLOCK
     Q = torch.empty(K, O)  # levels, by column
@@ -299,7 +302,6 @@ def quantize_transposed(wt: torch.Tensor, fmt: str, hessian: torch.Tensor | Prep
     if not torch.equal(prep.perm, torch.arange(K)):
         raise ValueError("quantize_transposed takes its rows in order: prepare(act_order=False)")
     W = wt.detach().to("cpu", torch.float32).clone()  # [K, O]
-    W[prep.dead] = 0
     nb = O // quant.BLOCK
     Q = torch.empty(K, nb, quant.BLOCK)  # levels, down_t's layout
     D, M = torch.empty(K, nb), torch.empty(K, nb)

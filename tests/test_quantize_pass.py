@@ -386,11 +386,11 @@ def test_gptq_layer_by_layer_equals_gptq_weight_by_weight():
 
     cm = picompile.compile(zoo.make("llama_silu", hidden=64, n_ff=96, layers=3), quiet=True)
     model, ffns = cm._orig_mod, cm.ffns()
-    ids = torch.randint(0, zoo.VOCAB, (5, 16), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, zoo.VOCAB, (6, 16), generator=torch.Generator().manual_seed(3))
     whole, n = hessians_pass.collect(model, ffns, ids, quiet=True, device="cpu",
                                      dtype=torch.float32)
     targets = quantize_pass.gptq_targets(model, ffns, "q4_0")
-    gathered = quantize_pass.Rounding()
+    gathered = quantize_pass.Rounding(tokens=ids.numel())  # 96: as many as down's inputs
     layers_seen = []
 
     def done(hessians):
@@ -447,3 +447,23 @@ def test_gptq_goes_layer_by_layer_where_all_hessians_at_once_are_too_many(monkey
     monkeypatch.setattr(hessians, "MAX_BYTES", 1)  # not even one layer's: to nearest, noted
     cm = picompile.compile(copy.deepcopy(dense), quantize="q4_0", calibration=ids, quiet=True)
     assert any("per layer" in n and "would take" in n for n in cm.quant_notes)
+
+
+def test_gptq_leaves_weights_with_more_inputs_than_tokens_to_nearest():
+    """A Hessian of more inputs than calibration tokens is singular: those weights are rounded
+    to nearest (GPTQ on it measured worse on new text), and the note says how many tokens
+    would do."""
+    from picompile.passes import hessians as hessians_pass
+
+    cm = picompile.compile(zoo.make("llama_silu", hidden=64, n_ff=96, layers=2), quiet=True)
+    model, ffns = cm._orig_mod, cm.ffns()
+    ids = torch.randint(0, zoo.VOCAB, (5, 16), generator=torch.Generator().manual_seed(4))
+    hessians, n = hessians_pass.collect(model, ffns, ids, quiet=True)
+    rounding = quantize_pass.Rounding(tokens=n)  # 80: more than gate / up's 64 inputs, fewer
+    rounding.gather(hessians, quantize_pass.gptq_targets(model, ffns, "q4_0"))  # than down's 96
+    assert {key.rsplit(".", 1)[1] for key in rounding.ready} == {"w_gate", "w_up"}
+    assert rounding.too_wide == {96: 2}  # each block's down rows
+    rounding.count = 4
+    note = quantize_pass.rounding_note(rounding, n)
+    assert "2 weights with more inputs than calibration tokens (up to 96)" in note
+    assert "pass at least 96 calibration tokens" in note

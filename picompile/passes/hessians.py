@@ -51,6 +51,12 @@ def estimate_bytes(model: nn.Module, ffns: dict[str, SparseFFN], layers=None) ->
     return held(model) if layers is None else max((held(layer) for layer in layers), default=0)
 
 
+def calibration_rows(ids: torch.Tensor, max_tokens: int = MAX_TOKENS) -> torch.Tensor:
+    """The rows of ids [batch, seq] that collect runs: the first, holding at most max_tokens
+    tokens, at least one."""
+    return ids[: max(1, min(ids.shape[0], max_tokens // max(1, ids.shape[1])))]
+
+
 @torch.no_grad()
 def collect(model: nn.Module, ffns: dict[str, SparseFFN], ids: torch.Tensor, *,
             max_tokens: int = MAX_TOKENS, quiet: bool = False, device=None, dtype=None,
@@ -60,8 +66,7 @@ def collect(model: nn.Module, ffns: dict[str, SparseFFN], ids: torch.Tensor, *,
     H [K, K] float32 on the CPU}, tokens seen). device, dtype: as run_calibration's.
     done({weight key: H}): with a device (layer by layer), called with each decoder layer's
     Hessians once they are complete, which are then not kept (nor returned)."""
-    rows = max(1, min(ids.shape[0], max_tokens // max(1, ids.shape[1])))
-    ids = ids[:rows]
+    ids = calibration_rows(ids, max_tokens)
     n = ids.numel()
     sums: dict[str, torch.Tensor] = {}  # key -> sum of x^T x, on the activations' device
     owner: dict[str, int] = {}  # key -> id of the module whose hook gathers it

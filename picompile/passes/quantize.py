@@ -117,9 +117,10 @@ class Rounding:
 
     def __init__(self, saved: dict[str, torch.Tensor] | None = None, tokens: int = 0,
                  skipped: str | None = None):
-        self.saved, self.tokens = saved or {}, tokens
+        self.saved, self.tokens = saved or {}, tokens  # tokens: the Hessians' calibration tokens
         self.skipped = skipped  # why there are no Hessians though calibration data was given
         self.count = 0  # weights given calibrated blocks
+        self.too_wide: dict[int, int] = {}  # input width -> weights left to nearest (> tokens)
         # key -> (format, transposed, blocks): GPTQ's, made by gather, until blocks() takes them
         self.ready: dict[str, tuple[str, bool, torch.Tensor]] = {}
 
@@ -129,7 +130,10 @@ class Rounding:
         blocks are kept. Weights that read one Hessian (q, k and v; gate and up) in one format go
         through GPTQ's column loop together, stacked: its rows are independent, so the blocks
         are those of one weight at a time, for one loop instead of three. quiet=False: a
-        progress bar over those groups."""
+        progress bar over those groups.
+        A Hessian of more inputs than calibration tokens is singular, and GPTQ moves rounding
+        errors into the directions the tokens did not reach; on new text that measured worse
+        than rounding to nearest (BENCHMARKS.md, session 13), so such weights are left to it."""
         groups: dict[tuple[int, str, bool], list[str]] = {}
         for key, h in hessians.items():
             if key in targets:
@@ -137,10 +141,14 @@ class Rounding:
                 groups.setdefault((id(h), fmt, transposed), []).append(key)
         for (_, fmt, transposed), keys in progress_bar(groups.items(), desc="GPTQ", quiet=quiet,
                                                        total=len(groups)):
-            prep = gptq.prepare(hessians[keys[0]], act_order=not transposed)
             weights: dict[int, torch.Tensor] = {}  # one weight under several keys: once
             for key in keys:
                 weights.setdefault(id(targets[key][0]), targets[key][0])
+            width = hessians[keys[0]].shape[0]
+            if self.tokens < width:
+                self.too_wide[width] = self.too_wide.get(width, 0) + len(weights)
+                continue
+            prep = gptq.prepare(hessians[keys[0]], act_order=not transposed)
             if transposed:  # FFN down rows: one block's, each blocked along its own rows
                 made = {i: gptq.quantize_transposed(w, fmt, prep) for i, w in weights.items()}
             else:
@@ -177,12 +185,23 @@ def rounding_note(rounding: Rounding | None, tokens: int) -> str:
     """explain()'s line on how the blocks were chosen."""
     if rounding is not None and rounding.skipped:
         return f"blocks rounded to nearest (gguf's reference): {rounding.skipped}"
+    if rounding is not None and rounding.too_wide and not rounding.count:
+        widest = max(rounding.too_wide)
+        return (f"blocks rounded to nearest (gguf's reference): {tokens} calibration tokens are "
+                f"fewer than the inputs of every weight (up to {widest}); pass at least "
+                f"{widest} for GPTQ rounding")
     if rounding is None or not rounding.count:
         return ("blocks rounded to nearest (gguf's reference): pass calibration= or tokenizer= "
                 "for GPTQ rounding, calibrated on those tokens")
     how = "saved with the plan" if rounding.saved else "each layer's rounding errors compensated"
-    return (f"blocks of {rounding.count} weights rounded by GPTQ on the Hessians of {tokens} "
+    note = (f"blocks of {rounding.count} weights rounded by GPTQ on the Hessians of {tokens} "
             f"calibration tokens ({how}); any other weight to nearest")
+    if rounding.too_wide:
+        widest = max(rounding.too_wide)
+        note += (f"; {sum(rounding.too_wide.values())} weights with more inputs than "
+                 f"calibration tokens (up to {widest}) to nearest too: pass at least {widest} "
+                 "calibration tokens for GPTQ on them")
+    return note
 
 
 def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None,
