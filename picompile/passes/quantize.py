@@ -139,6 +139,8 @@ class Rounding:
             if key in targets:
                 _, fmt, transposed = targets[key]
                 groups.setdefault((id(h), fmt, transposed), []).append(key)
+        if not groups:  # (layer by layer, the whole-model call after the last layer)
+            return
         for (_, fmt, transposed), keys in progress_bar(groups.items(), desc="GPTQ", quiet=quiet,
                                                        total=len(groups)):
             weights: dict[int, torch.Tensor] = {}  # one weight under several keys: once
@@ -228,24 +230,21 @@ def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None,
             continue
         block_fmt, down_fmt = ffn_formats(block_fmt)
         requantized_down += down_fmt != block_fmt
-        given = {}  # role -> blocks in GGUF's layout, chosen from the float weights
+        given = {}  # role -> blocks in GGUF's layout: GPTQ's (or saved), or the file's own
         if rounding is not None and file_blocks is None:
             for role, role_fmt in _role_formats(block_fmt, down_fmt):
                 w = getattr(ffn, role)
-                if w is not None:
-                    given[role] = (role_fmt, rounding.blocks(f"{name}.{role}", w, role_fmt,
-                                                             transposed=role == "w_down_t"))
-        ffn.quantize_(block_fmt, down_fmt)
-        for role, (role_fmt, blocks) in given.items():
-            if blocks is not None:  # (interleave_blocks: gate / up rows in the dot layout)
-                getattr(ffn, role).data.copy_(quant.interleave_blocks(blocks, role_fmt))
-        for role in ("gate", "up"):
+                blocks = None if w is None else rounding.blocks(
+                    f"{name}.{role}", w, role_fmt, transposed=role == "w_down_t")
+                if blocks is not None:
+                    given[role] = blocks
+        for role in ("gate", "up"):  # the file's rows (its down rows lie along the other axis)
             blocks = (file_blocks or {}).get(modules.get(role, ""))
             if blocks is None or blocks.data is None or blocks.fmt != block_fmt:
-                continue  # quantized from the float weights above
+                continue  # quantized from the float weights
             gguf_weights.check_fits(blocks, ffn.n_ff, ffn.d_model, modules[role])
-            rows = blocks.data if ffn.order is None else blocks.data[ffn.order]
-            getattr(ffn, f"w_{role}").data.copy_(quant.interleave_blocks(rows, block_fmt))
+            given[f"w_{role}"] = blocks.data if ffn.order is None else blocks.data[ffn.order]
+        ffn.quantize_(block_fmt, down_fmt, blocks=given)
     if requantized_down:
         how = ("re-quantized to", " (the file blocks them along n_ff)") if file_blocks is not None \
             else ("in", " (4-bit blocks along d lose far more than along n_ff)")

@@ -253,7 +253,8 @@ class SparseFFN(KernelModule):
         return torch.float32 if self.qformat is not None else self.w_up.dtype
 
     @torch.no_grad()
-    def quantize_(self, fmt: str, down_fmt: str | None = None) -> SparseFFN:
+    def quantize_(self, fmt: str, down_fmt: str | None = None,
+                  blocks: dict[str, torch.Tensor] | None = None) -> SparseFFN:
         """Quantize the block in place to `fmt` ("q8_0" | "q4_0" | "q4_1", picompile/quant.py):
         w_gate and w_up become uint8 row blocks [n_ff, d / 32 * block bytes] (GGUF's blocks of
         32 weights along d, one neuron's row contiguous, in the kernels' dot layout:
@@ -264,6 +265,8 @@ class SparseFFN(KernelModule):
         already in its format is left as it is; one in another format is dequantized and
         quantized again. Raises ValueError when d is not a multiple of 32 (the block must stay
         float), and for a block split across devices (distribute() runs after quantizing).
+        blocks: {"w_gate" | "w_up" | "w_down_t": uint8 [n_ff, row bytes]} chosen elsewhere (GPTQ,
+        a GGUF file), in GGUF's layout, taken instead of rounding those rows to nearest.
         Predictors are untouched. Returns self."""
         f = quant.format_of(fmt)
         down_fmt = down_fmt or f.name
@@ -273,7 +276,8 @@ class SparseFFN(KernelModule):
         if self.hybrid is not None:
             raise ValueError("picompile: quantize a block before distribute(): this one already "
                              "runs split across the GPU and the CPU")
-        if self.qformat == f.name and self.down_format == down_fmt:
+        blocks = blocks or {}
+        if self.qformat == f.name and self.down_format == down_fmt and not blocks:
             return self
         d = self.d_model
         if d % quant.BLOCK:
@@ -282,18 +286,27 @@ class SparseFFN(KernelModule):
                              "size); the block must stay float")
         for name, have, want in (("w_gate", self.qformat, f.name), ("w_up", self.qformat, f.name),
                                  ("w_down_t", self.down_qformat, down_fmt)):
-            w = getattr(self, name)
-            if w is None or (have is not None and have == want):
+            w, given = getattr(self, name), blocks.get(name)
+            if w is None or (given is None and have == want):
                 continue
-            dotted = name != "w_down_t"  # gate / up rows: the dot layout
-            if have is not None:
-                blocks = quant.deinterleave_blocks(w, have) if dotted else w
-                w = quant.dequantize(blocks, have, d).to(w.device)
-            if want in _FLOAT_DTYPES:
-                q = w.detach().to(_FLOAT_DTYPES[want]).contiguous()
+            dotted = name != "w_down_t" and want not in _FLOAT_DTYPES  # gate / up: dot layout
+            if given is not None:
+                shape = (self.n_ff, quant.row_bytes(d, want))
+                if want in _FLOAT_DTYPES or given.dtype != torch.uint8 or tuple(given.shape) != shape:
+                    raise ValueError(f"picompile: {name} blocks given as {given.dtype} "
+                                     f"{tuple(given.shape)}; {want} rows of this block are uint8 "
+                                     f"{shape}")
+                q = given.to(w.device, copy=True)  # never the caller's memory (a mapped file)
             else:
-                q = quant.quantize(w, want).to(w.device)
-                q = quant.interleave_blocks(q, want) if dotted else q
+                if have is not None:
+                    old = quant.deinterleave_blocks(w, have) if name != "w_down_t" else w
+                    w = quant.dequantize(old, have, d).to(w.device)
+                if want in _FLOAT_DTYPES:
+                    q = w.detach().to(_FLOAT_DTYPES[want]).contiguous()
+                else:
+                    q = quant.quantize(w, want).to(w.device)
+            if dotted:
+                q = quant.interleave_blocks(q, want)
             setattr(self, name, nn.Parameter(q, requires_grad=False))
         for name in ("b_gate", "b_up", "b_down"):
             b = getattr(self, name)
