@@ -149,3 +149,19 @@ def test_explain_names_the_decode_step():
     text = picompile.explain(cm)
     assert ("decode step: picompile device decoder (runtime/device_decoder.py, 3 segments per "
             "token, eager: no CUDA graphs on cpu)") in text  # 2 layers, each handing off
+
+
+def test_a_failing_device_decoder_falls_back_to_the_modules(monkeypatch):
+    """An error inside a segment (here after the cold worker was armed) releases the worker,
+    and the model runs its modules instead, saying why."""
+    dense, cm = _split("llama_relu", (0.5,))
+
+    def broken(self, i):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(DeviceDecoder, "_ffn_begin", broken)
+    assert cm.decoder() is None
+    assert "the device decoder failed (RuntimeError: boom)" in cm.decoder_reason
+    ids = _ids(seed=9)
+    assert torch.equal(cm.generate(ids, max_new_tokens=6, do_sample=False),
+                       dense.generate(ids, max_new_tokens=6, do_sample=False))

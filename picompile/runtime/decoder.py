@@ -416,10 +416,10 @@ def build(model: nn.Module) -> tuple[Stack | None, str]:
     the model's architecture, and in predicted mode the model's forward over the probe's tokens
     (candidates: those predicted for any token) and one decode step (the token's own) rightly
     differ by the neurons a predictor misses. The decoder returned runs the predictors."""
-    preds = [m.predictor for m in model.modules()
-             if isinstance(m, SparseFFN) and m.predictor is not None and m.predictor.enabled]
     from picompile.runtime.device_decoder import DeviceDecoder
 
+    preds = [m.predictor for m in model.modules()
+             if isinstance(m, SparseFFN) and m.predictor is not None and m.predictor.enabled]
     hybrid = any(isinstance(m, SparseFFN) and m.hybrid is not None for m in model.modules())
     kind = DeviceDecoder if hybrid else Decoder
     try:
@@ -437,4 +437,10 @@ def build(model: nn.Module) -> tuple[Stack | None, str]:
         return None, str(e)
     except (c_codegen.CompilerNotFound, c_codegen.BuildFailed, c_codegen.LoadFailed) as e:
         return None, f"decoder library unavailable ({getattr(e, 'summary', None) or e})"
+    except Exception as e:  # the device decoder's GPU path: fall back to the tested modules
+        if kind is Decoder:
+            raise
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        return None, (f"the device decoder failed ({type(e).__name__}: {first}); the modules "
+                      "run each step")
     return dec, ""
