@@ -163,7 +163,9 @@ class HybridFFN:
         pointers into this block's buffers. A copy makes its own on first use."""
         return {**self.__dict__, "_staging": None}
 
-    def _stage(self, tokens: int) -> _Staging:
+    def staging(self, tokens: int) -> _Staging:
+        """This block's hand-off buffers for up to `tokens` tokens: made once for 8 (every
+        decode and small batch), replaced only by a larger call."""
         if self._staging is None or self._staging.x.shape[0] < tokens:
             self._staging = _Staging(max(tokens, 8), self.d, self.n_ff - self.n_hot, self.cuda)
         return self._staging
@@ -173,7 +175,7 @@ class HybridFFN:
         (with the predictor's mask or without); it spins until send()'s `ready` lands. The
         device work that sends may be queued before or after (a CUDA graph replayed next).
         -> the staging, for send() and receive()."""
-        stage = self._stage(T)
+        stage = self.staging(T)
         if stage.job is None:
             kernel = self.cold.kernel
             stage.job = cold_worker.Job(
