@@ -26,7 +26,9 @@ revision --base (built with this tree's variant header); `NAME:K=V,K=V` adds -D 
 (codegen.c.source's `tuning`); `NAME+vnni` builds with -mavx512f/vl/bw/vnni added (AVX-512
 VNNI integer dots, 32 vector registers); `NAME@huge` runs NAME on copies of the weights in
 transparent huge pages (picompile.runtime.memory, as compile places them), the others on copies
-in the allocator's ordinary 4 KB pages. Kernels run in alternating order within each round
+in the allocator's ordinary 4 KB pages. `rows` (`rows:PF=2`: software prefetch 2 candidates
+ahead) is no kernel: benchmarks/row_reader.c reads the very rows the kernel reads and only
+XORs them, so its GB/s is what that access pattern gets from memory on these threads. Kernels run in alternating order within each round
 (A B A B ...) so that other processes' load hits all alike; each kernel's output is checked
 against the first one's. Printed: the streaming-read probe before and after, and the share of
 CPU time other processes used. On a machine other processes keep busy, set
@@ -75,6 +77,20 @@ def kernel_source(v: c_codegen.Variant, spec: str, base: str) -> str:
     elif name != "new":
         raise SystemExit(f"unknown kernel {spec!r}: base or new, with :K=V knobs")
     return src
+
+
+def is_reader(spec: str) -> bool:
+    """`rows` (benchmarks/row_reader.c): the same rows read with no arithmetic."""
+    return spec.partition(":")[0].removesuffix("@huge") == "rows"
+
+
+def load_reader() -> ctypes.CDLL:
+    src = open(os.path.join(REPO, "benchmarks", "row_reader.c")).read()
+    lib = ctypes.CDLL(str(c_codegen.build_library(src, c_codegen.build_flags(), "row reader")))
+    lib.read_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    lib.read_rows.restype = None
+    return lib
 
 
 def load_kernel(v: c_codegen.Variant, spec: str, base: str) -> ctypes.CDLL:
@@ -173,17 +189,29 @@ def main() -> None:
               for k in ("w_gate", "w_up", "w_down_t")}
         subjects.append(Subject(fmt, ws, args.hot))
         del ws
-    libs = {(s.fmt, k): load_kernel(s.variant, k.removesuffix("@huge"), args.base)
+    reader = load_reader() if any(map(is_reader, args.kernels)) else None
+    libs = {(s.fmt, k): reader if is_reader(k) else
+            load_kernel(s.variant, k.removesuffix("@huge"), args.base)
             for s in subjects for k in args.kernels}
     for lib in libs.values():
-        lib.pic_set_num_threads(args.threads)
+        if lib is not reader:
+            lib.pic_set_num_threads(args.threads)
+    sink = ctypes.c_uint64(0)
 
     out = torch.empty(1, D)
     n_active = ctypes.c_int64(0)
 
-    def call(s: Subject, lib, mask: torch.Tensor, huge: bool = False) -> None:
+    def call(s: Subject, lib, mask: torch.Tensor, huge: bool = False, rows=None) -> None:
+        """One kernel call on the next copy of the weights; `rows` (cand, fired, pf): the row
+        reader's instead."""
         w = (s.huge if huge else s.copies)[s.i]
         s.i = (s.i + 1) % len(s.copies)
+        if rows is not None:
+            cand, fired, pf = rows
+            lib.read_rows(w["w_gate"].data_ptr(), w["w_up"].data_ptr(), w["w_down_t"].data_ptr(),
+                          s.gate_bytes, s.down_bytes, cand.data_ptr(), cand.numel(),
+                          fired.data_ptr(), pf, ctypes.byref(sink))
+            return
         lib.ffn(x.data_ptr(), 1, D, N_FF, w["w_gate"].data_ptr(), w["w_up"].data_ptr(),
                 w["w_down_t"].data_ptr(), None, None, None, None, N_FF,
                 None if mask is None else mask.data_ptr(), 0.0,
@@ -196,16 +224,23 @@ def main() -> None:
             mask = candidates(fires, p, gen)
             m = N_FF if mask is None else int(mask.sum())
             fired = int(fires.sum()) if mask is None else int((mask[0] & fires).sum())
+            cand = (torch.arange(N_FF) if mask is None else mask[0].nonzero().flatten()).int()
+            chosen = fires if mask is None else mask[0] & fires
+            rows = {k: (cand, chosen.to(torch.uint8),
+                        int(dict(kv.split("=") for kv in k.partition(":")[2].removesuffix(
+                            "@huge").split(",") if kv).get("PF", 0)))
+                    for k in args.kernels if is_reader(k)}
             outs = []
-            for k in args.kernels:
+            kernels = [k for k in args.kernels if not is_reader(k)]
+            for k in kernels:
                 call(s, libs[(s.fmt, k)], mask, k.endswith("@huge"))
                 outs.append(out.clone())
                 assert abs(n_active.value - fired) <= 2, (k, n_active.value, fired)
-            for k, o in zip(args.kernels[1:], outs[1:]):
+            for k, o in zip(kernels[1:], outs[1:]):
                 err = float((o - outs[0]).abs().max())
                 assert err <= 1e-4 * float(outs[0].abs().max()) + 1e-5, (k, err)
             nbytes = m * s.gate_bytes + fired * (s.gate_bytes + s.down_bytes)
-            configs.append(dict(s=s, p=p, mask=mask, m=m, fired=fired, bytes=nbytes,
+            configs.append(dict(s=s, p=p, mask=mask, m=m, fired=fired, bytes=nbytes, rows=rows,
                                 times={k: [] for k in args.kernels}))
 
     for r in range(args.rounds):
@@ -213,11 +248,11 @@ def main() -> None:
             order = args.kernels if r % 2 == 0 else args.kernels[::-1]
             for k in order:
                 lib = libs[(cfg["s"].fmt, k)]
-                huge = k.endswith("@huge")
-                call(cfg["s"], lib, cfg["mask"], huge)  # warm
+                huge, rows = k.endswith("@huge"), cfg["rows"].get(k)
+                call(cfg["s"], lib, cfg["mask"], huge, rows)  # warm
                 for _ in range(args.calls):
                     t0 = time.perf_counter()
-                    call(cfg["s"], lib, cfg["mask"], huge)
+                    call(cfg["s"], lib, cfg["mask"], huge, rows)
                     cfg["times"][k].append(time.perf_counter() - t0)
 
     print("| weights | density | candidates | fired | MB read | kernel | us | GB/s | best GB/s "
