@@ -59,18 +59,26 @@ def planned_ffn_formats(ffns: dict, fmt: str | None, gguf_path=None) -> dict[str
     projection's format in the file at `gguf_path`."""
     if fmt is None:
         return {}
-    file_formats = gguf_weights.formats(gguf_path) if fmt == "gguf" else None
+    file_format = gguf_weights.formats(gguf_path).get if fmt == "gguf" else None
     out = {}
     for name, ffn in ffns.items():
-        if quant.why_not_quantizable((ffn.n_ff, ffn.d_model)) is not None:
-            continue
-        block_fmt = fmt
-        if file_formats is not None:
-            block_fmt = file_formats.get(_module_names(ffn).get("up", ""))
-            if block_fmt is None:
-                continue
-        out[name] = ffn_formats(block_fmt)
+        block_fmt, _ = _block_format(ffn, fmt, file_format)
+        if block_fmt is not None:
+            out[name] = ffn_formats(block_fmt)
     return out
+
+
+def _block_format(ffn, fmt: str, file_format=None) -> tuple[str | None, str | None]:
+    """(the format `fmt` stores the block's gate / up rows in, None) or (None, why it stays
+    float): the one rule for planned_ffn_formats and quantize_ffns. file_format(module name) ->
+    the GGUF file's format of that tensor or None (fmt "gguf": the block's up projection's)."""
+    why = quant.why_not_quantizable((ffn.n_ff, ffn.d_model))
+    if why is not None:
+        return None, why
+    if file_format is None:
+        return fmt, None
+    block_fmt = file_format(_module_names(ffn).get("up", ""))
+    return (block_fmt, None) if block_fmt is not None else (None, "float in the GGUF file")
 
 
 def _module_names(ffn) -> dict[str, str]:
@@ -217,14 +225,13 @@ def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None,
     -> notes on the blocks that stay float, and why, and on the down rows' format."""
     notes = []
     requantized_down = 0  # blocks whose 4-bit down rows went to q8_0
+    def file_format(module: str) -> str | None:  # the file's blocks hold its quantized tensors
+        blocks = file_blocks.get(module)
+        return None if blocks is None else blocks.fmt
+
     for name, ffn in ffns.items():
-        why = quant.why_not_quantizable((ffn.n_ff, ffn.d_model))
         modules = _module_names(ffn)
-        block_fmt = fmt
-        if file_blocks is not None:
-            up = file_blocks.get(modules.get("up", ""))
-            block_fmt = up.fmt if up is not None else None
-            why = why or (None if up is not None else "float in the GGUF file")
+        block_fmt, why = _block_format(ffn, fmt, file_format if file_blocks is not None else None)
         if why is not None:
             notes.append(f"{name}: stays {str(ffn.w_up.dtype).removeprefix('torch.')}: {why}")
             continue
