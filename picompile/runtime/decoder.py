@@ -21,6 +21,9 @@ against the model's own forward, since a look-alike (an offset norm, scaled embe
 logits) has the same modules. The compiler uses the decoder only when both pass, and says why
 not otherwise.
 
+The structure checks (`Stack`) are shared with runtime/device_decoder.py, the decode step of a
+model split across a GPU and the CPU; `build(model)` picks the one that runs the model.
+
 Binding: the struct holds raw pointers into the kernels' tensors. `key(model)` names what they
 were taken from (each kernel object, predictor switch, threshold); the owner (CompiledModel)
 keeps the key it built with and rebuilds the decoder when it changes (a dtype change re-selects every kernel, `use_predictors` flips a switch).
@@ -224,15 +227,9 @@ class Stack:
             formats |= {getattr(lin, "qformat", None) for lin in linears.values()} | {ffn.qformat}
         return bool(formats & quant.INT8_ACTIVATIONS)
 
-    def flush_stats(self, steps: int) -> None:
-        """Add what `steps` decode steps computed to each block's statistics, as the per-module
-        path counts them per call: active (token, neuron) pairs, and n_ff pairs per token."""
-        for (_, _, ffn), n in zip(self.layers, self.n_active.tolist()):
-            ffn.active_pairs += n
-            ffn.total_pairs += steps * ffn.n_ff
-        self.reset_counts()
-
     def reset_counts(self) -> None:
+        """Forget the active pairs counted since the last flush_stats (each decoder keeps them
+        in `n_active`, one count per layer)."""
         self.n_active.zero_()
 
 
@@ -252,6 +249,14 @@ class Decoder(Stack):
 
     def describe(self) -> str:
         return "picompile decoder (kernels/decoder.c, one C call per token)"
+
+    def flush_stats(self, steps: int) -> None:
+        """Add what `steps` decode steps computed to each block's statistics, as the per-module
+        path counts them per call: active (token, neuron) pairs, and n_ff pairs per token."""
+        for (_, _, ffn), n in zip(self.layers, self.n_active.tolist()):
+            ffn.active_pairs += n
+            ffn.total_pairs += steps * ffn.n_ff
+        self.reset_counts()
 
     # ---- binding ------------------------------------------------------------------------
     def _linear(self, lin: DenseLinear | QuantLinear) -> native.Linear:
