@@ -502,6 +502,24 @@ def test_quantize_refuses_what_must_stay_float_and_keeps_or_requantizes():
     torch.testing.assert_close(ffn(x), ffn.forward_native(x)[0], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_quantize_takes_blocks_chosen_elsewhere(fmt):
+    """quantize_(blocks=): rows given in GGUF's layout (GPTQ's, a file's) are stored as given
+    (gate / up in the dot layout), the others rounded to nearest; a malformed one is refused."""
+    ffn = float_module("gated", "silu", False, d=64, n_ff=16)
+    up, gate = ffn.w_up.detach().clone(), ffn.w_gate.detach().clone()
+    given = quant.quantize(torch.randn(16, 64), fmt)  # any valid blocks, not up's own
+    ffn.quantize_(fmt, "q8_0", blocks={"w_up": given})
+    assert torch.equal(ffn.row_blocks("w_up"), given)
+    assert not torch.equal(given, quant.quantize(up, fmt))
+    assert torch.equal(ffn.row_blocks("w_gate"), quant.quantize(gate, fmt))  # to nearest
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(ffn(x), ffn.forward_native(x)[0], rtol=1e-4, atol=1e-4)
+    other = float_module("gated", "silu", False, d=64, n_ff=16)
+    with pytest.raises(ValueError, match="blocks given as"):
+        other.quantize_(fmt, "q8_0", blocks={"w_gate": given[:8]})
+
+
 def test_float16_block_quantizes_and_dtype_changes_keep_the_kernel():
     ffn = float_module("gated", "silu", True, d=96, n_ff=40, dtype=torch.float16)
     ffn.quantize_("q4_0")
