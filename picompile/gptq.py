@@ -77,8 +77,9 @@ def _searched_scales(blocks: torch.Tensor, a: torch.Tensor, fmt: str
         mx = blocks.gather(-1, imax)  # [R, 1] the signed value of largest magnitude
         steps = torch.arange(-9, 10, dtype=torch.float32)[:, None, None]  # [S, 1, 1]
         iscale = torch.where(mx == 0, 0, -(8 + 0.1 * steps) / mx)  # [S, R, 1]
-        lv = torch.round(iscale * x).clamp(-8, 7)  # [S, R, 32]
-        sxl, sll = (a * x * lv).sum(-1), (a * lv * lv).sum(-1)  # [S, R]
+        lv = (iscale * x).round_().clamp_(-8, 7)  # [S, R, 32]
+        sxl = ((a * x) * lv).sum(-1)  # [S, R]; in place where it can, the same arithmetic
+        sll = (a * lv).mul_(lv).sum(-1)
         score = torch.where(sll > 0, sxl * sxl / sll.clamp_min(1e-30), -1)
         best = score.argmax(0, keepdim=True)  # [1, R]
         d = (sxl.gather(0, best) / sll.gather(0, best).clamp_min(1e-30))[0, :, None]
@@ -88,14 +89,15 @@ def _searched_scales(blocks: torch.Tensor, a: torch.Tensor, fmt: str
         lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)  # [R, 1]
         steps = torch.arange(37, dtype=torch.float32)[:, None, None]
         iscale = torch.where(hi == lo, 0, (14.1 + 0.05 * steps) / (hi - lo))  # [S, R, 1]
-        lv = torch.round(iscale * (x - lo)).clamp(0, 15)
-        sw, sl, sll = a.sum(), (a * lv).sum(-1), (a * lv * lv).sum(-1)
-        sx, sxl = (a * x).sum(-1), (a * x * lv).sum(-1)
+        lv = (iscale * (x - lo)).round_().clamp_(0, 15)  # [S, R, 32]
+        alv, ax = a * lv, a * x
+        sw, sl, sx = a.sum(), alv.sum(-1), ax.sum(-1)
+        sll, sxl = alv.mul_(lv).sum(-1), (ax * lv).sum(-1)
         det = sw * sll - sl * sl
         ok = det > 0
         dd = torch.where(ok, (sw * sxl - sx * sl) / det.clamp_min(1e-30), 0)
         mm = torch.where(ok, (sll * sx - sl * sxl) / det.clamp_min(1e-30), 0)
-        err = (a * (dd[..., None] * lv + mm[..., None] - x) ** 2).sum(-1)
+        err = (a * (dd[..., None] * lv).add_(mm[..., None]).sub_(x).pow_(2)).sum(-1)
         err = torch.where(ok & (dd > 0), err, float("inf"))
         best = err.argmin(0, keepdim=True)
         d, m = dd.gather(0, best)[0, :, None], mm.gather(0, best)[0, :, None]
@@ -190,27 +192,31 @@ def _prepared(hessian, K: int, damp: float, act_order: bool) -> Prepared:
 def _run(wt: torch.Tensor, u: torch.Tensor, row) -> None:
     """The GPTQ loop over the input columns of a weight, held transposed as wt [K, O] (in
     place, float32; a column is a contiguous row; u [K, K], prepare()'s factor, in the same
-    order): row(j, rows [B', O] of its lazy batch from row j on, current) -> row j quantized
-    [O], where current(positions) gives rows not yet quantized as the updates so far leave
-    them; each row's error, scaled by the inverse factor, is taken off the rows after it
-    (within the batch at once, beyond it once per batch)."""
-    with _one_thread():
-        _batches(wt, u, row)
+    order): row(j, rows [B', O] of its lazy batch from row j on, current, wide) -> row j
+    quantized [O], where current(positions) gives rows not yet quantized as the updates so far
+    leave them; each row's error, scaled by the inverse factor, is taken off the rows after it
+    (within the batch at once, beyond it once per batch).
+    Threads: the per-row ops are small (a row of O values): on 2 cores shared with another
+    process, torch's two OpenMP threads made them 10-60x slower than one thread (measured), so
+    the loop runs on one. The lazy batch update (a matrix product) and what `row` does under
+    `wide()` (a block's scale search) run on torch's own count."""
+    n = torch.get_num_threads()
+    with _threads(1):
+        _batches(wt, u, row, lambda: _threads(n))
 
 
 @contextlib.contextmanager
-def _one_thread():
-    """The loop's ops are small (a row of O values): on 2 cores shared with another process,
-    torch's two OpenMP threads made them 10-60x slower than one thread (measured); one it is."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _threads(n: int):
+    """torch's OpenMP threads set to n within the block."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
     try:
         yield
     finally:
-        torch.set_num_threads(n)
+        torch.set_num_threads(old)
 
 
-def _batches(wt: torch.Tensor, u: torch.Tensor, row) -> None:
+def _batches(wt: torch.Tensor, u: torch.Tensor, row, wide) -> None:
     """_run's loop, lazy batch by lazy batch."""
     K = wt.shape[0]
     for i1 in range(0, K, BATCH):
@@ -228,10 +234,11 @@ def _batches(wt: torch.Tensor, u: torch.Tensor, row) -> None:
                     out[later] -= u[i1:i1 + i, pos[later]].T @ err[:i]
                 return out
 
-            q = row(i1 + i, w1[i:], current)
+            q = row(i1 + i, w1[i:], current, wide)
             torch.div(w1[i] - q, u1[i, i], out=err[i])  # [O]
             w1[i + 1:].addr_(u1[i, i + 1:], err[i], alpha=-1)
-        wt[i2:].addmm_(u[i1:i2, i2:].T, err, alpha=-1)
+        with wide():
+            wt[i2:].addmm_(u[i1:i2, i2:].T, err, alpha=-1)
 
 
 def quantize(w: torch.Tensor, fmt: str, hessian: torch.Tensor | Prepared, damp: float = DAMP,
@@ -266,14 +273,15 @@ def quantize(w: torch.Tensor, fmt: str, hessian: torch.Tensor | Prepared, damp: 
     D16, M16 = torch.empty(nb, O), torch.empty(nb, O)  # the scales as stored
     started = [False] * nb
 
-    def row(p, rest, current):
+    def row(p, rest, current, wide):
         j = int(perm[p])
         b = j // quant.BLOCK
         if not started[b]:  # the block's scales, from its 32 columns as they are now
             cols = slice(b * quant.BLOCK, (b + 1) * quant.BLOCK)
             vals = current(pos_of[cols]).T  # [O, 32]
             if search and fmt in quant.INT8_ACTIVATIONS:
-                d, inv, m = _searched_scales(vals, importance[cols], fmt)
+                with wide():  # [candidates, O, 32] at once: worth all threads
+                    d, inv, m = _searched_scales(vals, importance[cols], fmt)
             else:
                 d, inv, m = _scales(vals, fmt)  # [O, 1]
             D[b], INV[b], M[b] = d[:, 0], inv[:, 0], m[:, 0]
@@ -306,7 +314,7 @@ def quantize_transposed(wt: torch.Tensor, fmt: str, hessian: torch.Tensor | Prep
     Q = torch.empty(K, nb, quant.BLOCK)  # levels, down_t's layout
     D, M = torch.empty(K, nb), torch.empty(K, nb)
 
-    def row(j, rest, _current):
+    def row(j, rest, _current, _wide):
         blocks = rest[0].reshape(nb, quant.BLOCK)
         d, inv, m = _scales(blocks, fmt)
         q = _levels(blocks, inv, m, fmt)
