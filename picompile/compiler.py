@@ -280,8 +280,14 @@ def _hessians(captured: Captured, plan: Plan, ids, opts: Options):
         held = "per layer " if layers is not None else ""
         return quantize_pass.Rounding(skipped=f"GPTQ's Hessians would take {need / 2**30:.1f} GiB "
                                               f"{held}(more than {hessians_pass.MAX_BYTES >> 30} GiB)")
-    rounding = quantize_pass.Rounding(tokens=hessians_pass.calibration_rows(ids).numel())
+    tokens = hessians_pass.calibration_rows(ids).numel()
     targets = quantize_pass.gptq_targets(model, ffns, opts.quantize, linears=quantizes_linears(plan))
+    widths = [w.shape[0] if transposed else w.shape[1] for w, _, transposed in targets.values()]
+    if widths and tokens < min(widths):  # every weight too wide for GPTQ (Rounding.gather)
+        return quantize_pass.Rounding(skipped=f"{tokens} calibration tokens are fewer than the "
+                                              f"inputs of every weight (at least {min(widths)}); "
+                                              f"pass at least {max(widths)} for GPTQ on all")
+    rounding = quantize_pass.Rounding(tokens=tokens)
     done = None if layers is None else (lambda hessians: rounding.gather(hessians, targets))
     rest, _ = hessians_pass.collect(model, ffns, ids, quiet=opts.quiet, device=device,
                                     dtype=dtype, done=done)

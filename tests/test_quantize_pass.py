@@ -467,3 +467,18 @@ def test_gptq_leaves_weights_with_more_inputs_than_tokens_to_nearest():
     note = quantize_pass.rounding_note(rounding, n)
     assert "2 weights with more inputs than calibration tokens (up to 96)" in note
     assert "pass at least 96 calibration tokens" in note
+
+
+def test_too_few_calibration_tokens_for_every_weight_skip_the_hessians():
+    """Fewer tokens than any weight's inputs: no Hessians are gathered, every block is rounded to
+    nearest, and explain() says how many tokens GPTQ needs."""
+    dense = zoo.make("llama_silu", hidden=64, n_ff=96, layers=2)
+    ids = torch.randint(0, zoo.VOCAB, (1, 32), generator=torch.Generator().manual_seed(5))
+    cm = picompile.compile(copy.deepcopy(dense), quantize="q4_0", calibration=ids, quiet=True)
+    rtn = picompile.compile(copy.deepcopy(dense), quantize="q4_0", quiet=True)
+    assert cm.plan.quant_calibration_tokens == 0
+    text = picompile.explain(cm)
+    assert "32 calibration tokens are fewer than the inputs of every weight (at least 64)" in text
+    assert "pass at least 96 for GPTQ on all" in text
+    for (name, ffn), ffn_rtn in zip(cm.ffns().items(), rtn.ffns().values()):
+        assert torch.equal(ffn.w_up, ffn_rtn.w_up), name

@@ -195,11 +195,6 @@ def rounding_note(rounding: Rounding | None, tokens: int) -> str:
     """explain()'s line on how the blocks were chosen."""
     if rounding is not None and rounding.skipped:
         return f"blocks rounded to nearest (gguf's reference): {rounding.skipped}"
-    if rounding is not None and rounding.too_wide and not rounding.count:
-        widest = max(rounding.too_wide)
-        return (f"blocks rounded to nearest (gguf's reference): {tokens} calibration tokens are "
-                f"fewer than the inputs of every weight (up to {widest}); pass at least "
-                f"{widest} for GPTQ rounding")
     if rounding is None or not rounding.count:
         return ("blocks rounded to nearest (gguf's reference): pass calibration= or tokenizer= "
                 "for GPTQ rounding, calibrated on those tokens")
