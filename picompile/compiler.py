@@ -282,15 +282,17 @@ def _hessians(captured: Captured, plan: Plan, ids, opts: Options):
                                               f"{held}(more than {hessians_pass.MAX_BYTES >> 30} GiB)")
     tokens = hessians_pass.calibration_rows(ids).numel()
     targets = quantize_pass.gptq_targets(model, ffns, opts.quantize, linears=quantizes_linears(plan))
-    widths = [w.shape[0] if transposed else w.shape[1] for w, _, transposed in targets.values()]
-    if widths and tokens < min(widths):  # every weight too wide for GPTQ (Rounding.gather)
-        return quantize_pass.Rounding(skipped=f"{tokens} calibration tokens are fewer than the "
-                                              f"inputs of every weight (at least {min(widths)}); "
-                                              f"pass at least {max(widths)} for GPTQ on all")
     rounding = quantize_pass.Rounding(tokens=tokens)
+    rounding.too_wide = quantize_pass.too_wide(targets, tokens)
+    weights = len({id(w) for w, _, _ in targets.values()})
+    if weights and sum(rounding.too_wide.values()) == weights:  # none for GPTQ: no Hessians
+        widths = sorted(rounding.too_wide)
+        return quantize_pass.Rounding(skipped=f"{tokens} calibration tokens are fewer than the "
+                                              f"inputs of every weight (at least {widths[0]}); "
+                                              f"pass at least {widths[-1]} for GPTQ on all")
     done = None if layers is None else (lambda hessians: rounding.gather(hessians, targets))
     rest, _ = hessians_pass.collect(model, ffns, ids, quiet=opts.quiet, device=device,
-                                    dtype=dtype, done=done)
+                                    dtype=dtype, done=done, max_width=tokens)
     rounding.gather(rest, targets, quiet=opts.quiet)  # whole model: all; layer by layer: none
     plan.quant_calibration_tokens = rounding.tokens
     return rounding

@@ -458,11 +458,15 @@ def test_gptq_leaves_weights_with_more_inputs_than_tokens_to_nearest():
     cm = picompile.compile(zoo.make("llama_silu", hidden=64, n_ff=96, layers=2), quiet=True)
     model, ffns = cm._orig_mod, cm.ffns()
     ids = torch.randint(0, zoo.VOCAB, (5, 16), generator=torch.Generator().manual_seed(4))
+    targets = quantize_pass.gptq_targets(model, ffns, "q4_0")
     hessians, n = hessians_pass.collect(model, ffns, ids, quiet=True)
     rounding = quantize_pass.Rounding(tokens=n)  # 80: more than gate / up's 64 inputs, fewer
-    rounding.gather(hessians, quantize_pass.gptq_targets(model, ffns, "q4_0"))  # than down's 96
+    rounding.gather(hessians, targets)  # than down's 96
     assert {key.rsplit(".", 1)[1] for key in rounding.ready} == {"w_gate", "w_up"}
+    rounding.too_wide = quantize_pass.too_wide(targets, n)
     assert rounding.too_wide == {96: 2}  # each block's down rows
+    narrow, _ = hessians_pass.collect(model, ffns, ids, quiet=True, max_width=n)
+    assert set(narrow) == {key for key in hessians if not key.endswith("w_down_t")}
     rounding.count = 4
     note = quantize_pass.rounding_note(rounding, n)
     assert "2 weights with more inputs than calibration tokens (up to 96)" in note

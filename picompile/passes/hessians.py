@@ -60,12 +60,14 @@ def calibration_rows(ids: torch.Tensor, max_tokens: int = MAX_TOKENS) -> torch.T
 @torch.no_grad()
 def collect(model: nn.Module, ffns: dict[str, SparseFFN], ids: torch.Tensor, *,
             max_tokens: int = MAX_TOKENS, quiet: bool = False, device=None, dtype=None,
-            done=None) -> tuple[dict[str, torch.Tensor], int]:
+            done=None, max_width: int | None = None) -> tuple[dict[str, torch.Tensor], int]:
     """Run ids [batch, seq] (the first rows holding at most max_tokens tokens, at least one
     row) through the model with hooks on its FFN blocks and linear layers. -> ({weight key:
     H [K, K] float32 on the CPU}, tokens seen). device, dtype: as run_calibration's.
     done({weight key: H}): with a device (layer by layer), called with each decoder layer's
-    Hessians once they are complete, which are then not kept (nor returned)."""
+    Hessians once they are complete, which are then not kept (nor returned).
+    max_width: Hessians of more inputs than that are not gathered (GPTQ leaves such weights to
+    nearest where they are wider than the tokens: quantize.Rounding.gather)."""
     ids = calibration_rows(ids, max_tokens)
     n = ids.numel()
     sums: dict[str, torch.Tensor] = {}  # key -> sum of x^T x, on the activations' device
@@ -80,14 +82,20 @@ def collect(model: nn.Module, ffns: dict[str, SparseFFN], ids: torch.Tensor, *,
             sums[key] = x.T @ x
             owner[key] = id(module)
 
+    def wanted(width: int) -> bool:
+        return max_width is None or width <= max_width
+
     def on_ffn(name: str):
         def hook(ffn: SparseFFN, args, _out):
             x = args[0].reshape(-1, ffn.d_model)  # [T, d]
+            if wanted(ffn.d_model):
+                add(f"{name}.w_up", x, ffn)
+            if not wanted(ffn.n_ff):
+                return
             h = down_input(x, ffn.w_up, w_gate=ffn.w_gate, b_gate=ffn.b_gate, b_up=ffn.b_up,
                            act=ffn.act, drelu=ffn.drelu)  # [T, n_ff]
             if ffn.threshold is not None:
                 h = torch.where(h.abs() > ffn.threshold, h, torch.zeros_like(h))
-            add(f"{name}.w_up", x, ffn)
             add(f"{name}.w_down_t", h, ffn)
         return hook
 
@@ -99,7 +107,8 @@ def collect(model: nn.Module, ffns: dict[str, SparseFFN], ids: torch.Tensor, *,
                     aliases[name] = last["key"]
                 return
             last["x"], last["key"] = x, names[0]
-            add(names[0], x, lin)
+            if wanted(x.shape[-1]):
+                add(names[0], x, lin)
         return hook
 
     def finish(keys) -> dict[str, torch.Tensor]:

@@ -110,6 +110,17 @@ def gptq_targets(model: nn.Module, ffns: dict, fmt: str, linears: bool = True,
     return out
 
 
+def too_wide(targets: dict, tokens: int) -> dict[int, int]:
+    """{input width: weights} of the gptq_targets with more inputs than `tokens`: their Hessian
+    is singular and Rounding.gather leaves them to nearest."""
+    out: dict[int, int] = {}
+    for w in {id(w): (w, transposed) for w, _, transposed in targets.values()}.values():
+        width = w[0].shape[0] if w[1] else w[0].shape[1]
+        if width > tokens:
+            out[width] = out.get(width, 0) + 1
+    return out
+
+
 def _kept_head(model: nn.Module, fmt: str) -> nn.Module | None:
     """The LM head where `fmt` (4-bit) keeps it at HIGH_PRECISION (see the module doc)."""
     if fmt in FOUR_BIT and hasattr(model, "get_output_embeddings"):
@@ -129,6 +140,7 @@ class Rounding:
         self.skipped = skipped  # why there are no Hessians though calibration data was given
         self.count = 0  # weights given calibrated blocks
         self.too_wide: dict[int, int] = {}  # input width -> weights left to nearest (> tokens)
+        # (the caller's count: too_wide(targets, tokens); their Hessians need not be gathered)
         # key -> (format, transposed, blocks): GPTQ's, made by gather, until blocks() takes them
         self.ready: dict[str, tuple[str, bool, torch.Tensor]] = {}
 
@@ -154,9 +166,7 @@ class Rounding:
             weights: dict[int, torch.Tensor] = {}  # one weight under several keys: once
             for key in keys:
                 weights.setdefault(id(targets[key][0]), targets[key][0])
-            width = hessians[keys[0]].shape[0]
-            if self.tokens < width:
-                self.too_wide[width] = self.too_wide.get(width, 0) + len(weights)
+            if self.tokens < hessians[keys[0]].shape[0]:  # too wide: to nearest (too_wide)
                 continue
             prep = gptq.prepare(hessians[keys[0]], act_order=not transposed)
             if transposed:  # FFN down rows: one block's, each blocked along its own rows
