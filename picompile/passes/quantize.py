@@ -114,8 +114,9 @@ def too_wide(targets: dict, tokens: int) -> dict[int, int]:
     """{input width: weights} of the gptq_targets with more inputs than `tokens`: their Hessian
     is singular and Rounding.gather leaves them to nearest."""
     out: dict[int, int] = {}
-    for w in {id(w): (w, transposed) for w, _, transposed in targets.values()}.values():
-        width = w[0].shape[0] if w[1] else w[0].shape[1]
+    weights = {id(w): (w, transposed) for w, _, transposed in targets.values()}  # each once
+    for w, transposed in weights.values():
+        width = w.shape[0] if transposed else w.shape[1]  # down_t [n_ff, d]: n_ff inputs
         if width > tokens:
             out[width] = out.get(width, 0) + 1
     return out
