@@ -340,11 +340,17 @@ def _lower(captured: Captured, plan: Plan, gguf=None, rounding=None) -> Compiled
 
 
 def _notes(cm: CompiledModel, opts: Options) -> None:
-    """One line each for what the user may not expect: blocks left dense, predictors off."""
+    """One line each for what the user may not expect: blocks left dense, predictors off, a
+    model on a GPU without a budget."""
     blocks, ffns = cm.plan.blocks, cm.ffns()
     if not opts.sparsity and any(not b.exact for b in blocks):
         note(f"{sum(not b.exact for b in blocks)} of {len(blocks)} blocks are not ReLU "
              "and stay dense: pass sparsity= (e.g. 0.5) to skip their smallest activations", opts.quiet)
+    device = next((p.device for p in cm._orig_mod.parameters() if p.device.type != "cpu"), None)
+    if opts.budget is None and device is not None:
+        note(f"the model is on {device} and no gpu_budget was given: its FFN blocks run "
+             "PyTorch's reference path there, not picompile's kernels; pass gpu_budget= (up to "
+             "the GPU's free memory) for the CUDA kernels and the device decoder", opts.quiet)
     used = sum(f.predictor.enabled for f in ffns.values() if f.predictor is not None)
     if opts.mode == Mode.PREDICTED and used < len(ffns):
         note(f"predictors run in {used} of {len(ffns)} blocks; the others decode faster exact "

@@ -200,3 +200,10 @@ def test_decode_replays_cuda_graphs_and_equals_the_eager_segments(dtype, ffn_sha
     eager = cm.decoder()
     assert isinstance(eager, DeviceDecoder) and eager is not dec and eager.graphs is None
     assert torch.equal(cm.generate(ids, max_new_tokens=12, do_sample=False), got)
+
+
+def test_a_model_on_the_gpu_without_a_budget_says_how_to_run_the_kernels(capsys, monkeypatch):
+    monkeypatch.delenv("PICOMPILE_QUIET", raising=False)
+    cm = picompile.compile(_model(torch.float16, "llama_relu").cuda())
+    assert "no gpu_budget was given" in capsys.readouterr().err
+    assert cm.generate(torch.randint(0, zoo.VOCAB, (1, 4)).cuda(), max_new_tokens=3).shape == (1, 7)
