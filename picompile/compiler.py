@@ -267,20 +267,21 @@ def _hessians(captured: Captured, plan: Plan, ids, opts: Options):
     if opts.quantize not in quant.FORMATS or ids is None:
         return None
     model, ffns = captured.model, captured.ffns
+    tokens = hessians_pass.calibration_rows(ids).numel()  # Hessians wider than that: not held
     device, dtype = calibrate_pass.calibration_device(model)
     layers = None if device is None else calibrate_pass.decoder_layers(model)
-    if layers is None and hessians_pass.estimate_bytes(model, ffns) > hessians_pass.MAX_BYTES:
+    if layers is None and hessians_pass.estimate_bytes(model, ffns, max_width=tokens) > \
+            hessians_pass.MAX_BYTES:
         try:  # layer by layer where the model is, in its dtype
             layers = calibrate_pass.decoder_layers(model)
             device, dtype = next(model.parameters()).device, None
         except calibrate_pass.LayerwiseUnsupported:
             pass
-    need = hessians_pass.estimate_bytes(model, ffns, layers)
+    need = hessians_pass.estimate_bytes(model, ffns, layers, max_width=tokens)
     if need > hessians_pass.MAX_BYTES:
         held = "per layer " if layers is not None else ""
         return quantize_pass.Rounding(skipped=f"GPTQ's Hessians would take {need / 2**30:.1f} GiB "
                                               f"{held}(more than {hessians_pass.MAX_BYTES >> 30} GiB)")
-    tokens = hessians_pass.calibration_rows(ids).numel()
     targets = quantize_pass.gptq_targets(model, ffns, opts.quantize, linears=quantizes_linears(plan))
     rounding = quantize_pass.Rounding(tokens=tokens)
     rounding.too_wide = quantize_pass.too_wide(targets, tokens)

@@ -363,7 +363,7 @@ def test_gptq_too_large_for_memory_rounds_to_nearest_with_a_note(monkeypatch):
     assert 0 < hessians.estimate_bytes(dense, {}) < hessians.MAX_BYTES
     monkeypatch.setattr(hessians, "MAX_BYTES", 1)
     monkeypatch.setattr(hessians, "collect", lambda *a, **k: pytest.fail("Hessians gathered"))
-    ids = torch.randint(0, zoo.VOCAB, (2, 16))
+    ids = torch.randint(0, zoo.VOCAB, (4, 32))  # as many tokens as the widest weight's inputs
     cm = picompile.compile(copy.deepcopy(dense), quantize="q4_0", calibration=ids, quiet=True)
     assert any("rounded to nearest" in n and "would take" in n for n in cm.quant_notes)
     ffn = next(iter(cm.ffns().values()))
@@ -467,6 +467,8 @@ def test_gptq_leaves_weights_with_more_inputs_than_tokens_to_nearest():
     assert rounding.too_wide == {96: 2}  # each block's down rows
     narrow, _ = hessians_pass.collect(model, ffns, ids, quiet=True, max_width=n)
     assert set(narrow) == {key for key in hessians if not key.endswith("w_down_t")}
+    assert hessians_pass.estimate_bytes(model, ffns, max_width=n) == \
+        hessians_pass.estimate_bytes(model, ffns) - 2 * 4 * 96 * 96  # the memory guard too
     rounding.count = 4
     note = quantize_pass.rounding_note(rounding, n)
     assert "2 weights with more inputs than calibration tokens (up to 96)" in note

@@ -33,11 +33,12 @@ MAX_TOKENS = 16384  # calibration tokens the Hessians see (more cost time; BENCH
 MAX_BYTES = 2 << 30
 
 
-def estimate_bytes(model: nn.Module, ffns: dict[str, SparseFFN], layers=None) -> int:
+def estimate_bytes(model: nn.Module, ffns: dict[str, SparseFFN], layers=None,
+                   max_width: int | None = None) -> int:
     """An upper bound on what collect() holds: K x K float32 per FFN input and hidden layer and
-    per linear layer outside the blocks (q, k and v counted apart though they share one); with
-    `layers` (the decoder layers, collect run layer by layer with `done`), the most any one of
-    them holds."""
+    per linear layer outside the blocks (q, k and v counted apart though they share one), K up
+    to `max_width` as collect's; with `layers` (the decoder layers, collect run layer by layer
+    with `done`), the most any one of them holds."""
     linears: dict[int, list[str]] = {}
     _linears(model, "", linears, set())
     modules = {id(m): m for m in model.modules()}
@@ -46,7 +47,7 @@ def estimate_bytes(model: nn.Module, ffns: dict[str, SparseFFN], layers=None) ->
         inside = {id(m) for m in within.modules()}
         widths = [w for f in ffns.values() if id(f) in inside for w in (f.d_model, f.n_ff)]
         widths += [modules[i].in_features for i in linears if i in inside]
-        return sum(4 * k * k for k in widths)
+        return sum(4 * k * k for k in widths if max_width is None or k <= max_width)
 
     return held(model) if layers is None else max((held(layer) for layer in layers), default=0)
 
