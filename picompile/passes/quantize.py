@@ -164,11 +164,11 @@ class Rounding:
             return
         for (_, fmt, transposed), keys in progress_bar(groups.items(), desc="GPTQ", quiet=quiet,
                                                        total=len(groups)):
+            if self.tokens < hessians[keys[0]].shape[0]:  # too wide: to nearest (too_wide)
+                continue
             weights: dict[int, torch.Tensor] = {}  # one weight under several keys: once
             for key in keys:
                 weights.setdefault(id(targets[key][0]), targets[key][0])
-            if self.tokens < hessians[keys[0]].shape[0]:  # too wide: to nearest (too_wide)
-                continue
             prep = gptq.prepare(hessians[keys[0]], act_order=not transposed)
             if transposed:  # FFN down rows: one block's, each blocked along its own rows
                 made = {i: gptq.quantize_transposed(w, fmt, prep) for i, w in weights.items()}

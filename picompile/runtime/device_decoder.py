@@ -94,7 +94,7 @@ class DeviceDecoder(Stack):
         self.base = model.model
         self.ffns = [ffn for _, _, ffn in self.layers]
         self.predicted = [f.predictor is not None and f.predictor.enabled for f in self.ffns]
-        self.stages = [f.hybrid.staging(1) if f.hybrid.cold is not None else None for f in self.ffns]
+        self.stages = [f.hybrid.staging() if f.hybrid.cold is not None else None for f in self.ffns]
         L = len(self.layers)
         self.n_active = torch.zeros(L, dtype=torch.int64, device=self.device)  # hot side, [L]
         self.tok = torch.zeros(1, dtype=torch.long, device=self.device)  # the step's token
@@ -202,9 +202,6 @@ class DeviceDecoder(Stack):
         the next step). The KV cache holds positions 0..pos-1."""
         if not 0 <= pos < self.max_len:
             raise IndexError(f"position {pos} outside the reserved {self.max_len}")
-        if any(f.hybrid.staging(1) is not s for f, s in zip(self.ffns, self.stages) if s is not None):
-            raise RuntimeError("picompile: a hybrid block's staging changed under the decoder; "
-                               "build it again (CompiledModel.decoder())")
         self.tok.copy_(tokens.reshape(1))
         self.pos.fill_(pos)
         self._run()

@@ -108,7 +108,7 @@ class CudaHotKernel:
 
 
 class _Staging:
-    """Host buffers for one block's hand-offs (pinned on a GPU), grown to the largest T seen, and
+    """Host buffers for one block's hand-offs (pinned on a GPU), for up to `tokens` tokens, and
     the cold worker's job over them. `ready` turns 1 once x and the mask have landed: on a GPU
     a device-to-host copy queued behind theirs writes it, so the worker starts the moment they
     arrive, without the calling thread waiting."""
@@ -163,11 +163,12 @@ class HybridFFN:
         pointers into this block's buffers. A copy makes its own on first use."""
         return {**self.__dict__, "_staging": None}
 
-    def staging(self, tokens: int) -> _Staging:
-        """This block's hand-off buffers for up to `tokens` tokens: made once for 8 (every
-        decode and small batch), replaced only by a larger call."""
-        if self._staging is None or self._staging.x.shape[0] < tokens:
-            self._staging = _Staging(max(tokens, 8), self.d, self.n_ff - self.n_hot, self.cuda)
+    def staging(self) -> _Staging:
+        """This block's hand-off buffers, made once for KERNEL_MAX_TOKENS tokens (the most a
+        call hands to the cold worker) and never replaced: the device decoder's CUDA graphs
+        hold their addresses."""
+        if self._staging is None:
+            self._staging = _Staging(KERNEL_MAX_TOKENS, self.d, self.n_ff - self.n_hot, self.cuda)
         return self._staging
 
     def arm(self, T: int, predicted: bool) -> _Staging:
@@ -175,7 +176,10 @@ class HybridFFN:
         (with the predictor's mask or without); it spins until send()'s `ready` lands. The
         device work that sends may be queued before or after (a CUDA graph replayed next).
         -> the staging, for send() and receive()."""
-        stage = self.staging(T)
+        if T > KERNEL_MAX_TOKENS:
+            raise ValueError(f"picompile: the cold worker takes up to {KERNEL_MAX_TOKENS} tokens "
+                             f"a call, got {T}")
+        stage = self.staging()
         if stage.job is None:
             kernel = self.cold.kernel
             stage.job = cold_worker.Job(
