@@ -18,8 +18,8 @@ from picompile.runtime.decoder import Decoder
 from picompile.runtime.generate import cache_kwarg, generate
 from tests import zoo
 
-RUNS = ["llama_relu", "llama_silu", "mistral", "qwen2"]
-REFUSED = ["opt", "falcon", "gpt_neox", "gemma"]
+RUNS = ["llama_relu", "llama_silu", "mistral", "qwen2", "opt"]
+REFUSED = ["falcon", "gpt_neox", "gemma"]
 
 
 def _calibration(n=256, seed=0):
@@ -38,10 +38,13 @@ def _compile_kw(how: str) -> dict:
 
 def _model(arch, **sizes):
     model = zoo.make(arch, **sizes)
-    with torch.no_grad():  # random biases, so that the decoder's bias pointers are exercised
-        for name, p in model.named_parameters():
+    with torch.no_grad():  # random biases and norms, so that every pointer the decoder reads
+        for name, p in model.named_parameters():  # is exercised (LayerNorm's bias too)
+            gen = torch.Generator().manual_seed(len(name))
             if name.endswith(("_proj.bias", "lm_head.bias")):
-                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+                p.normal_(0, 0.5, generator=gen)
+            elif "norm" in name:
+                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.2, generator=gen)
     return model
 
 
@@ -80,7 +83,7 @@ def test_steps_equal_the_per_module_path(arch, how):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
-@pytest.mark.parametrize("arch", ["llama_relu", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama_relu", "qwen2", "opt"])
 def test_generate_matches_hugging_face_and_counts_neurons(arch):
     model = _model(arch)
     ref = copy.deepcopy(model)
@@ -112,6 +115,27 @@ def test_models_it_does_not_run_are_refused_with_a_reason(arch):
     ids = torch.randint(3, zoo.VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     torch.testing.assert_close(cm.generate(ids, **kw), ref.generate(ids, **kw), rtol=0, atol=0)
+
+
+def test_post_norm_opt_is_refused_with_a_reason():
+    model = zoo.make("opt")
+    model.config.do_layer_norm_before = False
+    for layer in model.model.decoder.layers:
+        layer.do_layer_norm_before = False
+    ref = copy.deepcopy(model)
+    cm = picompile.compile(model, quiet=True)
+    assert cm.decoder() is None and "post-norm" in cm.decoder_reason
+    ids = torch.randint(3, zoo.VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    torch.testing.assert_close(cm.generate(ids, **kw), ref.generate(ids, **kw), rtol=0, atol=0)
+
+
+def test_learned_positions_bound_the_positions_a_step_runs():
+    cm = picompile.compile(_model("opt"), quiet=True)
+    dec = cm.decoder()
+    n = cm.config.max_position_embeddings  # OPT's table: positions 0..n-1
+    assert dec.reserve(n) and dec.max_len == n
+    assert not dec.reserve(n + 1)
 
 
 def test_gemma_is_caught_by_the_numeric_check():
@@ -181,9 +205,10 @@ def test_key_names_the_bound_kernels():
     assert Decoder.key(cm._orig_mod) != key
 
 
+@pytest.mark.parametrize("arch", ["llama_silu", "opt"])
 @pytest.mark.parametrize("dtype", ["float16", torch.bfloat16])
-def test_compile_converts_the_weights_and_the_decoder_runs_them(dtype):
-    cm = picompile.compile(_model("llama_silu"), dtype=dtype, quiet=True)
+def test_compile_converts_the_weights_and_the_decoder_runs_them(arch, dtype):
+    cm = picompile.compile(_model(arch), dtype=dtype, quiet=True)
     want = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     assert {p.dtype for p in cm._orig_mod.parameters()} == {want}
     assert cm.decoder() is not None, cm.decoder_reason

@@ -338,7 +338,7 @@ def test_decoder_runs_quantized_linears(fmt):
                     QuantLinear.from_linear(getattr(layer.self_attn, name), fmt))
     dec = cm.decoder()
     assert dec is not None, cm.decoder_reason
-    assert all(isinstance(lin, QuantLinear) for _, lins, _ in dec.layers for lin in lins.values())
+    assert all(isinstance(lin, QuantLinear) for layer in dec.layers for lin in layer.linears.values())
     ids = torch.randint(3, zoo.VOCAB, (1, 16), generator=torch.Generator().manual_seed(1))
     want, got = _step_logits(cm, dec, ids, prompt=5)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))

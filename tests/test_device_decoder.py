@@ -38,7 +38,7 @@ def _ids(n=5, seed=1):
     return torch.randint(0, zoo.VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("arch", ["llama_relu", "llama_silu", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama_relu", "llama_silu", "qwen2", "mistral", "opt"])
 @pytest.mark.parametrize("shares", [(0.4,), (0.0,), (1.0,), (1.0, 0.3)])
 def test_split_model_decodes_through_the_device_decoder_as_dense(arch, shares):
     dense, cm = _split(arch, shares)
@@ -52,9 +52,10 @@ def test_split_model_decodes_through_the_device_decoder_as_dense(arch, shares):
     assert torch.equal(cm.generate(ids, max_new_tokens=10, do_sample=False), want)
 
 
-def test_float16_split_model_matches_its_own_forward():
+@pytest.mark.parametrize("arch", ["llama_relu", "opt"])
+def test_float16_split_model_matches_its_own_forward(arch):
     """The residual stream, norms and attention stay in the model's dtype, as HF's do."""
-    dense, cm = _split("llama_relu", (0.5,), dtype=torch.float16)
+    dense, cm = _split(arch, (0.5,), dtype=torch.float16)
     assert isinstance(cm.decoder(), DeviceDecoder), cm.decoder_reason
     ids = _ids(seed=3)
     # greedy through the device decoder against the per-module path (no decoder)

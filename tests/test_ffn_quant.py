@@ -765,8 +765,8 @@ def test_decoder_runs_quantized_blocks(fmt, down, arch, how):
     dec = cm.decoder()
     assert dec is not None, cm.decoder_reason
     assert dec is not before  # rebound to the quantized kernels
-    assert all((ffn.kernel.variant.dtype, ffn.kernel.variant.down_dtype) == (fmt, down)
-               for _, _, ffn in dec.layers)
+    assert all((layer.ffn.kernel.variant.dtype, layer.ffn.kernel.variant.down_dtype) == (fmt, down)
+               for layer in dec.layers)
     ids = torch.randint(3, zoo.VOCAB, (1, 16), generator=torch.Generator().manual_seed(1))
     want, got = _step_logits(cm, dec, ids, prompt=5)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))

@@ -1,5 +1,5 @@
 """The decoder-step C library (picompile/kernels/decoder.c): one decode token through a whole
-Llama-family decoder stack per call, glue (norms, RoPE, KV cache, attention) around picompile's
+pre-norm decoder stack (Llama family, OPT) per call, glue (norms, RoPE, KV cache, attention) around picompile's
 dense and sparse FFN kernels, which it calls through function pointers.
 
 One library for all models and dtypes (the weight-bearing kernels carry the dtype), built from
@@ -31,7 +31,8 @@ class FFN(ctypes.Structure):
 
 class Layer(ctypes.Structure):
     """pi_layer: one decoder layer's weights (by pointer) and KV cache."""
-    _fields_ = [("attn_norm", _vp), ("ffn_norm", _vp), ("q", Linear), ("k", Linear),
+    _fields_ = [("attn_norm", _vp), ("attn_norm_b", _vp), ("ffn_norm", _vp),
+                ("ffn_norm_b", _vp), ("q", Linear), ("k", Linear),
                 ("v", Linear), ("o", Linear), ("ffn", FFN), ("k_cache", _vp), ("v_cache", _vp),
                 ("qkv_fn", _vp)]
 
@@ -39,9 +40,10 @@ class Layer(ctypes.Structure):
 class Decoder(ctypes.Structure):
     """pi_decoder: the whole stack."""
     _fields_ = [("n_layers", _i64), ("d", _i64), ("n_heads", _i64), ("n_kv_heads", _i64),
-                ("head_dim", _i64), ("max_len", _i64), ("vocab", _i64), ("eps", _f32),
-                ("scale", _f32), ("rope_cos", _vp), ("rope_sin", _vp),
-                ("layers", ctypes.POINTER(Layer)), ("final_norm", _vp), ("lm_head", Linear),
+                ("head_dim", _i64), ("max_len", _i64), ("vocab", _i64), ("layer_norm", _i64),
+                ("eps", _f32), ("scale", _f32), ("rope_cos", _vp), ("rope_sin", _vp),
+                ("pos_embed", _vp), ("layers", ctypes.POINTER(Layer)), ("final_norm", _vp),
+                ("final_norm_b", _vp), ("lm_head", Linear),
                 ("n_active", _vp), ("work", _vp), ("mask", _vp)]
 
 

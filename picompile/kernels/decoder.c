@@ -1,16 +1,19 @@
-/* picompile decoder step: one decode token through a whole Llama-family decoder stack in one call.
- * Built by picompile/codegen/decoder.py with the flags of the other C kernels (c.build_flags()).
+/* picompile decoder step: one decode token through a whole pre-norm decoder stack in one call
+ * (Llama family, OPT). Built by picompile/codegen/decoder.py with the flags of the other C kernels
+ * (c.build_flags()).
  *
- * Per layer (pre-norm, as Hugging Face's LlamaDecoderLayer and its relatives):
- *     h = rmsnorm(x) * attn_norm
+ *     x += pos_embed[pos]          learned positions (OPT), where the model has them
+ * Per layer (pre-norm, as Hugging Face's LlamaDecoderLayer, OPTDecoderLayer and their relatives):
+ *     h = norm(x, attn_norm)       RMSNorm, or LayerNorm (with its bias) where layer_norm is set
  *     q, k, v = Wq h (+bq), Wk h (+bk), Wv h (+bv)          (GQA: n_kv_heads <= n_heads)
- *     rotate q, k by the rope tables at `pos` (rotate_half form: pairs i and i + head_dim/2)
+ *     rotate q, k by the rope tables at `pos` (rotate_half form: pairs i and i + head_dim/2),
+ *         where the model has them
  *     k, v -> the layer's cache at `pos`
  *     a[head] = softmax(scale * q[head] . K[kv(head)][0..pos]) V[kv(head)][0..pos]
  *     x += Wo a (+bo)
- *     h = rmsnorm(x) * ffn_norm
+ *     h = norm(x, ffn_norm)
  *     x += ffn(h)                  the block's sparse FFN kernel (and its predictor, if any)
- * then  logits = W_lm (rmsnorm(x) * final_norm).
+ * then  logits = W_lm norm(x, final_norm).
  *
  * The weight-bearing work runs in picompile's other kernels, called through function pointers
  * the caller takes from their loaded libraries (so each keeps its own dtype, variant and build):
@@ -73,7 +76,9 @@ typedef struct {          /* the arguments of codegen/c.py's ffn() and predict()
 
 typedef struct {
     const float* attn_norm;  /* [d] */
+    const float* attn_norm_b;/* [d] LayerNorm bias, or NULL */
     const float* ffn_norm;   /* [d] */
+    const float* ffn_norm_b; /* [d] or NULL */
     pi_linear q, k, v, o;
     pi_ffn ffn;
     float* k_cache;          /* [n_kv_heads, max_len, head_dim] */
@@ -84,12 +89,15 @@ typedef struct {
 
 typedef struct {
     int64_t n_layers, d, n_heads, n_kv_heads, head_dim, max_len, vocab;
-    float eps;               /* RMSNorm epsilon */
+    int64_t layer_norm;      /* 0: RMSNorm, 1: LayerNorm (mean removed, bias added) */
+    float eps;               /* the norms' epsilon */
     float scale;             /* attention scores scale (head_dim ** -0.5 for Llama) */
-    const float* rope_cos;   /* [max_len, head_dim] */
+    const float* rope_cos;   /* [max_len, head_dim], or NULL: no rotary embedding */
     const float* rope_sin;   /* [max_len, head_dim] */
+    const float* pos_embed;  /* [max_len, d] learned position embeddings, or NULL */
     const pi_layer* layers;  /* [n_layers] */
     const float* final_norm; /* [d] */
+    const float* final_norm_b; /* [d] or NULL */
     pi_linear lm_head;
     int64_t* n_active;       /* [n_layers]: active neurons computed, accumulated per layer */
     float* work;             /* [pi_decoder_work_floats(m)] scratch */
@@ -105,12 +113,19 @@ int64_t pi_decoder_work_floats(const pi_decoder* m) {
     return 2 * m->d + 2 * qd + 2 * kvd + m->n_heads * m->max_len;
 }
 
-/* out [d] = x / sqrt(mean(x^2) + eps) * w, as HF's RMSNorm computes it in float32 */
-static void rmsnorm(const float* x, const float* w, int64_t d, float eps, float* out) {
+/* out [d] = x / sqrt(mean(x^2) + eps) * w, as HF's RMSNorm computes it in float32; with
+ * layer_norm, (x - mean(x)) / sqrt(var(x) + eps) * w + b as torch's LayerNorm (b may be NULL) */
+static void norm(const pi_decoder* m, const float* x, const float* w, const float* b, float* out) {
+    const int64_t d = m->d;
+    double mean = 0.0;
+    if (m->layer_norm) {
+        for (int64_t i = 0; i < d; ++i) mean += x[i];
+        mean /= (double)d;
+    }
     double ss = 0.0;
-    for (int64_t i = 0; i < d; ++i) ss += (double)x[i] * x[i];
-    const float r = 1.0f / sqrtf((float)(ss / (double)d) + eps);
-    for (int64_t i = 0; i < d; ++i) out[i] = x[i] * r * w[i];
+    for (int64_t i = 0; i < d; ++i) ss += ((double)x[i] - mean) * ((double)x[i] - mean);
+    const float r = 1.0f / sqrtf((float)(ss / (double)d) + m->eps), mu = (float)mean;
+    for (int64_t i = 0; i < d; ++i) out[i] = (x[i] - mu) * r * w[i] + (b ? b[i] : 0.0f);
 }
 
 static void linear(const pi_linear* l, const float* x, int64_t in_features, float* out) {
@@ -188,11 +203,10 @@ int pi_decoder_step(const pi_decoder* m, int64_t pos, float* x, float* logits) {
     float* k = att + qd;           /* [kvd] */
     float* v = k + kvd;            /* [kvd] */
     float* scores = v + kvd;       /* [n_heads, max_len] */
-    const float* cos = m->rope_cos + pos * hd;
-    const float* sin = m->rope_sin + pos * hd;
+    if (m->pos_embed) add(x, m->pos_embed + pos * d, d);
     for (int64_t l = 0; l < m->n_layers; ++l) {
         const pi_layer* L = m->layers + l;
-        rmsnorm(x, L->attn_norm, d, m->eps, h);
+        norm(m, x, L->attn_norm, L->attn_norm_b, h);
         if (L->qkv_fn) {
             const void* W[3] = {L->q.w, L->k.w, L->v.w};
             const void* B[3] = {L->q.b, L->k.b, L->v.b};
@@ -204,8 +218,10 @@ int pi_decoder_step(const pi_decoder* m, int64_t pos, float* x, float* logits) {
             linear(&L->k, h, d, k);
             linear(&L->v, h, d, v);
         }
-        rope(q, m->n_heads, hd, cos, sin);
-        rope(k, m->n_kv_heads, hd, cos, sin);
+        if (m->rope_cos) {
+            rope(q, m->n_heads, hd, m->rope_cos + pos * hd, m->rope_sin + pos * hd);
+            rope(k, m->n_kv_heads, hd, m->rope_cos + pos * hd, m->rope_sin + pos * hd);
+        }
         for (int64_t g = 0; g < m->n_kv_heads; ++g) {
             memcpy(L->k_cache + (g * m->max_len + pos) * hd, k + g * hd, (size_t)hd * sizeof(float));
             memcpy(L->v_cache + (g * m->max_len + pos) * hd, v + g * hd, (size_t)hd * sizeof(float));
@@ -214,7 +230,7 @@ int pi_decoder_step(const pi_decoder* m, int64_t pos, float* x, float* logits) {
         linear(&L->o, att, qd, y);
         add(x, y, d);
 
-        rmsnorm(x, L->ffn_norm, d, m->eps, h);
+        norm(m, x, L->ffn_norm, L->ffn_norm_b, h);
         const pi_ffn* f = &L->ffn;
         const uint8_t* mask = NULL;
         if (f->predict) {
@@ -230,7 +246,7 @@ int pi_decoder_step(const pi_decoder* m, int64_t pos, float* x, float* logits) {
         m->n_active[l] += n_active;
         add(x, y, d);
     }
-    rmsnorm(x, m->final_norm, d, m->eps, m->work);
+    norm(m, x, m->final_norm, m->final_norm_b, m->work);
     linear(&m->lm_head, m->work, d, logits);
     return 0;
 }

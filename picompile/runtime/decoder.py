@@ -1,4 +1,4 @@
-"""Decoder: picompile's decode step for Llama-family models, the whole stack in one C call.
+"""Decoder: picompile's decode step for pre-norm decoder stacks, the whole stack in one C call.
 
     dec = Decoder(model)              # raises Unsupported(why) for a model it does not run
     dec.reserve(max_len)              # KV cache (float32) and RoPE tables for max_len positions
@@ -12,10 +12,13 @@ norms, RoPE, the KV cache and attention itself and calls the very kernels the mo
 (DenseLinear's or QuantLinear's for q/k/v/o and the LM head, SparseFFN's and its Predictor's)
 through function pointers. Prefill stays batched in PyTorch, through the same modules.
 
-Which models: decoder stacks shaped like HF's LlamaForCausalLM (Llama, SmolLM, Mistral, Qwen2,
-...): pre-norm layers of exactly {input_layernorm, self_attn, post_attention_layernorm, mlp},
-RMSNorm, attention of exactly q/k/v/o projections (biases allowed, GQA) with rotate-half RoPE
-over the whole head, and an mlp that is one rewritten SparseFFN (with or without predictor).
+Which models (`Family`): decoder stacks shaped like HF's LlamaForCausalLM (Llama, SmolLM,
+Mistral, Qwen2, ...): pre-norm layers of exactly {input_layernorm, self_attn,
+post_attention_layernorm, mlp}, RMSNorm, attention of exactly q/k/v/o projections (biases
+allowed, GQA) with rotate-half RoPE over the whole head, and an mlp that is one rewritten
+SparseFFN (with or without predictor); and OPT's (pre-norm OPT: LayerNorm with biases, learned
+positions, the rewritten fc1 / fc2 block in the layer itself). Parallel-residual families
+(Falcon, GPT-NeoX, GPT-J, Phi) are refused.
 `Decoder(model)` checks the structure; `verify(model)` then checks the numbers, one decode step
 against the model's own forward, since a look-alike (an offset norm, scaled embeddings, capped
 logits) has the same modules. The compiler uses the decoder only when both pass, and says why
@@ -32,6 +35,7 @@ keeps the key it built with and rebuilds the decoder when it changes (a dtype ch
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -43,8 +47,6 @@ from picompile.codegen import decoder as native
 from picompile.runtime.dense_linear import DenseLinear, QuantLinear
 from picompile.runtime.sparse_ffn import SparseFFN
 
-_LAYER_PARTS = frozenset({"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"})
-_ATTN_PARTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
 VERIFY_TOKENS = 8  # the probe sequence of verify()
 # Largest logit difference allowed, relative to the largest logit. The model's forward rounds
 # activations to the weight dtype (the decoder keeps them in float32), and a neuron near a
@@ -61,15 +63,78 @@ class Unsupported(Exception):
     """The model is not one the decoder runs; the message says why (for explain())."""
 
 
-def _norm(mod: nn.Module, where: str) -> tuple[torch.Tensor, float]:
-    """(weight as float32 [d], eps) of an RMSNorm module."""
+@dataclass(frozen=True)
+class Norm:
+    """A pre-norm: the module the model runs (the device decoder calls it) and the float32
+    copies the C step reads."""
+    module: nn.Module
+    weight: torch.Tensor  # [d] float32
+    bias: torch.Tensor | None  # [d] float32: a LayerNorm's; None for RMSNorm
+    eps: float
+
+
+def _norm(mod: nn.Module, where: str, layer_norm: bool) -> Norm:
+    """An RMSNorm with a weight, or (layer_norm) a LayerNorm over the last dimension."""
+    if layer_norm:
+        if not isinstance(mod, nn.LayerNorm) or len(mod.normalized_shape) != 1:
+            raise Unsupported(f"{where} is a {type(mod).__name__}, not a LayerNorm")
+        d = mod.normalized_shape[0]
+        w = torch.ones(d) if mod.weight is None else mod.weight.detach()
+        b = None if mod.bias is None else mod.bias.detach().float().contiguous()
+        return Norm(mod, w.float().contiguous(), b, float(mod.eps))
     eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
     w = getattr(mod, "weight", None)
     if not type(mod).__name__.endswith("RMSNorm") or eps is None or not isinstance(w, torch.Tensor):
         raise Unsupported(f"{where} is a {type(mod).__name__}, not an RMSNorm with a weight")
     if mod._modules or len(list(mod.parameters())) != 1:
         raise Unsupported(f"{where} ({type(mod).__name__}) has more than a weight")
-    return w.detach().float().contiguous(), float(eps)
+    return Norm(mod, w.detach().float().contiguous(), None, float(eps))
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer as the decode steps read it."""
+    attn_norm: Norm
+    ffn_norm: Norm
+    linears: dict  # {"q_proj", "k_proj", "v_proj", "o_proj": the layer's linear modules}
+    ffn: SparseFFN
+    mlp: nn.Module  # what the layer calls on its normed FFN input: the block, or a wrapper of it
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where a family of Hugging Face causal LMs keeps the parts of its pre-norm decoder stack."""
+    name: str
+    stack: str  # the module holding embed_tokens and layers, under the causal LM
+    final_norm: str
+    attn_norm: str  # a layer's norm before self_attn
+    ffn_norm: str  # and before its FFN, the layer's one other part
+    out_proj: str  # the attention's output projection
+    layer_norm: bool  # LayerNorm (bias, mean removed) rather than RMSNorm
+    positions: str  # "rotary_emb" (RoPE, a module of the stack) or a learned positions embedding
+
+
+LLAMA = Family("Llama", "model", "norm", "input_layernorm", "post_attention_layernorm", "o_proj",
+               layer_norm=False, positions="rotary_emb")
+OPT = Family("OPT", "model.decoder", "final_layer_norm", "self_attn_layer_norm",
+             "final_layer_norm", "out_proj", layer_norm=True, positions="embed_positions")
+
+
+def family(model: nn.Module) -> Family:
+    """The family whose layout `model` claims (Unsupported for one the decoders do not run)."""
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind == "opt":
+        if not config.do_layer_norm_before:
+            raise Unsupported("OPT with post-norm layers (do_layer_norm_before=False)")
+        base = getattr(getattr(model, "model", None), "decoder", None)
+        if getattr(base, "project_in", None) is not None or getattr(base, "project_out", None):
+            raise Unsupported("OPT projects its embeddings in and out (word_embed_proj_dim)")
+        return OPT
+    if kind in ("falcon", "gpt_neox", "gptj", "phi"):
+        raise Unsupported(f"{type(model).__name__}: attention and FFN side by side (parallel "
+                          "residual), which the decoders do not run")
+    return LLAMA
 
 
 _LINEARS = (DenseLinear, QuantLinear)  # the dense kernel's modules: float or quantized weights
@@ -119,8 +184,8 @@ def _window(config) -> int | None:
 
 
 class Stack:
-    """A Llama-family decoder stack, its structure checked (Unsupported otherwise): what the
-    decode steps read from the model, this file's C one and runtime/device_decoder.py's.
+    """A pre-norm decoder stack (Family), its structure checked (Unsupported otherwise): what
+    the decode steps read from the model, this file's C one and runtime/device_decoder.py's.
     `linear_of(module, where)` and `ffn_of(mlp, where)` check (and return) a layer's linear
     modules and its FFN block as the step that runs them needs them. `prefills`: the decoder
     runs the prompt into its cache itself (`prefill`), else it copies the model's (`load_cache`)."""
@@ -130,22 +195,40 @@ class Stack:
     def __init__(self, model: nn.Module, linear_of, ffn_of):
         self.model = model
         config = getattr(model, "config", None)
-        base = getattr(model, "model", None)
+        if config is None:
+            raise Unsupported(f"{type(model).__name__} has no config")
+        self.family = fam = family(model)
+        try:
+            base = model.get_submodule(fam.stack)
+        except AttributeError:
+            base = None
         layers = getattr(base, "layers", None)
-        if config is None or not isinstance(layers, nn.ModuleList) or not len(layers):
-            raise Unsupported(f"{type(model).__name__} has no model.layers decoder stack")
-        for name in ("embed_tokens", "norm", "rotary_emb"):
+        if not isinstance(layers, nn.ModuleList) or not len(layers):
+            raise Unsupported(f"{type(model).__name__} has no {fam.stack}.layers decoder stack")
+        for name in ("embed_tokens", fam.final_norm, fam.positions):
             if getattr(base, name, None) is None:
-                raise Unsupported(f"{type(model).__name__}.model has no {name}")
+                raise Unsupported(f"{type(model).__name__}.{fam.stack} has no {name}")
         if not isinstance(base.embed_tokens, nn.Embedding):
-            raise Unsupported("model.embed_tokens is not an nn.Embedding")
+            raise Unsupported(f"{fam.stack}.embed_tokens is not an nn.Embedding")
+        self.base = base
         self.lm_head = linear_of(getattr(model, "lm_head", None), "lm_head")
-        self.final_norm, eps = _norm(base.norm, "model.norm")
+        self.final_norm = _norm(getattr(base, fam.final_norm), f"{fam.stack}.{fam.final_norm}",
+                                fam.layer_norm)
         self.embedding = base.embed_tokens.weight  # [vocab, d]
         self.vocab, self.d = self.embedding.shape
-        self.window = _window(config)
+        # Positions: RoPE (rope_tables), or a learned table [n, d] in the model's dtype.
+        self.learned_positions = None
+        limits = [_window(config)]
+        if fam.positions != "rotary_emb":
+            table = getattr(base, fam.positions)
+            if not isinstance(table, nn.Embedding):
+                raise Unsupported(f"{fam.stack}.{fam.positions} is not an nn.Embedding")
+            self.learned_positions = table.weight.detach()[getattr(table, "offset", 0):]
+            limits.append(len(self.learned_positions))
+        # The most positions a step can run (a sliding window, a table of learned positions).
+        self.max_positions = min((n for n in limits if n is not None), default=None)
 
-        self.layers = []  # per layer: (norms, linears, ffn)
+        self.layers: list[Layer] = []
         attn0 = layers[0].self_attn
         self.head_dim = int(getattr(attn0, "head_dim", 0))
         self.scale = getattr(attn0, "scaling", None)
@@ -160,33 +243,49 @@ class Stack:
                   "k_proj": (self.n_kv_heads * self.head_dim, self.d),
                   "v_proj": (self.n_kv_heads * self.head_dim, self.d),
                   "o_proj": (self.d, self.n_heads * self.head_dim)}
+        names = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj",
+                 "o_proj": fam.out_proj}  # ours: the family's
+        eps = self.final_norm.eps
         for i, layer in enumerate(layers):
-            where = f"model.layers.{i}"
-            if set(layer._modules) != _LAYER_PARTS:
+            where = f"{fam.stack}.layers.{i}"
+            parts = set(layer._modules)
+            frame = {fam.attn_norm, "self_attn", fam.ffn_norm}
+            if not frame < parts or len(parts) != len(frame) + 1:
                 raise Unsupported(f"{where} ({type(layer).__name__}) has the parts "
-                                  f"{sorted(layer._modules)}, not {sorted(_LAYER_PARTS)}")
+                                  f"{sorted(parts)}, not {sorted(frame)} and one FFN")
+            (mlp_name,) = parts - frame
             attn = layer.self_attn
-            if set(attn._modules) != _ATTN_PARTS:
+            if set(attn._modules) != set(names.values()):
                 raise Unsupported(f"{where}.self_attn has the parts {sorted(attn._modules)}")
             if getattr(attn, "head_dim", None) != self.head_dim or attn.scaling != self.scale:
                 raise Unsupported(f"{where}.self_attn: head_dim / scaling differ between layers")
             linears = {}
             for name, shape in shapes.items():
-                lin = linear_of(getattr(attn, name), f"{where}.self_attn.{name}")
+                theirs = names[name]
+                lin = linear_of(getattr(attn, theirs), f"{where}.self_attn.{theirs}")
                 if (lin.out_features, lin.in_features) != shape:
-                    raise Unsupported(f"{where}.self_attn.{name} is "
+                    raise Unsupported(f"{where}.self_attn.{theirs} is "
                                       f"{(lin.out_features, lin.in_features)}, not {shape}")
                 linears[name] = lin
-            (w_in, eps_in), (w_post, eps_post) = (
-                _norm(layer.input_layernorm, f"{where}.input_layernorm"),
-                _norm(layer.post_attention_layernorm, f"{where}.post_attention_layernorm"))
-            if eps_in != eps or eps_post != eps:
-                raise Unsupported("RMSNorm epsilons differ between layers")
-            ffn = ffn_of(layer.mlp, f"{where}.mlp")
+            norms = [_norm(getattr(layer, n), f"{where}.{n}", fam.layer_norm)
+                     for n in (fam.attn_norm, fam.ffn_norm)]
+            if any(n.eps != eps for n in norms):
+                raise Unsupported("norm epsilons differ between layers")
+            mlp = getattr(layer, mlp_name)
+            ffn = ffn_of(mlp, f"{where}.{mlp_name}")
             if ffn.d_model != self.d:
-                raise Unsupported(f"{where}.mlp has d={ffn.d_model}, the model {self.d}")
-            self.layers.append(((w_in, w_post), linears, ffn))
+                raise Unsupported(f"{where}.{mlp_name} has d={ffn.d_model}, the model {self.d}")
+            self.layers.append(Layer(*norms, linears, ffn, mlp))
         self.eps = eps
+
+    def fits(self, max_len: int) -> bool:
+        """Whether a step can run positions 0..max_len-1 (past a sliding window or a table of
+        learned positions it cannot)."""
+        return self.max_positions is None or max_len <= self.max_positions
+
+    def room(self, max_len: int) -> int:
+        """`max_len` within the positions a step can run."""
+        return max_len if self.max_positions is None else min(max_len, self.max_positions)
 
     @staticmethod
     def key(model: nn.Module) -> tuple:
@@ -215,7 +314,7 @@ class Stack:
         device = self.embedding.device
         pos = torch.arange(n, device=device).unsqueeze(0)  # [1, n]
         probe = torch.zeros(1, n, self.head_dim, device=device)
-        cos, sin = self.model.model.rotary_emb(probe, pos)
+        cos, sin = self.base.rotary_emb(probe, pos)
         if cos.shape[-1] != self.head_dim:
             raise Unsupported(f"RoPE over {cos.shape[-1]} of {self.head_dim} head dimensions")
         return (cos.reshape(n, -1).float().contiguous(), sin.reshape(n, -1).float().contiguous())
@@ -223,14 +322,20 @@ class Stack:
     def rounds_activations(self) -> bool:
         """Some layer's kernel reads its input rounded to int8 blocks (quant.INT8_ACTIVATIONS)."""
         formats = {getattr(self.lm_head, "qformat", None)}
-        for _, linears, ffn in self.layers:
-            formats |= {getattr(lin, "qformat", None) for lin in linears.values()} | {ffn.qformat}
+        for layer in self.layers:
+            formats |= {getattr(lin, "qformat", None) for lin in layer.linears.values()}
+            formats.add(layer.ffn.qformat)
         return bool(formats & quant.INT8_ACTIVATIONS)
 
     def reset_counts(self) -> None:
         """Forget the active pairs counted since the last flush_stats (each decoder keeps them
         in `n_active`, one count per layer)."""
         self.n_active.zero_()
+
+
+def _pointers(norm: Norm) -> tuple[int, int | None]:
+    """A norm's weight and bias (or None) for the C structs."""
+    return norm.weight.data_ptr(), None if norm.bias is None else norm.bias.data_ptr()
 
 
 class Decoder(Stack):
@@ -253,9 +358,9 @@ class Decoder(Stack):
     def flush_stats(self, steps: int) -> None:
         """Add what `steps` decode steps computed to each block's statistics, as the per-module
         path counts them per call: active (token, neuron) pairs, and n_ff pairs per token."""
-        for (_, _, ffn), n in zip(self.layers, self.n_active.tolist()):
-            ffn.active_pairs += n
-            ffn.total_pairs += steps * ffn.n_ff
+        for layer, n in zip(self.layers, self.n_active.tolist()):
+            layer.ffn.active_pairs += n
+            layer.ffn.total_pairs += steps * layer.ffn.n_ff
         self.reset_counts()
 
     # ---- binding ------------------------------------------------------------------------
@@ -279,18 +384,19 @@ class Decoder(Stack):
 
     def reserve(self, max_len: int) -> bool:
         """Make room for positions 0..max_len-1 (KV cache, RoPE tables); False where the decoder
-        cannot run that many (past a sliding window)."""
-        if self.window is not None and max_len > self.window:
+        cannot run that many (Stack.fits)."""
+        if not self.fits(max_len):
             return False
         if max_len <= self.max_len:
             return True
-        max_len = max(max_len, 2 * self.max_len, 64)  # grow geometrically
-        if self.window is not None:
-            max_len = min(max_len, self.window)
+        max_len = self.room(max(max_len, 2 * self.max_len, 64))  # grow geometrically
         L, hd = len(self.layers), self.head_dim
         self.k_cache = torch.zeros(L, self.n_kv_heads, max_len, hd)  # float32
         self.v_cache = torch.zeros(L, self.n_kv_heads, max_len, hd)
-        self.cos, self.sin = self.rope_tables(max_len)
+        if self.learned_positions is None:
+            self.cos, self.sin = self.rope_tables(max_len)  # [max_len, head_dim] each
+        else:  # [n, d] float32 (the table itself where the model is float32)
+            self.pos_embed = self.learned_positions.float().contiguous()
         self.max_len = max_len
         self._bind()
         return True
@@ -298,22 +404,26 @@ class Decoder(Stack):
     def _bind(self) -> None:
         layers = (native.Layer * len(self.layers))()
         max_ff = 1
-        for i, ((w_in, w_post), lin, ffn) in enumerate(self.layers):
+        for i, layer in enumerate(self.layers):
+            lin = layer.linears
             qkv_libs = {lin[n].kernel.library_for(1) for n in ("q_proj", "k_proj", "v_proj")}
             layers[i] = native.Layer(
-                w_in.data_ptr(), w_post.data_ptr(), self._linear(lin["q_proj"]),
-                self._linear(lin["k_proj"]), self._linear(lin["v_proj"]),
-                self._linear(lin["o_proj"]), self._ffn(ffn), self.k_cache[i].data_ptr(),
-                self.v_cache[i].data_ptr(),  # q, k, v in one call where they share a library
+                *_pointers(layer.attn_norm), *_pointers(layer.ffn_norm),
+                self._linear(lin["q_proj"]), self._linear(lin["k_proj"]),
+                self._linear(lin["v_proj"]), self._linear(lin["o_proj"]), self._ffn(layer.ffn),
+                self.k_cache[i].data_ptr(), self.v_cache[i].data_ptr(),
+                # q, k, v in one call where they share a library
                 native.function_pointer(qkv_libs.pop().pi_dense_multi) if len(qkv_libs) == 1
                 else None)
-            max_ff = max(max_ff, ffn.n_ff)
+            max_ff = max(max_ff, layer.ffn.n_ff)
         self._mask = torch.empty(max_ff, dtype=torch.uint8)
+        rope = self.learned_positions is None
         s = native.Decoder(
             len(self.layers), self.d, self.n_heads, self.n_kv_heads, self.head_dim, self.max_len,
-            self.vocab, self.eps, self.scale, self.cos.data_ptr(), self.sin.data_ptr(), layers,
-            self.final_norm.data_ptr(), self._linear(self.lm_head), self.n_active.data_ptr(),
-            None, self._mask.data_ptr())
+            self.vocab, self.family.layer_norm, self.eps, self.scale,
+            self.cos.data_ptr() if rope else None, self.sin.data_ptr() if rope else None,
+            None if rope else self.pos_embed.data_ptr(), layers, *_pointers(self.final_norm),
+            self._linear(self.lm_head), self.n_active.data_ptr(), None, self._mask.data_ptr())
         self._work = torch.empty(int(self.lib.pi_decoder_work_floats(ctypes.byref(s))))
         s.work = self._work.data_ptr()
         self._layers, self._struct = layers, s  # kept alive: C reads them by pointer
@@ -323,11 +433,11 @@ class Decoder(Stack):
         """(library, its set-threads function, attribute remembering the count) of each C
         library a step runs, so that all use as many OpenMP threads as torch."""
         libs = {id(self.lib): (self.lib, self.lib.pi_decoder_set_num_threads, "_pi_dec_threads")}
-        dense = [self.lm_head] + [lin for _, linears, _ in self.layers for lin in linears.values()]
+        dense = [self.lm_head] + [lin for layer in self.layers for lin in layer.linears.values()]
         for lin in dense:
             lib = lin.kernel.library_for(1)
             libs[id(lib)] = (lib, lib.pi_set_num_threads, "_pi_threads")
-        for _, _, ffn in self.layers:
+        for ffn in (layer.ffn for layer in self.layers):
             kernels = [ffn.kernel]
             if ffn.predictor is not None and ffn.predictor.enabled:
                 kernels.append(ffn.predictor.kernel)
@@ -379,14 +489,15 @@ def verify(model: nn.Module, decoder: Stack) -> None:
     ids = ids.to(decoder.embedding.device)
     # The probe is not the user's run: every count it adds (each block's, and each side's of a
     # block split across a GPU) is put back.
-    counted = [m for _, _, f in decoder.layers
+    counted = [m for f in (layer.ffn for layer in decoder.layers)
                for m in (f, *((f.hybrid.hot, f.hybrid.cold) if f.hybrid is not None else ()))
                if m is not None]
     stats = [(m.active_pairs, m.total_pairs) for m in counted]
     try:
         want = model(ids, use_cache=False).logits[0, -1].float()  # [vocab]
         if not decoder.reserve(n):
-            raise Unsupported("sliding window shorter than the probe")
+            raise Unsupported(f"room for {decoder.max_positions} positions, fewer than the "
+                              "probe's")
         if decoder.prefills:  # its own prefill, checked against the forward on the prompt
             prompt_want = model(ids[:, :-1], use_cache=False).logits[0, -1].float()
             err = float((decoder.prefill(ids[:, :-1])[0] - prompt_want).abs().max())

@@ -1,4 +1,5 @@
-"""DeviceDecoder: picompile's decode step for a Llama-family model split across a GPU and the CPU.
+"""DeviceDecoder: picompile's decode step for a pre-norm decoder stack (Llama family, OPT) split
+across a GPU and the CPU.
 
     dec = DeviceDecoder(model)        # model distributed (runtime/hybrid.distribute); Unsupported
     dec.reserve(max_len)              # static KV cache and RoPE tables on the device
@@ -85,14 +86,13 @@ class DeviceDecoder(Stack):
     def __init__(self, model: nn.Module):
         super().__init__(model, _linear_of, _hybrid_ffn_of)
         self.device, self.dtype = self.embedding.device, self.embedding.dtype
-        inside = {id(p) for _, _, ffn in self.layers for p in ffn.parameters()}
+        inside = {id(p) for layer in self.layers for p in layer.ffn.parameters()}
         stray = [n for n, p in model.named_parameters()
                  if id(p) not in inside and p.device != self.device]
         if stray:
             raise Unsupported(f"{stray[0]} is on another device than the embedding "
                               f"({self.device})")
-        self.base = model.model
-        self.ffns = [ffn for _, _, ffn in self.layers]
+        self.ffns = [layer.ffn for layer in self.layers]
         self.predicted = [f.predictor is not None and f.predictor.enabled for f in self.ffns]
         self.stages = [f.hybrid.staging() if f.hybrid.cold is not None else None for f in self.ffns]
         L = len(self.layers)
@@ -123,7 +123,15 @@ class DeviceDecoder(Stack):
 
     # ---- the step's pieces (device work only: capturable) --------------------------------
     def _embed(self) -> None:
-        self.x = self.embedding.index_select(0, self.tok)  # [1, d], the model's dtype
+        self.x = self._embedded(self.tok, self.pos)  # [1, d], the model's dtype
+
+    def _embedded(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """tokens [T] at positions pos [T] (device) -> [T, d]: their embeddings, plus learned
+        positions where the model has them."""
+        x = self.embedding.index_select(0, tokens)
+        if self.learned_positions is not None:
+            x = x + self.learned_positions.index_select(0, pos)
+        return x
 
     def _attention(self, i: int) -> None:
         self.x = self.x + self._attend(i, self.x, self.pos)
@@ -132,15 +140,17 @@ class DeviceDecoder(Stack):
         """Layer i's attention sublayer for x [T, d] at positions pos [T] (device): their keys
         and values written into the cache, each token attending to positions up to its own.
         -> [T, d], the model's dtype."""
-        layer, (_, lin, _) = self.base.layers[i], self.layers[i]
+        layer = self.layers[i]
+        lin = layer.linears
         H, KV, hd, T = self.n_heads, self.n_kv_heads, self.head_dim, x.shape[0]
-        h = layer.input_layernorm(x)  # [T, d]
+        h = layer.attn_norm.module(x)  # [T, d]
         q = lin["q_proj"](h).view(T, H, hd).transpose(0, 1).unsqueeze(0)  # [1, H, T, hd]
         k = lin["k_proj"](h).view(T, KV, hd).transpose(0, 1).unsqueeze(0)  # [1, KV, T, hd]
         v = lin["v_proj"](h).view(T, KV, hd).transpose(0, 1).unsqueeze(0)
-        cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)  # [T, hd]
-        q = q * cos + _rotate_half(q) * sin  # as HF's apply_rotary_pos_emb, in the model's dtype
-        k = k * cos + _rotate_half(k) * sin
+        if self.learned_positions is None:  # RoPE, as HF's apply_rotary_pos_emb, model's dtype
+            cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)  # [T, hd]
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
         self.k_cache[i].index_copy_(2, pos, k)  # [1, KV, max_len, hd]
         self.v_cache[i].index_copy_(2, pos, v)
         visible = self.positions.view(1, -1) <= pos.view(-1, 1)  # [T, max_len]
@@ -153,7 +163,7 @@ class DeviceDecoder(Stack):
         """Layer i's FFN input to the cold worker's staging (where it has cold rows) and its hot
         rows' kernels on the device; the hot output and count stay on the device."""
         ffn, hy = self.ffns[i], self.ffns[i].hybrid
-        h = self.base.layers[i].post_attention_layernorm(self.x)  # [1, d]
+        h = self.layers[i].ffn_norm.module(self.x)  # [1, d]
         predicted = ffn.predictor(h) if self.predicted[i] else None  # [1, n_ff] bool or None
         h = h.float()
         if self.stages[i] is not None:
@@ -173,7 +183,7 @@ class DeviceDecoder(Stack):
         self.x = self.x + out.to(self.dtype)
 
     def _head(self) -> None:
-        self.logits = self.lm_head(self.base.norm(self.x)).float()  # [1, vocab]
+        self.logits = self.lm_head(self.final_norm.module(self.x)).float()  # [1, vocab]
 
     # ---- running ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -217,32 +227,32 @@ class DeviceDecoder(Stack):
         if S > self.max_len:
             raise IndexError(f"{S} prompt positions, room for {self.max_len} (reserve first)")
         pos = torch.arange(S, device=self.device)
-        x = self.embedding.index_select(0, input_ids.reshape(S))  # [S, d]
-        for i, layer in enumerate(self.base.layers):
+        x = self._embedded(input_ids.reshape(S), pos)  # [S, d]
+        for i, layer in enumerate(self.layers):
             x = x + self._attend(i, x, pos)
-            x = x + layer.mlp(layer.post_attention_layernorm(x).unsqueeze(0))[0].to(self.dtype)
-        return self.lm_head(self.base.norm(x[-1:])).float()
+            x = x + layer.mlp(layer.ffn_norm.module(x).unsqueeze(0))[0].to(self.dtype)
+        return self.lm_head(self.final_norm.module(x[-1:])).float()
 
     def set_threads(self) -> None:
         """The cold worker sets its own OpenMP threads (hybrid.cold_threads)."""
 
     def reserve(self, max_len: int) -> bool:
         """Make room for positions 0..max_len-1 (static KV cache, RoPE tables; on a GPU the
-        step's graphs captured for them); False past a sliding window."""
-        if self.window is not None and max_len > self.window:
+        step's graphs captured for them); False where a step cannot run that many
+        (Stack.fits)."""
+        if not self.fits(max_len):
             return False
         if max_len <= self.max_len:
             return True
         # Up to a multiple of 64, not geometrically: on a GPU the cache is counted in the budget
         # (placement's max_context), and each growth captures the graphs again.
-        max_len = -(-max_len // 64) * 64
-        if self.window is not None:
-            max_len = min(max_len, self.window)
+        max_len = self.room(-(-max_len // 64) * 64)
         shape = (len(self.layers), 1, self.n_kv_heads, max_len, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        cos, sin = self.rope_tables(max_len)
-        self.cos, self.sin = cos.to(self.dtype), sin.to(self.dtype)
+        if self.learned_positions is None:
+            cos, sin = self.rope_tables(max_len)
+            self.cos, self.sin = cos.to(self.dtype), sin.to(self.dtype)
         self.positions = torch.arange(max_len, device=self.device)
         self.hot_out = [None] * len(self.layers)
         self.max_len = max_len
