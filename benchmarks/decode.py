@@ -6,19 +6,23 @@
 The random model is an OPT-style decoder (ReLU FFN with biases) whose fc1 biases are shifted per
 neuron so each fires on about `--density` of tokens, as trained ReLU LLMs do (OPT-6.7B: about
 10%). Its sizes are options; it fits in this machine's memory at the defaults.
+
+The last compiled variant runs twice: through picompile's whole-step decoder where it runs the
+model, and per module (PICOMPILE_DECODER=0), so the table shows what the decoder adds.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import platform
 import time
 
 import torch
 
 import picompile
-from picompile import corpus, models
+from picompile import config, corpus, models
 from picompile.timing import timed_generate
 
 
@@ -79,13 +83,18 @@ def main():
     runs = {"dense": dense}
     for label, kw in variants.items():
         runs[label] = picompile.compile(copy.deepcopy(dense), quiet=True, **kw)
+    per_module = f"{label}, per module"  # the last variant with its whole-step decoder off
+    runs[per_module] = runs[label]
 
     print(f"{name}; {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d', time.gmtime())}")
-    print("| run | decode tok/s (median of %d) | vs dense | FFN sparsity |" % args.repeats)
-    print("|---|---|---|---|")
+    print("| run | decode tok/s (median of %d) | vs dense | FFN sparsity | decode step |"
+          % args.repeats)
+    print("|---|---|---|---|---|")
     base = None
     for label, model in runs.items():
+        if label == per_module:
+            os.environ[config.DECODER_ENV] = "0"
         timed_generate(model, prompt, 4)  # warm-up: kernel builds, allocator
         if hasattr(model, "reset_stats"):
             model.reset_stats()
@@ -94,7 +103,11 @@ def main():
         tps = speeds[len(speeds) // 2]
         base = base or tps
         sp = model.sparsity() if hasattr(model, "sparsity") else None
-        print(f"| {label} | {tps:.2f} | {tps / base:.2f}x | {'-' if sp is None else f'{sp:.1%}'} |")
+        step = getattr(model, "decoder", lambda: None)()
+        path = "HF eager" if not hasattr(model, "decoder") else (
+            step.describe() if step is not None else "per module")
+        print(f"| {label} | {tps:.2f} | {tps / base:.2f}x | {'-' if sp is None else f'{sp:.1%}'} "
+              f"| {path} |")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,16 @@ def cold_threads_override() -> int | None:
     return int(value) if value.strip() else None
 
 
+# Set PICOMPILE_DECODER=0 to run each decode step through the model's modules (the per-module
+# path) instead of picompile's whole-step decoders (runtime/decoder.py, device_decoder.py): for
+# comparing the two, or bisecting.
+DECODER_ENV = "PICOMPILE_DECODER"
+
+
+def decoder_enabled() -> bool:
+    return os.environ.get(DECODER_ENV, "1").strip() not in ("0", "false", "no")
+
+
 # Set PICOMPILE_CUDA_GRAPHS=0 to run the GPU decode step's segments eagerly instead of replaying
 # them as CUDA graphs (runtime/device_decoder.py): for comparing the two, or debugging.
 CUDA_GRAPHS_ENV = "PICOMPILE_CUDA_GRAPHS"

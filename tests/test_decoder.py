@@ -174,6 +174,20 @@ def test_batches_and_padding_run_per_module():
     torch.testing.assert_close(cm.generate(ids, **kw), ref.generate(ids, **kw), rtol=0, atol=0)
 
 
+def test_switched_off_the_modules_run_each_step(monkeypatch):
+    model = _model("opt")
+    ref = copy.deepcopy(model)
+    cm = picompile.compile(model, quiet=True)
+    assert cm.decoder() is not None, cm.decoder_reason
+    monkeypatch.setenv("PICOMPILE_DECODER", "0")
+    assert cm.decoder() is None and "PICOMPILE_DECODER=0" in cm.decoder_reason
+    ids = torch.randint(3, zoo.VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    torch.testing.assert_close(cm.generate(ids, **kw), ref.generate(ids, **kw), rtol=0, atol=0)
+    monkeypatch.setenv("PICOMPILE_DECODER", "1")
+    assert cm.decoder() is not None  # switched on again: built again
+
+
 def test_reference_forced_has_no_decoder(monkeypatch):
     monkeypatch.setenv("PICOMPILE_REFERENCE", "1")
     cm = picompile.compile(_model("llama_relu"), quiet=True)

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from picompile import quant
-from picompile.config import cuda_graphs_enabled
+from picompile.config import DECODER_ENV, cuda_graphs_enabled, decoder_enabled
 from picompile.codegen import c as c_codegen
 from picompile.codegen import decoder as native
 from picompile.runtime.dense_linear import DenseLinear, QuantLinear
@@ -291,9 +291,9 @@ class Stack:
     def key(model: nn.Module) -> tuple:
         """What the bound pointers were taken from: every kernel (its generation), the predictor
         switches and thresholds, how each block is split across a GPU (and whether it times
-        its hand-offs: the per-module path does), the norms' and embedding's storage, the CUDA
-        graphs switch."""
-        parts = [cuda_graphs_enabled()]
+        its hand-offs: the per-module path does), the norms' and embedding's storage, the
+        decoder and CUDA graphs switches."""
+        parts = [decoder_enabled(), cuda_graphs_enabled()]
         for mod in model.modules():
             if isinstance(mod, (*_LINEARS, SparseFFN)):
                 parts.append(mod.kernel_generation)
@@ -534,6 +534,8 @@ def build(model: nn.Module) -> tuple[Stack | None, str]:
     differ by the neurons a predictor misses. The decoder returned runs the predictors."""
     from picompile.runtime.device_decoder import DeviceDecoder
 
+    if not decoder_enabled():
+        return None, f"switched off ({DECODER_ENV}=0): the modules run each step"
     preds = [m.predictor for m in model.modules()
              if isinstance(m, SparseFFN) and m.predictor is not None and m.predictor.enabled]
     hybrid = any(isinstance(m, SparseFFN) and m.hybrid is not None for m in model.modules())
