@@ -25,6 +25,10 @@ import picompile
 from picompile import config, corpus, models
 from picompile.timing import timed_generate
 
+# beside this script (python puts its folder first on sys.path)
+from machine import stream_probe
+from planted_cpu import picompile_bytes_per_token
+
 
 @torch.no_grad()
 def plant_density(model, density: float, ids: torch.Tensor) -> None:
@@ -59,7 +63,7 @@ def main():
     ap.add_argument("--density", type=float, default=0.1, help="planted firing rate per neuron")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--sparsity", type=float, default=0.5, help="threshold sparsity (SiLU models)")
-    ap.add_argument("--predicted", action="store_true", help="also predicted mode (SmolLM2)")
+    ap.add_argument("--predicted", action="store_true", help="also predicted mode")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
@@ -71,6 +75,9 @@ def main():
         name = (f"random OPT-style ReLU, d={args.hidden}, n_ff={args.ffn}, {args.layers} layers, "
                 f"planted density {args.density:.0%}, {args.dtype}")
         variants = {"exact": {}}
+        if args.predicted:  # predictors trained on random token ids (the model's own text)
+            calib = torch.randint(0, 8192, (8, 128), generator=torch.Generator().manual_seed(2))
+            variants["predicted"] = dict(mode="predicted", calibration=calib)
     else:
         dense, tok = models.load(None, dtype=dtype)
         prompt = corpus.token_batches(tok, "heldout", 32, seq_len=32)
@@ -88,9 +95,10 @@ def main():
 
     print(f"{name}; {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d', time.gmtime())}")
-    print("| run | decode tok/s (median of %d) | vs dense | FFN sparsity | decode step |"
-          % args.repeats)
-    print("|---|---|---|---|---|")
+    print(f"streaming read before: {stream_probe(5):.1f} GB/s")
+    print("| run | decode tok/s (median of %d) | vs dense | FFN sparsity | weight MB / token | "
+          "GB/s | decode step |" % args.repeats)
+    print("|---|---|---|---|---|---|---|")
     base = None
     for label, model in runs.items():
         if label == per_module:
@@ -103,11 +111,15 @@ def main():
         tps = speeds[len(speeds) // 2]
         base = base or tps
         sp = model.sparsity() if hasattr(model, "sparsity") else None
-        step = getattr(model, "decoder", lambda: None)()
-        path = "HF eager" if not hasattr(model, "decoder") else (
-            step.describe() if step is not None else "per module")
+        path, read = "HF eager", "- | -"
+        if hasattr(model, "decoder"):
+            step = model.decoder()
+            path = step.describe() if step is not None else "per module"
+            mb = picompile_bytes_per_token(model) / 1e6
+            read = f"{mb:.0f} | {mb * tps / 1e3:.1f}"
         print(f"| {label} | {tps:.2f} | {tps / base:.2f}x | {'-' if sp is None else f'{sp:.1%}'} "
-              f"| {path} |")
+              f"| {read} | {path} |")
+    print(f"streaming read after: {stream_probe(5):.1f} GB/s")
 
 
 if __name__ == "__main__":
