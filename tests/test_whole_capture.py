@@ -81,7 +81,7 @@ def test_exported_steps_equal_eager(arch, how):
         assert _count(program, "linear") == _lowered(cm) > 0
         assert "torch.ops.picompile.sparse_ffn" in program.graph_module.code
     # passes/step_graph.gqa_attention: the runnable graphs attend over the KV heads as cached
-    gqa = arch in ("llama_relu", "llama_silu", "mistral", "qwen2", "gemma")  # fewer KV heads
+    gqa = arch in ("llama_relu", "llama_silu", "mistral", "qwen2", "qwen3", "gemma")  # fewer KV heads
     assert steps.gqa_rewrites == {"decode": 2 * gqa, "prefill": 2 * gqa}
     assert steps._run["decode"].gm.code.count("enable_gqa = True") == 2 * gqa
     # never silently slower: the graph runs only where it timed faster, and explain says so

@@ -32,7 +32,8 @@ class FFN(ctypes.Structure):
 class Layer(ctypes.Structure):
     """pi_layer: one decoder layer's weights (by pointer) and KV cache."""
     _fields_ = [("attn_norm", _vp), ("attn_norm_b", _vp), ("ffn_norm", _vp),
-                ("ffn_norm_b", _vp), ("q", Linear), ("k", Linear),
+                ("ffn_norm_b", _vp), ("q_norm", _vp), ("k_norm", _vp), ("q", Linear),
+                ("k", Linear),
                 ("v", Linear), ("o", Linear), ("ffn", FFN), ("k_cache", _vp), ("v_cache", _vp),
                 ("qkv_fn", _vp)]
 

@@ -6,6 +6,7 @@
  * Per layer (pre-norm, as Hugging Face's LlamaDecoderLayer, OPTDecoderLayer and their relatives):
  *     h = norm(x, attn_norm)       RMSNorm, or LayerNorm (with its bias) where layer_norm is set
  *     q, k, v = Wq h (+bq), Wk h (+bk), Wv h (+bv)          (GQA: n_kv_heads <= n_heads)
+ *     q, k per head = rmsnorm(head, q_norm / k_norm)        where the model has them (Qwen3)
  *     rotate q, k by the rope tables at `pos` (rotate_half form: pairs i and i + head_dim/2),
  *         where the model has them
  *     k, v -> the layer's cache at `pos`
@@ -79,6 +80,8 @@ typedef struct {
     const float* attn_norm_b;/* [d] LayerNorm bias, or NULL */
     const float* ffn_norm;   /* [d] */
     const float* ffn_norm_b; /* [d] or NULL */
+    const float* q_norm;     /* [head_dim] RMSNorm of each query head, or NULL */
+    const float* k_norm;     /* [head_dim] and of each key head, or NULL */
     pi_linear q, k, v, o;
     pi_ffn ffn;
     float* k_cache;          /* [n_kv_heads, max_len, head_dim] */
@@ -114,18 +117,31 @@ int64_t pi_decoder_work_floats(const pi_decoder* m) {
 }
 
 /* out [d] = x / sqrt(mean(x^2) + eps) * w, as HF's RMSNorm computes it in float32; with
- * layer_norm, (x - mean(x)) / sqrt(var(x) + eps) * w + b as torch's LayerNorm (b may be NULL) */
-static void norm(const pi_decoder* m, const float* x, const float* w, const float* b, float* out) {
-    const int64_t d = m->d;
+ * layer_norm, (x - mean(x)) / sqrt(var(x) + eps) * w + b as torch's LayerNorm (b may be NULL).
+ * out may be x. */
+static void normalize(const float* x, int64_t d, int64_t layer_norm, float eps, const float* w,
+                      const float* b, float* out) {
     double mean = 0.0;
-    if (m->layer_norm) {
+    if (layer_norm) {
         for (int64_t i = 0; i < d; ++i) mean += x[i];
         mean /= (double)d;
     }
     double ss = 0.0;
     for (int64_t i = 0; i < d; ++i) ss += ((double)x[i] - mean) * ((double)x[i] - mean);
-    const float r = 1.0f / sqrtf((float)(ss / (double)d) + m->eps), mu = (float)mean;
+    const float r = 1.0f / sqrtf((float)(ss / (double)d) + eps), mu = (float)mean;
     for (int64_t i = 0; i < d; ++i) out[i] = (x[i] - mu) * r * w[i] + (b ? b[i] : 0.0f);
+}
+
+/* the model's norm of the residual stream x [d] */
+static void norm(const pi_decoder* m, const float* x, const float* w, const float* b, float* out) {
+    normalize(x, m->d, m->layer_norm, m->eps, w, b, out);
+}
+
+/* heads [n, hd] each RMS-normed in place by w [hd] (no-op for w NULL) */
+static void head_norm(const pi_decoder* m, float* heads, int64_t n, const float* w) {
+    if (!w) return;
+    for (int64_t h = 0; h < n; ++h)
+        normalize(heads + h * m->head_dim, m->head_dim, 0, m->eps, w, NULL, heads + h * m->head_dim);
 }
 
 static void linear(const pi_linear* l, const float* x, int64_t in_features, float* out) {
@@ -218,6 +234,8 @@ int pi_decoder_step(const pi_decoder* m, int64_t pos, float* x, float* logits) {
             linear(&L->k, h, d, k);
             linear(&L->v, h, d, v);
         }
+        head_norm(m, q, m->n_heads, L->q_norm);
+        head_norm(m, k, m->n_kv_heads, L->k_norm);
         if (m->rope_cos) {
             rope(q, m->n_heads, hd, m->rope_cos + pos * hd, m->rope_sin + pos * hd);
             rope(k, m->n_kv_heads, hd, m->rope_cos + pos * hd, m->rope_sin + pos * hd);

@@ -97,6 +97,7 @@ class Layer:
     attn_norm: Norm
     ffn_norm: Norm
     linears: dict  # {"q_proj", "k_proj", "v_proj", "o_proj": the layer's linear modules}
+    head_norms: tuple[Norm, Norm] | None  # RMSNorms of each query and key head (Qwen3), or None
     ffn: SparseFFN
     mlp: nn.Module  # what the layer calls on its normed FFN input: the block, or a wrapper of it
 
@@ -255,8 +256,15 @@ class Stack:
                                   f"{sorted(parts)}, not {sorted(frame)} and one FFN")
             (mlp_name,) = parts - frame
             attn = layer.self_attn
-            if set(attn._modules) != set(names.values()):
+            if set(attn._modules) - {"q_norm", "k_norm"} != set(names.values()):
                 raise Unsupported(f"{where}.self_attn has the parts {sorted(attn._modules)}")
+            head_norms = None
+            if {"q_norm", "k_norm"} & set(attn._modules):
+                head_norms = tuple(_norm(getattr(attn, n, None), f"{where}.self_attn.{n}", False)
+                                   for n in ("q_norm", "k_norm"))
+                if any(n.weight.shape != (self.head_dim,) or n.eps != eps for n in head_norms):
+                    raise Unsupported(f"{where}.self_attn: q_norm / k_norm are not RMSNorms "
+                                      f"over a head of {self.head_dim} with epsilon {eps}")
             if getattr(attn, "head_dim", None) != self.head_dim or attn.scaling != self.scale:
                 raise Unsupported(f"{where}.self_attn: head_dim / scaling differ between layers")
             linears = {}
@@ -275,7 +283,7 @@ class Stack:
             ffn = ffn_of(mlp, f"{where}.{mlp_name}")
             if ffn.d_model != self.d:
                 raise Unsupported(f"{where}.{mlp_name} has d={ffn.d_model}, the model {self.d}")
-            self.layers.append(Layer(*norms, linears, ffn, mlp))
+            self.layers.append(Layer(*norms, linears, head_norms, ffn, mlp))
         self.eps = eps
 
     def fits(self, max_len: int) -> bool:
@@ -409,6 +417,8 @@ class Decoder(Stack):
             qkv_libs = {lin[n].kernel.library_for(1) for n in ("q_proj", "k_proj", "v_proj")}
             layers[i] = native.Layer(
                 *_pointers(layer.attn_norm), *_pointers(layer.ffn_norm),
+                *(None, None) if layer.head_norms is None else
+                (layer.head_norms[0].weight.data_ptr(), layer.head_norms[1].weight.data_ptr()),
                 self._linear(lin["q_proj"]), self._linear(lin["k_proj"]),
                 self._linear(lin["v_proj"]), self._linear(lin["o_proj"]), self._ffn(layer.ffn),
                 self.k_cache[i].data_ptr(), self.v_cache[i].data_ptr(),

@@ -144,8 +144,11 @@ class DeviceDecoder(Stack):
         lin = layer.linears
         H, KV, hd, T = self.n_heads, self.n_kv_heads, self.head_dim, x.shape[0]
         h = layer.attn_norm.module(x)  # [T, d]
-        q = lin["q_proj"](h).view(T, H, hd).transpose(0, 1).unsqueeze(0)  # [1, H, T, hd]
-        k = lin["k_proj"](h).view(T, KV, hd).transpose(0, 1).unsqueeze(0)  # [1, KV, T, hd]
+        q, k = lin["q_proj"](h).view(T, H, hd), lin["k_proj"](h).view(T, KV, hd)
+        if layer.head_norms is not None:  # each head RMS-normed (Qwen3)
+            q, k = layer.head_norms[0].module(q), layer.head_norms[1].module(k)
+        q = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, hd]
+        k = k.transpose(0, 1).unsqueeze(0)  # [1, KV, T, hd]
         v = lin["v_proj"](h).view(T, KV, hd).transpose(0, 1).unsqueeze(0)
         if self.learned_positions is None:  # RoPE, as HF's apply_rotary_pos_emb, model's dtype
             cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)  # [T, hd]
