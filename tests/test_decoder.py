@@ -18,7 +18,7 @@ from picompile.runtime.decoder import Decoder
 from picompile.runtime.generate import cache_kwarg, generate
 from tests import zoo
 
-RUNS = ["llama_relu", "llama_silu", "mistral", "qwen2", "qwen3", "opt"]
+RUNS = ["llama_relu", "llama_silu", "mistral", "qwen2", "qwen3", "phi3", "opt"]
 REFUSED = ["falcon", "gpt_neox", "gemma"]
 
 
@@ -83,7 +83,7 @@ def test_steps_equal_the_per_module_path(arch, how):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
-@pytest.mark.parametrize("arch", ["llama_relu", "qwen2", "qwen3", "opt"])
+@pytest.mark.parametrize("arch", ["llama_relu", "qwen2", "qwen3", "phi3", "opt"])
 def test_generate_matches_hugging_face_and_counts_neurons(arch):
     model = _model(arch)
     ref = copy.deepcopy(model)

@@ -38,8 +38,8 @@ def _ids(n=5, seed=1):
     return torch.randint(0, zoo.VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("arch", ["llama_relu", "llama_silu", "qwen2", "qwen3", "mistral",
-                                  "opt"])
+@pytest.mark.parametrize("arch", ["llama_relu", "llama_silu", "qwen2", "qwen3", "phi3",
+                                  "mistral", "opt"])
 @pytest.mark.parametrize("shares", [(0.4,), (0.0,), (1.0,), (1.0, 0.3)])
 def test_split_model_decodes_through_the_device_decoder_as_dense(arch, shares):
     dense, cm = _split(arch, shares)

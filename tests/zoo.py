@@ -25,6 +25,9 @@ def hf_config(arch: str, hidden: int = 32, n_ff: int = 80, layers: int = 2):
         return T.MistralConfig(**c, intermediate_size=n_ff, num_key_value_heads=2)
     if arch == "qwen2":
         return T.Qwen2Config(**c, intermediate_size=n_ff, num_key_value_heads=2)
+    if arch == "phi3":  # q, k, v in one linear, gate and up in one
+        return T.Phi3Config(**c, intermediate_size=n_ff, num_key_value_heads=2, pad_token_id=0,
+                            bos_token_id=1, eos_token_id=2)
     if arch == "qwen3":  # RMSNorm over each query and key head
         return T.Qwen3Config(**c, intermediate_size=n_ff, num_key_value_heads=2, head_dim=8)
     if arch == "opt":
@@ -41,7 +44,8 @@ def hf_config(arch: str, hidden: int = 32, n_ff: int = 80, layers: int = 2):
     raise KeyError(arch)
 
 
-HF_ARCHS = ["llama_relu", "llama_silu", "mistral", "qwen2", "qwen3", "opt", "falcon", "gpt_neox", "gemma"]
+HF_ARCHS = ["llama_relu", "llama_silu", "mistral", "qwen2", "qwen3", "phi3", "opt", "falcon",
+            "gpt_neox", "gemma"]
 RELU_ARCHS = ["llama_relu", "opt", "tiny_gated_relu", "tiny_plain_relu", "tiny_drelu"]
 TINY_FFNS = ["tiny_plain_relu", "tiny_gated_relu", "tiny_drelu", "tiny_fused_silu"]
 ALL_ARCHS = HF_ARCHS + TINY_FFNS

@@ -6,6 +6,7 @@
  * Per layer (pre-norm, as Hugging Face's LlamaDecoderLayer, OPTDecoderLayer and their relatives):
  *     h = norm(x, attn_norm)       RMSNorm, or LayerNorm (with its bias) where layer_norm is set
  *     q, k, v = Wq h (+bq), Wk h (+bk), Wv h (+bv)          (GQA: n_kv_heads <= n_heads)
+ *         or [q; k; v] = Wqkv h (+bqkv) where the model fuses them (Phi-3)
  *     q, k per head = rmsnorm(head, q_norm / k_norm)        where the model has them (Qwen3)
  *     rotate q, k by the rope tables at `pos` (rotate_half form: pairs i and i + head_dim/2),
  *         where the model has them
@@ -82,7 +83,7 @@ typedef struct {
     const float* ffn_norm_b; /* [d] or NULL */
     const float* q_norm;     /* [head_dim] RMSNorm of each query head, or NULL */
     const float* k_norm;     /* [head_dim] and of each key head, or NULL */
-    pi_linear q, k, v, o;
+    pi_linear q, k, v, o;    /* k.fn NULL: q projects to [q; k; v] (qd + 2 kvd outputs) */
     pi_ffn ffn;
     float* k_cache;          /* [n_kv_heads, max_len, head_dim] */
     float* v_cache;          /* [n_kv_heads, max_len, head_dim] */
@@ -140,8 +141,10 @@ static void norm(const pi_decoder* m, const float* x, const float* w, const floa
 /* heads [n, hd] each RMS-normed in place by w [hd] (no-op for w NULL) */
 static void head_norm(const pi_decoder* m, float* heads, int64_t n, const float* w) {
     if (!w) return;
-    for (int64_t h = 0; h < n; ++h)
-        normalize(heads + h * m->head_dim, m->head_dim, 0, m->eps, w, NULL, heads + h * m->head_dim);
+    for (int64_t h = 0; h < n; ++h) {
+        float* head = heads + h * m->head_dim;
+        normalize(head, m->head_dim, 0, m->eps, w, NULL, head);
+    }
 }
 
 static void linear(const pi_linear* l, const float* x, int64_t in_features, float* out) {
@@ -215,10 +218,10 @@ int pi_decoder_step(const pi_decoder* m, int64_t pos, float* x, float* logits) {
     float* h = m->work;            /* [d] normed input of a sublayer */
     float* y = h + d;              /* [d] a sublayer's output */
     float* q = y + d;              /* [qd] */
-    float* att = q + qd;           /* [qd] */
-    float* k = att + qd;           /* [kvd] */
+    float* k = q + qd;             /* [kvd], right after q: a fused projection writes [q; k; v] */
     float* v = k + kvd;            /* [kvd] */
-    float* scores = v + kvd;       /* [n_heads, max_len] */
+    float* att = v + kvd;          /* [qd] */
+    float* scores = att + qd;      /* [n_heads, max_len] */
     if (m->pos_embed) add(x, m->pos_embed + pos * d, d);
     for (int64_t l = 0; l < m->n_layers; ++l) {
         const pi_layer* L = m->layers + l;
@@ -229,6 +232,8 @@ int pi_decoder_step(const pi_decoder* m, int64_t pos, float* x, float* logits) {
             const int64_t O[3] = {L->q.out_features, L->k.out_features, L->v.out_features};
             float* out[3] = {q, k, v};
             ((pi_dense_multi_fn)L->qkv_fn)(h, 1, d, 3, W, O, B, out);
+        } else if (!L->k.fn) {
+            linear(&L->q, h, d, q);  /* fused: q's linear is [q; k; v] */
         } else {
             linear(&L->q, h, d, q);
             linear(&L->k, h, d, k);

@@ -96,7 +96,7 @@ class Layer:
     """One decoder layer as the decode steps read it."""
     attn_norm: Norm
     ffn_norm: Norm
-    linears: dict  # {"q_proj", "k_proj", "v_proj", "o_proj": the layer's linear modules}
+    linears: dict  # {"q_proj", "k_proj", "v_proj" (or "qkv_proj": fused), "o_proj": modules}
     head_norms: tuple[Norm, Norm] | None  # RMSNorms of each query and key head (Qwen3), or None
     ffn: SparseFFN
     mlp: nn.Module  # what the layer calls on its normed FFN input: the block, or a wrapper of it
@@ -240,22 +240,24 @@ class Stack:
         if self.n_heads % self.n_kv_heads or self.head_dim % 2:
             raise Unsupported(f"{self.n_heads} heads over {self.n_kv_heads} key/value heads of "
                               f"dim {self.head_dim}")
-        shapes = {"q_proj": (self.n_heads * self.head_dim, self.d),
-                  "k_proj": (self.n_kv_heads * self.head_dim, self.d),
-                  "v_proj": (self.n_kv_heads * self.head_dim, self.d),
-                  "o_proj": (self.d, self.n_heads * self.head_dim)}
-        names = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj",
-                 "o_proj": fam.out_proj}  # ours: the family's
+        qd, kvd = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        shapes = {"q_proj": (qd, self.d), "k_proj": (kvd, self.d), "v_proj": (kvd, self.d),
+                  "qkv_proj": (qd + 2 * kvd, self.d), "o_proj": (self.d, qd)}
         eps = self.final_norm.eps
         for i, layer in enumerate(layers):
             where = f"{fam.stack}.layers.{i}"
-            parts = set(layer._modules)
+            parts = {n for n, m in layer._modules.items() if not isinstance(m, nn.Dropout)}
             frame = {fam.attn_norm, "self_attn", fam.ffn_norm}
             if not frame < parts or len(parts) != len(frame) + 1:
                 raise Unsupported(f"{where} ({type(layer).__name__}) has the parts "
                                   f"{sorted(parts)}, not {sorted(frame)} and one FFN")
             (mlp_name,) = parts - frame
             attn = layer.self_attn
+            # ours: the family's names
+            names = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj",
+                     "o_proj": fam.out_proj}
+            if "qkv_proj" in attn._modules:  # q, k and v in one linear (Phi-3)
+                names = {"qkv_proj": "qkv_proj", "o_proj": fam.out_proj}
             if set(attn._modules) - {"q_norm", "k_norm"} != set(names.values()):
                 raise Unsupported(f"{where}.self_attn has the parts {sorted(attn._modules)}")
             head_norms = None
@@ -268,8 +270,8 @@ class Stack:
             if getattr(attn, "head_dim", None) != self.head_dim or attn.scaling != self.scale:
                 raise Unsupported(f"{where}.self_attn: head_dim / scaling differ between layers")
             linears = {}
-            for name, shape in shapes.items():
-                theirs = names[name]
+            for name, theirs in names.items():
+                shape = shapes[name]
                 lin = linear_of(getattr(attn, theirs), f"{where}.self_attn.{theirs}")
                 if (lin.out_features, lin.in_features) != shape:
                     raise Unsupported(f"{where}.self_attn.{theirs} is "
@@ -414,17 +416,20 @@ class Decoder(Stack):
         max_ff = 1
         for i, layer in enumerate(self.layers):
             lin = layer.linears
-            qkv_libs = {lin[n].kernel.library_for(1) for n in ("q_proj", "k_proj", "v_proj")}
+            multi = None  # pi_dense_multi for q, k and v in one call
+            if "qkv_proj" in lin:  # fused: q's linear writes [q; k; v], k's is empty
+                q, k, v = self._linear(lin["qkv_proj"]), native.Linear(), native.Linear()
+            else:
+                q, k, v = (self._linear(lin[n]) for n in ("q_proj", "k_proj", "v_proj"))
+                libs = {lin[n].kernel.library_for(1) for n in ("q_proj", "k_proj", "v_proj")}
+                if len(libs) == 1:  # where they share a library
+                    multi = native.function_pointer(libs.pop().pi_dense_multi)
             layers[i] = native.Layer(
                 *_pointers(layer.attn_norm), *_pointers(layer.ffn_norm),
                 *(None, None) if layer.head_norms is None else
                 (layer.head_norms[0].weight.data_ptr(), layer.head_norms[1].weight.data_ptr()),
-                self._linear(lin["q_proj"]), self._linear(lin["k_proj"]),
-                self._linear(lin["v_proj"]), self._linear(lin["o_proj"]), self._ffn(layer.ffn),
-                self.k_cache[i].data_ptr(), self.v_cache[i].data_ptr(),
-                # q, k, v in one call where they share a library
-                native.function_pointer(qkv_libs.pop().pi_dense_multi) if len(qkv_libs) == 1
-                else None)
+                q, k, v, self._linear(lin["o_proj"]), self._ffn(layer.ffn),
+                self.k_cache[i].data_ptr(), self.v_cache[i].data_ptr(), multi)
             max_ff = max(max_ff, layer.ffn.n_ff)
         self._mask = torch.empty(max_ff, dtype=torch.uint8)
         rope = self.learned_positions is None

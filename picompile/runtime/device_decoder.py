@@ -144,12 +144,16 @@ class DeviceDecoder(Stack):
         lin = layer.linears
         H, KV, hd, T = self.n_heads, self.n_kv_heads, self.head_dim, x.shape[0]
         h = layer.attn_norm.module(x)  # [T, d]
-        q, k = lin["q_proj"](h).view(T, H, hd), lin["k_proj"](h).view(T, KV, hd)
+        if "qkv_proj" in lin:  # fused [q; k; v] (Phi-3)
+            q, k, v = lin["qkv_proj"](h).split([H * hd, KV * hd, KV * hd], dim=-1)
+        else:
+            q, k, v = lin["q_proj"](h), lin["k_proj"](h), lin["v_proj"](h)
+        q, k = q.reshape(T, H, hd), k.reshape(T, KV, hd)
         if layer.head_norms is not None:  # each head RMS-normed (Qwen3)
             q, k = layer.head_norms[0].module(q), layer.head_norms[1].module(k)
         q = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, hd]
         k = k.transpose(0, 1).unsqueeze(0)  # [1, KV, T, hd]
-        v = lin["v_proj"](h).view(T, KV, hd).transpose(0, 1).unsqueeze(0)
+        v = v.reshape(T, KV, hd).transpose(0, 1).unsqueeze(0)
         if self.learned_positions is None:  # RoPE, as HF's apply_rotary_pos_emb, model's dtype
             cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)  # [T, hd]
             q = q * cos + _rotate_half(q) * sin
