@@ -18,8 +18,9 @@ from picompile.runtime.decoder import Decoder
 from picompile.runtime.generate import cache_kwarg, generate
 from tests import zoo
 
-RUNS = ["llama_relu", "llama_silu", "mistral", "qwen2", "qwen3", "phi3", "opt"]
-REFUSED = ["falcon", "gpt_neox", "gemma"]
+RUNS = ["llama_relu", "llama_silu", "mistral", "qwen2", "qwen3", "phi3", "opt", "gemma",
+        "gemma2", "gemma3"]
+REFUSED = ["falcon", "gpt_neox", "granite"]
 
 
 def _calibration(n=256, seed=0):
@@ -83,7 +84,8 @@ def test_steps_equal_the_per_module_path(arch, how):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
-@pytest.mark.parametrize("arch", ["llama_relu", "qwen2", "qwen3", "phi3", "opt"])
+@pytest.mark.parametrize("arch", ["llama_relu", "qwen2", "qwen3", "phi3", "opt", "gemma2",
+                                  "gemma3"])
 def test_generate_matches_hugging_face_and_counts_neurons(arch):
     model = _model(arch)
     ref = copy.deepcopy(model)
@@ -138,10 +140,10 @@ def test_learned_positions_bound_the_positions_a_step_runs():
     assert not dec.reserve(n + 1)
 
 
-def test_gemma_is_caught_by_the_numeric_check():
-    """Gemma has Llama's modules (its norm adds 1 to the weight, its embedding is scaled): only
-    the verification step tells them apart."""
-    cm = picompile.compile(zoo.make("gemma"), quiet=True)
+def test_a_look_alike_is_caught_by_the_numeric_check():
+    """Granite has Llama's modules (its residuals, embeddings and logits are scaled): only the
+    verification step tells them apart."""
+    cm = picompile.compile(zoo.make("granite"), quiet=True)
     assert cm.decoder() is None
     assert "differs from the model's forward" in cm.decoder_reason
 

@@ -39,7 +39,7 @@ def _ids(n=5, seed=1):
 
 
 @pytest.mark.parametrize("arch", ["llama_relu", "llama_silu", "qwen2", "qwen3", "phi3",
-                                  "mistral", "opt"])
+                                  "mistral", "opt", "gemma", "gemma2", "gemma3"])
 @pytest.mark.parametrize("shares", [(0.4,), (0.0,), (1.0,), (1.0, 0.3)])
 def test_split_model_decodes_through_the_device_decoder_as_dense(arch, shares):
     dense, cm = _split(arch, shares)
@@ -115,7 +115,7 @@ def test_timing_a_block_hands_decode_to_the_per_module_path():
 
 
 def test_an_architecture_it_does_not_reproduce_falls_back_with_a_reason():
-    dense, cm = _split("gemma", (0.5,))  # scaled embeddings, offset norms: same module names
+    dense, cm = _split("granite", (0.5,))  # scaled residuals and logits: Llama's modules
     assert cm.decoder() is None and cm.decoder_reason
     ids = _ids(seed=7)
     assert torch.equal(cm.generate(ids, max_new_tokens=6, do_sample=False),

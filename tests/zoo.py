@@ -41,11 +41,23 @@ def hf_config(arch: str, hidden: int = 32, n_ff: int = 80, layers: int = 2):
         return T.GPTNeoXConfig(**c, intermediate_size=n_ff)
     if arch == "gemma":
         return T.GemmaConfig(**c, intermediate_size=n_ff, num_key_value_heads=1, head_dim=8)
+    if arch == "gemma2":  # post-norms, tanh caps small enough to matter at these sizes
+        return T.Gemma2Config(**c, intermediate_size=n_ff, num_key_value_heads=2, head_dim=8,
+                              query_pre_attn_scalar=8, attn_logit_softcapping=2.0,
+                              final_logit_softcapping=3.0)
+    if arch == "gemma3":  # a sliding-window layer (its own RoPE table) and a global one
+        types = (["sliding_attention", "full_attention"] * layers)[:layers]
+        return T.Gemma3TextConfig(**c, intermediate_size=n_ff, num_key_value_heads=2, head_dim=8,
+                                  query_pre_attn_scalar=8, sliding_window=64, layer_types=types)
+    if arch == "granite":  # Llama's modules, scaled residuals and logits
+        return T.GraniteConfig(**c, intermediate_size=n_ff, num_key_value_heads=2,
+                               residual_multiplier=0.5, embedding_multiplier=2.0,
+                               logits_scaling=3.0)
     raise KeyError(arch)
 
 
 HF_ARCHS = ["llama_relu", "llama_silu", "mistral", "qwen2", "qwen3", "phi3", "opt", "falcon",
-            "gpt_neox", "gemma"]
+            "gpt_neox", "gemma", "gemma2", "gemma3", "granite"]
 RELU_ARCHS = ["llama_relu", "opt", "tiny_gated_relu", "tiny_plain_relu", "tiny_drelu"]
 TINY_FFNS = ["tiny_plain_relu", "tiny_gated_relu", "tiny_drelu", "tiny_fused_silu"]
 ALL_ARCHS = HF_ARCHS + TINY_FFNS

@@ -31,20 +31,20 @@ class FFN(ctypes.Structure):
 
 class Layer(ctypes.Structure):
     """pi_layer: one decoder layer's weights (by pointer) and KV cache."""
-    _fields_ = [("attn_norm", _vp), ("attn_norm_b", _vp), ("ffn_norm", _vp),
-                ("ffn_norm_b", _vp), ("q_norm", _vp), ("k_norm", _vp), ("q", Linear),
-                ("k", Linear),
-                ("v", Linear), ("o", Linear), ("ffn", FFN), ("k_cache", _vp), ("v_cache", _vp),
-                ("qkv_fn", _vp)]
+    _fields_ = [("attn_norm", _vp), ("attn_norm_b", _vp), ("ffn_norm", _vp), ("ffn_norm_b", _vp),
+                ("q_norm", _vp), ("k_norm", _vp), ("post_attn_norm", _vp), ("post_ffn_norm", _vp),
+                ("rope_cos", _vp), ("rope_sin", _vp), ("q", Linear),
+                ("k", Linear), ("v", Linear), ("o", Linear), ("ffn", FFN), ("k_cache", _vp),
+                ("v_cache", _vp), ("qkv_fn", _vp)]
 
 
 class Decoder(ctypes.Structure):
     """pi_decoder: the whole stack."""
     _fields_ = [("n_layers", _i64), ("d", _i64), ("n_heads", _i64), ("n_kv_heads", _i64),
                 ("head_dim", _i64), ("max_len", _i64), ("vocab", _i64), ("layer_norm", _i64),
-                ("eps", _f32), ("scale", _f32), ("rope_cos", _vp), ("rope_sin", _vp),
-                ("pos_embed", _vp), ("layers", ctypes.POINTER(Layer)), ("final_norm", _vp),
-                ("final_norm_b", _vp), ("lm_head", Linear),
+                ("eps", _f32), ("scale", _f32), ("embed_scale", _f32), ("attn_softcap", _f32),
+                ("logit_softcap", _f32), ("pos_embed", _vp), ("layers", ctypes.POINTER(Layer)),
+                ("final_norm", _vp), ("final_norm_b", _vp), ("lm_head", Linear),
                 ("n_active", _vp), ("work", _vp), ("mask", _vp)]
 
 

@@ -2,20 +2,24 @@
  * (Llama family, OPT). Built by picompile/codegen/decoder.py with the flags of the other C kernels
  * (c.build_flags()).
  *
+ *     x *= embed_scale             (Gemma: sqrt(d))
  *     x += pos_embed[pos]          learned positions (OPT), where the model has them
- * Per layer (pre-norm, as Hugging Face's LlamaDecoderLayer, OPTDecoderLayer and their relatives):
+ * Per layer (pre-norm, as Hugging Face's LlamaDecoderLayer, OPTDecoderLayer, Gemma2DecoderLayer
+ * and their relatives):
  *     h = norm(x, attn_norm)       RMSNorm, or LayerNorm (with its bias) where layer_norm is set
  *     q, k, v = Wq h (+bq), Wk h (+bk), Wv h (+bv)          (GQA: n_kv_heads <= n_heads)
  *         or [q; k; v] = Wqkv h (+bqkv) where the model fuses them (Phi-3)
  *     q, k per head = rmsnorm(head, q_norm / k_norm)        where the model has them (Qwen3)
- *     rotate q, k by the rope tables at `pos` (rotate_half form: pairs i and i + head_dim/2),
- *         where the model has them
+ *     rotate q, k by the layer's rope tables at `pos` (rotate_half form: pairs i and
+ *         i + head_dim/2), where the model has them
  *     k, v -> the layer's cache at `pos`
- *     a[head] = softmax(scale * q[head] . K[kv(head)][0..pos]) V[kv(head)][0..pos]
- *     x += Wo a (+bo)
+ *     a[head] = softmax(cap(scale * q[head] . K[kv(head)][0..pos])) V[kv(head)][0..pos]
+ *         cap(s) = attn_softcap * tanh(s / attn_softcap) where set (Gemma 2). (A sliding
+ *         window is all positions up to its size, which is as far as the caller runs it.)
+ *     x += post_attn_norm(Wo a (+bo))          the post-norm where the layer has one (Gemma 2, 3)
  *     h = norm(x, ffn_norm)
- *     x += ffn(h)                  the block's sparse FFN kernel (and its predictor, if any)
- * then  logits = W_lm norm(x, final_norm).
+ *     x += post_ffn_norm(ffn(h))   the block's sparse FFN kernel (and its predictor, if any)
+ * then  logits = cap(W_lm norm(x, final_norm)), cap by logit_softcap where set.
  *
  * The weight-bearing work runs in picompile's other kernels, called through function pointers
  * the caller takes from their loaded libraries (so each keeps its own dtype, variant and build):
@@ -83,6 +87,10 @@ typedef struct {
     const float* ffn_norm_b; /* [d] or NULL */
     const float* q_norm;     /* [head_dim] RMSNorm of each query head, or NULL */
     const float* k_norm;     /* [head_dim] and of each key head, or NULL */
+    const float* post_attn_norm; /* [d] norm of the attention's output, or NULL */
+    const float* post_ffn_norm;  /* [d] norm of the FFN's output, or NULL */
+    const float* rope_cos;   /* [max_len, head_dim], or NULL: no rotary embedding */
+    const float* rope_sin;   /* [max_len, head_dim] */
     pi_linear q, k, v, o;    /* k.fn NULL: q projects to [q; k; v] (qd + 2 kvd outputs) */
     pi_ffn ffn;
     float* k_cache;          /* [n_kv_heads, max_len, head_dim] */
@@ -96,8 +104,9 @@ typedef struct {
     int64_t layer_norm;      /* 0: RMSNorm, 1: LayerNorm (mean removed, bias added) */
     float eps;               /* the norms' epsilon */
     float scale;             /* attention scores scale (head_dim ** -0.5 for Llama) */
-    const float* rope_cos;   /* [max_len, head_dim], or NULL: no rotary embedding */
-    const float* rope_sin;   /* [max_len, head_dim] */
+    float embed_scale;       /* the embedding's factor (1: none) */
+    float attn_softcap;      /* attention scores capped by tanh (0: not) */
+    float logit_softcap;     /* and the logits (0: not) */
     const float* pos_embed;  /* [max_len, d] learned position embeddings, or NULL */
     const pi_layer* layers;  /* [n_layers] */
     const float* final_norm; /* [d] */
@@ -179,6 +188,7 @@ static void attention(const pi_decoder* m, const pi_layer* L, const float* q, in
                       float* scores, float* out) {
     const int64_t H = m->n_heads, hd = m->head_dim, group = m->n_heads / m->n_kv_heads;
     const int64_t n = pos + 1;
+    const float cap = m->attn_softcap;
 #ifdef _OPENMP
     const int nt = pi_threads > 0 ? pi_threads : omp_get_max_threads();
 #pragma omp parallel for num_threads(nt) schedule(static) if (n * H * hd >= 32768)
@@ -192,6 +202,7 @@ static void attention(const pi_decoder* m, const pi_layer* L, const float* q, in
         float mx = -INFINITY;
         for (int64_t t = 0; t < n; ++t) {
             s[t] = dot(qh, K + t * hd, hd) * m->scale;
+            if (cap > 0.0f) s[t] = cap * tanhf(s[t] / cap);
             if (s[t] > mx) mx = s[t];
         }
         float sum = 0.0f;
@@ -222,6 +233,8 @@ int pi_decoder_step(const pi_decoder* m, int64_t pos, float* x, float* logits) {
     float* v = k + kvd;            /* [kvd] */
     float* att = v + kvd;          /* [qd] */
     float* scores = att + qd;      /* [n_heads, max_len] */
+    if (m->embed_scale != 1.0f)
+        for (int64_t i = 0; i < d; ++i) x[i] *= m->embed_scale;
     if (m->pos_embed) add(x, m->pos_embed + pos * d, d);
     for (int64_t l = 0; l < m->n_layers; ++l) {
         const pi_layer* L = m->layers + l;
@@ -241,9 +254,9 @@ int pi_decoder_step(const pi_decoder* m, int64_t pos, float* x, float* logits) {
         }
         head_norm(m, q, m->n_heads, L->q_norm);
         head_norm(m, k, m->n_kv_heads, L->k_norm);
-        if (m->rope_cos) {
-            rope(q, m->n_heads, hd, m->rope_cos + pos * hd, m->rope_sin + pos * hd);
-            rope(k, m->n_kv_heads, hd, m->rope_cos + pos * hd, m->rope_sin + pos * hd);
+        if (L->rope_cos) {
+            rope(q, m->n_heads, hd, L->rope_cos + pos * hd, L->rope_sin + pos * hd);
+            rope(k, m->n_kv_heads, hd, L->rope_cos + pos * hd, L->rope_sin + pos * hd);
         }
         for (int64_t g = 0; g < m->n_kv_heads; ++g) {
             memcpy(L->k_cache + (g * m->max_len + pos) * hd, k + g * hd, (size_t)hd * sizeof(float));
@@ -251,6 +264,7 @@ int pi_decoder_step(const pi_decoder* m, int64_t pos, float* x, float* logits) {
         }
         attention(m, L, q, pos, scores, att);
         linear(&L->o, att, qd, y);
+        if (L->post_attn_norm) norm(m, y, L->post_attn_norm, NULL, y);
         add(x, y, d);
 
         norm(m, x, L->ffn_norm, L->ffn_norm_b, h);
@@ -267,9 +281,13 @@ int pi_decoder_step(const pi_decoder* m, int64_t pos, float* x, float* logits) {
                            f->b_up, f->b_down, NULL, f->n_ff, mask, f->threshold, y, &n_active);
         if (n_active < 0) return -2;
         m->n_active[l] += n_active;
+        if (L->post_ffn_norm) norm(m, y, L->post_ffn_norm, NULL, y);
         add(x, y, d);
     }
     norm(m, x, m->final_norm, m->final_norm_b, m->work);
     linear(&m->lm_head, m->work, d, logits);
+    if (m->logit_softcap > 0.0f)
+        for (int64_t i = 0; i < m->vocab; ++i)
+            logits[i] = m->logit_softcap * tanhf(logits[i] / m->logit_softcap);
     return 0;
 }

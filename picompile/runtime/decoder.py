@@ -16,12 +16,14 @@ Which models (`Family`): decoder stacks shaped like HF's LlamaForCausalLM (Llama
 Mistral, Qwen2, ...): pre-norm layers of exactly {input_layernorm, self_attn,
 post_attention_layernorm, mlp}, RMSNorm, attention of exactly q/k/v/o projections (biases
 allowed, GQA) with rotate-half RoPE over the whole head, and an mlp that is one rewritten
-SparseFFN (with or without predictor); and OPT's (pre-norm OPT: LayerNorm with biases, learned
-positions, the rewritten fc1 / fc2 block in the layer itself). Parallel-residual families
-(Falcon, GPT-NeoX, GPT-J, Phi) are refused.
+SparseFFN (with or without predictor), with Qwen3's per-head q / k norms or Phi-3's fused
+qkv_proj; Gemma's (norms by 1 + weight, scaled embeddings; Gemma 2 and 3: post-norms of each
+sublayer's output, tanh caps of scores and logits, a RoPE table per layer type); and OPT's
+(pre-norm OPT: LayerNorm with biases, learned positions, the rewritten fc1 / fc2 block in the
+layer itself). Parallel-residual families (Falcon, GPT-NeoX, GPT-J, Phi) are refused.
 `Decoder(model)` checks the structure; `verify(model)` then checks the numbers, one decode step
-against the model's own forward, since a look-alike (an offset norm, scaled embeddings, capped
-logits) has the same modules. The compiler uses the decoder only when both pass, and says why
+against the model's own forward, since a look-alike (Granite's scaled residuals and logits) has
+the same modules. The compiler uses the decoder only when both pass, and says why
 not otherwise.
 
 The structure checks (`Stack`) are shared with runtime/device_decoder.py, the decode step of a
@@ -35,6 +37,7 @@ keeps the key it built with and rebuilds the decoder when it changes (a dtype ch
 from __future__ import annotations
 
 import ctypes
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -73,8 +76,9 @@ class Norm:
     eps: float
 
 
-def _norm(mod: nn.Module, where: str, layer_norm: bool) -> Norm:
-    """An RMSNorm with a weight, or (layer_norm) a LayerNorm over the last dimension."""
+def _norm(mod: nn.Module, where: str, layer_norm: bool, offset: bool = False) -> Norm:
+    """An RMSNorm with a weight (offset: scaling by 1 + weight, as Gemma's), or (layer_norm) a
+    LayerNorm over the last dimension."""
     if layer_norm:
         if not isinstance(mod, nn.LayerNorm) or len(mod.normalized_shape) != 1:
             raise Unsupported(f"{where} is a {type(mod).__name__}, not a LayerNorm")
@@ -88,7 +92,8 @@ def _norm(mod: nn.Module, where: str, layer_norm: bool) -> Norm:
         raise Unsupported(f"{where} is a {type(mod).__name__}, not an RMSNorm with a weight")
     if mod._modules or len(list(mod.parameters())) != 1:
         raise Unsupported(f"{where} ({type(mod).__name__}) has more than a weight")
-    return Norm(mod, w.detach().float().contiguous(), None, float(eps))
+    w = w.detach().float() + 1.0 if offset else w.detach().float().contiguous()
+    return Norm(mod, w, None, float(eps))
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,8 @@ class Layer:
     ffn_norm: Norm
     linears: dict  # {"q_proj", "k_proj", "v_proj" (or "qkv_proj": fused), "o_proj": modules}
     head_norms: tuple[Norm, Norm] | None  # RMSNorms of each query and key head (Qwen3), or None
+    post_norms: tuple[Norm | None, Norm | None]  # of the attention's and the FFN's output (Gemma 2)
+    rope: str | None  # which of the model's RoPE tables the layer reads (Gemma 3: local / global)
     ffn: SparseFFN
     mlp: nn.Module  # what the layer calls on its normed FFN input: the block, or a wrapper of it
 
@@ -113,12 +120,21 @@ class Family:
     out_proj: str  # the attention's output projection
     layer_norm: bool  # LayerNorm (bias, mean removed) rather than RMSNorm
     positions: str  # "rotary_emb" (RoPE, a module of the stack) or a learned positions embedding
+    post_attn_norm: str | None = None  # a norm of the attention's output, before the residual
+    post_ffn_norm: str | None = None  # and of the FFN's
+    gemma: bool = False  # RMSNorm by 1 + weight, embeddings times sqrt(d)
 
 
 LLAMA = Family("Llama", "model", "norm", "input_layernorm", "post_attention_layernorm", "o_proj",
                layer_norm=False, positions="rotary_emb")
 OPT = Family("OPT", "model.decoder", "final_layer_norm", "self_attn_layer_norm",
              "final_layer_norm", "out_proj", layer_norm=True, positions="embed_positions")
+GEMMA = Family("Gemma", "model", "norm", "input_layernorm", "post_attention_layernorm", "o_proj",
+               layer_norm=False, positions="rotary_emb", gemma=True)
+GEMMA2 = Family("Gemma 2", "model", "norm", "input_layernorm", "pre_feedforward_layernorm",
+                "o_proj", layer_norm=False, positions="rotary_emb",
+                post_attn_norm="post_attention_layernorm",
+                post_ffn_norm="post_feedforward_layernorm", gemma=True)
 
 
 def family(model: nn.Module) -> Family:
@@ -132,6 +148,10 @@ def family(model: nn.Module) -> Family:
         if getattr(base, "project_in", None) is not None or getattr(base, "project_out", None):
             raise Unsupported("OPT projects its embeddings in and out (word_embed_proj_dim)")
         return OPT
+    if kind == "gemma":
+        return GEMMA
+    if kind in ("gemma2", "gemma3_text"):  # Gemma 3: Gemma 2's layout, its own q / k norms
+        return GEMMA2
     if kind in ("falcon", "gpt_neox", "gptj", "phi"):
         raise Unsupported(f"{type(model).__name__}: attention and FFN side by side (parallel "
                           "residual), which the decoders do not run")
@@ -214,9 +234,18 @@ class Stack:
         self.base = base
         self.lm_head = linear_of(getattr(model, "lm_head", None), "lm_head")
         self.final_norm = _norm(getattr(base, fam.final_norm), f"{fam.stack}.{fam.final_norm}",
-                                fam.layer_norm)
+                                fam.layer_norm, fam.gemma)
         self.embedding = base.embed_tokens.weight  # [vocab, d]
         self.vocab, self.d = self.embedding.shape
+        # Gemma scales the embeddings by sqrt(d) rounded to the model's dtype.
+        self.embed_scale = (float(torch.tensor(self.d ** 0.5, dtype=self.embedding.dtype))
+                            if fam.gemma else 1.0)
+        # tanh caps (Gemma 2) of the attention scores and the logits: cap * tanh(s / cap)
+        self.attn_softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
+        self.logit_softcap = float(getattr(config, "final_logit_softcapping", None) or 0.0)
+        rotary = getattr(base, "rotary_emb", None)
+        per_type = (rotary is not None  # a table per layer type (Gemma 3)
+                    and "layer_type" in inspect.signature(rotary.forward).parameters)
         # Positions: RoPE (rope_tables), or a learned table [n, d] in the model's dtype.
         self.learned_positions = None
         limits = [_window(config)]
@@ -247,7 +276,8 @@ class Stack:
         for i, layer in enumerate(layers):
             where = f"{fam.stack}.layers.{i}"
             parts = {n for n, m in layer._modules.items() if not isinstance(m, nn.Dropout)}
-            frame = {fam.attn_norm, "self_attn", fam.ffn_norm}
+            post = (fam.post_attn_norm, fam.post_ffn_norm)
+            frame = {fam.attn_norm, "self_attn", fam.ffn_norm} | {n for n in post if n}
             if not frame < parts or len(parts) != len(frame) + 1:
                 raise Unsupported(f"{where} ({type(layer).__name__}) has the parts "
                                   f"{sorted(parts)}, not {sorted(frame)} and one FFN")
@@ -262,8 +292,8 @@ class Stack:
                 raise Unsupported(f"{where}.self_attn has the parts {sorted(attn._modules)}")
             head_norms = None
             if {"q_norm", "k_norm"} & set(attn._modules):
-                head_norms = tuple(_norm(getattr(attn, n, None), f"{where}.self_attn.{n}", False)
-                                   for n in ("q_norm", "k_norm"))
+                head_norms = tuple(_norm(getattr(attn, n, None), f"{where}.self_attn.{n}", False,
+                                         fam.gemma) for n in ("q_norm", "k_norm"))
                 if any(n.weight.shape != (self.head_dim,) or n.eps != eps for n in head_norms):
                     raise Unsupported(f"{where}.self_attn: q_norm / k_norm are not RMSNorms "
                                       f"over a head of {self.head_dim} with epsilon {eps}")
@@ -277,15 +307,18 @@ class Stack:
                     raise Unsupported(f"{where}.self_attn.{theirs} is "
                                       f"{(lin.out_features, lin.in_features)}, not {shape}")
                 linears[name] = lin
-            norms = [_norm(getattr(layer, n), f"{where}.{n}", fam.layer_norm)
+            norms = [_norm(getattr(layer, n), f"{where}.{n}", fam.layer_norm, fam.gemma)
                      for n in (fam.attn_norm, fam.ffn_norm)]
-            if any(n.eps != eps for n in norms):
+            post_norms = tuple(n and _norm(getattr(layer, n), f"{where}.{n}", fam.layer_norm,
+                                           fam.gemma) for n in post)
+            if any(n.eps != eps for n in (*norms, *post_norms) if n is not None):
                 raise Unsupported("norm epsilons differ between layers")
+            rope = getattr(attn, "layer_type", None) if per_type else None
             mlp = getattr(layer, mlp_name)
             ffn = ffn_of(mlp, f"{where}.{mlp_name}")
             if ffn.d_model != self.d:
                 raise Unsupported(f"{where}.{mlp_name} has d={ffn.d_model}, the model {self.d}")
-            self.layers.append(Layer(*norms, linears, head_norms, ffn, mlp))
+            self.layers.append(Layer(*norms, linears, head_norms, post_norms, rope, ffn, mlp))
         self.eps = eps
 
     def fits(self, max_len: int) -> bool:
@@ -318,16 +351,21 @@ class Stack:
         return tuple(parts)
 
     @torch.no_grad()
-    def rope_tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [n, head_dim] float32 from the model's own rotary embedding (any scaling),
-        on the embedding's device."""
+    def rope_tables(self, n: int) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+        """{Layer.rope: cos, sin [n, head_dim] float32} from the model's own rotary embedding
+        (any scaling; per layer type where it has several), on the embedding's device."""
         device = self.embedding.device
         pos = torch.arange(n, device=device).unsqueeze(0)  # [1, n]
         probe = torch.zeros(1, n, self.head_dim, device=device)
-        cos, sin = self.base.rotary_emb(probe, pos)
-        if cos.shape[-1] != self.head_dim:
-            raise Unsupported(f"RoPE over {cos.shape[-1]} of {self.head_dim} head dimensions")
-        return (cos.reshape(n, -1).float().contiguous(), sin.reshape(n, -1).float().contiguous())
+        tables = {}
+        for kind in {layer.rope for layer in self.layers}:
+            args = () if kind is None else (kind,)
+            cos, sin = self.base.rotary_emb(probe, pos, *args)
+            if cos.shape[-1] != self.head_dim:
+                raise Unsupported(f"RoPE over {cos.shape[-1]} of {self.head_dim} head dimensions")
+            tables[kind] = (cos.reshape(n, -1).float().contiguous(),
+                            sin.reshape(n, -1).float().contiguous())
+        return tables
 
     def rounds_activations(self) -> bool:
         """Some layer's kernel reads its input rounded to int8 blocks (quant.INT8_ACTIVATIONS)."""
@@ -343,8 +381,10 @@ class Stack:
         self.n_active.zero_()
 
 
-def _pointers(norm: Norm) -> tuple[int, int | None]:
-    """A norm's weight and bias (or None) for the C structs."""
+def _pointers(norm: Norm | None) -> tuple[int | None, int | None]:
+    """A norm's weight and bias (None: it has none) for the C structs."""
+    if norm is None:
+        return None, None
     return norm.weight.data_ptr(), None if norm.bias is None else norm.bias.data_ptr()
 
 
@@ -404,7 +444,7 @@ class Decoder(Stack):
         self.k_cache = torch.zeros(L, self.n_kv_heads, max_len, hd)  # float32
         self.v_cache = torch.zeros(L, self.n_kv_heads, max_len, hd)
         if self.learned_positions is None:
-            self.cos, self.sin = self.rope_tables(max_len)  # [max_len, head_dim] each
+            self.rope = self.rope_tables(max_len)  # {kind: [max_len, head_dim] cos, sin}
         else:  # [n, d] float32 (the table itself where the model is float32)
             self.pos_embed = self.learned_positions.float().contiguous()
         self.max_len = max_len
@@ -424,20 +464,22 @@ class Decoder(Stack):
                 libs = {lin[n].kernel.library_for(1) for n in ("q_proj", "k_proj", "v_proj")}
                 if len(libs) == 1:  # where they share a library
                     multi = native.function_pointer(libs.pop().pi_dense_multi)
+            cos, sin = (None, None) if self.learned_positions is not None else self.rope[layer.rope]
             layers[i] = native.Layer(
                 *_pointers(layer.attn_norm), *_pointers(layer.ffn_norm),
-                *(None, None) if layer.head_norms is None else
-                (layer.head_norms[0].weight.data_ptr(), layer.head_norms[1].weight.data_ptr()),
+                *(_pointers(n)[0] for n in layer.head_norms or (None, None)),
+                *(_pointers(n)[0] for n in layer.post_norms),
+                *(None if t is None else t.data_ptr() for t in (cos, sin)),
                 q, k, v, self._linear(lin["o_proj"]), self._ffn(layer.ffn),
                 self.k_cache[i].data_ptr(), self.v_cache[i].data_ptr(), multi)
             max_ff = max(max_ff, layer.ffn.n_ff)
         self._mask = torch.empty(max_ff, dtype=torch.uint8)
-        rope = self.learned_positions is None
         s = native.Decoder(
             len(self.layers), self.d, self.n_heads, self.n_kv_heads, self.head_dim, self.max_len,
-            self.vocab, self.family.layer_norm, self.eps, self.scale,
-            self.cos.data_ptr() if rope else None, self.sin.data_ptr() if rope else None,
-            None if rope else self.pos_embed.data_ptr(), layers, *_pointers(self.final_norm),
+            self.vocab, self.family.layer_norm, self.eps, self.scale, self.embed_scale,
+            self.attn_softcap, self.logit_softcap,
+            None if self.learned_positions is None else self.pos_embed.data_ptr(), layers,
+            *_pointers(self.final_norm),
             self._linear(self.lm_head), self.n_active.data_ptr(), None, self._mask.data_ptr())
         self._work = torch.empty(int(self.lib.pi_decoder_work_floats(ctypes.byref(s))))
         s.work = self._work.data_ptr()

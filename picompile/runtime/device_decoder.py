@@ -73,6 +73,11 @@ def _hybrid_ffn_of(mlp: nn.Module, where: str) -> SparseFFN:
     return ffn
 
 
+def _post(norm, y: torch.Tensor) -> torch.Tensor:
+    """y normed by a layer's post-norm (Gemma 2), or y where it has none."""
+    return y if norm is None else norm.module(y)
+
+
 def _rotate_half(t: torch.Tensor) -> torch.Tensor:
     half = t.shape[-1] // 2
     return torch.cat((-t[..., half:], t[..., :half]), dim=-1)
@@ -126,9 +131,11 @@ class DeviceDecoder(Stack):
         self.x = self._embedded(self.tok, self.pos)  # [1, d], the model's dtype
 
     def _embedded(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """tokens [T] at positions pos [T] (device) -> [T, d]: their embeddings, plus learned
-        positions where the model has them."""
+        """tokens [T] at positions pos [T] (device) -> [T, d]: their embeddings (scaled, where
+        the model scales them), plus learned positions where the model has them."""
         x = self.embedding.index_select(0, tokens)
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
         if self.learned_positions is not None:
             x = x + self.learned_positions.index_select(0, pos)
         return x
@@ -155,16 +162,23 @@ class DeviceDecoder(Stack):
         k = k.transpose(0, 1).unsqueeze(0)  # [1, KV, T, hd]
         v = v.reshape(T, KV, hd).transpose(0, 1).unsqueeze(0)
         if self.learned_positions is None:  # RoPE, as HF's apply_rotary_pos_emb, model's dtype
-            cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)  # [T, hd]
+            cos, sin = (t.index_select(0, pos) for t in self.rope[layer.rope])  # [T, hd]
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
         self.k_cache[i].index_copy_(2, pos, k)  # [1, KV, max_len, hd]
         self.v_cache[i].index_copy_(2, pos, v)
-        visible = self.positions.view(1, -1) <= pos.view(-1, 1)  # [T, max_len]
-        a = F.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i],
-                                           attn_mask=visible.view(1, 1, T, -1), scale=self.scale,
-                                           enable_gqa=KV != H)  # [1, H, T, hd]
-        return lin["o_proj"](a[0].transpose(0, 1).reshape(T, H * hd))
+        visible = (self.positions.view(1, -1) <= pos.view(-1, 1)).view(1, 1, T, -1)
+        k, v = self.k_cache[i], self.v_cache[i]  # [1, KV, max_len, hd]
+        if self.attn_softcap:  # scores capped by tanh (Gemma 2): not in SDPA
+            k, v = (t.repeat_interleave(H // KV, dim=1) for t in (k, v))
+            scores = (q @ k.transpose(-1, -2)).float() * self.scale  # [1, H, T, max_len]
+            scores = torch.tanh(scores / self.attn_softcap) * self.attn_softcap
+            p = scores.masked_fill(~visible, float("-inf")).softmax(-1).to(v.dtype)
+            a = p @ v  # [1, H, T, hd]
+        else:
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.scale,
+                                               enable_gqa=KV != H)  # [1, H, T, hd]
+        return _post(layer.post_norms[0], lin["o_proj"](a[0].transpose(0, 1).reshape(T, H * hd)))
 
     def _ffn_begin(self, i: int) -> None:
         """Layer i's FFN input to the cold worker's staging (where it has cold rows) and its hot
@@ -187,10 +201,18 @@ class DeviceDecoder(Stack):
         if self.stages[i] is not None:  # landed on the host: receive() has returned
             copy_async(self.cold_out[i], self.stages[i].out[:1])
             out = self.cold_out[i] if out is None else out + self.cold_out[i]
-        self.x = self.x + out.to(self.dtype)
+        self.x = self.x + _post(self.layers[i].post_norms[1], out.to(self.dtype))
 
     def _head(self) -> None:
-        self.logits = self.lm_head(self.final_norm.module(self.x)).float()  # [1, vocab]
+        self.logits = self._logits(self.x)  # [1, vocab]
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, d] -> [T, vocab] float32: the final norm, the LM head, the cap of the logits
+        where the model caps them (Gemma 2)."""
+        logits = self.lm_head(self.final_norm.module(x)).float()
+        if self.logit_softcap:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
 
     # ---- running ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -237,8 +259,9 @@ class DeviceDecoder(Stack):
         x = self._embedded(input_ids.reshape(S), pos)  # [S, d]
         for i, layer in enumerate(self.layers):
             x = x + self._attend(i, x, pos)
-            x = x + layer.mlp(layer.ffn_norm.module(x).unsqueeze(0))[0].to(self.dtype)
-        return self.lm_head(self.final_norm.module(x[-1:])).float()
+            out = layer.mlp(layer.ffn_norm.module(x).unsqueeze(0))[0].to(self.dtype)
+            x = x + _post(layer.post_norms[1], out)
+        return self._logits(x[-1:])
 
     def set_threads(self) -> None:
         """The cold worker sets its own OpenMP threads (hybrid.cold_threads)."""
@@ -257,9 +280,9 @@ class DeviceDecoder(Stack):
         shape = (len(self.layers), 1, self.n_kv_heads, max_len, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        if self.learned_positions is None:
-            cos, sin = self.rope_tables(max_len)
-            self.cos, self.sin = cos.to(self.dtype), sin.to(self.dtype)
+        if self.learned_positions is None:  # {kind: cos, sin [max_len, hd]}, the model's dtype
+            self.rope = {kind: (cos.to(self.dtype), sin.to(self.dtype))
+                         for kind, (cos, sin) in self.rope_tables(max_len).items()}
         self.positions = torch.arange(max_len, device=self.device)
         self.hot_out = [None] * len(self.layers)
         self.max_len = max_len
