@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from transformers import StaticCache
+from transformers import AutoModelForCausalLM, StaticCache
 
 import picompile
 from picompile.runtime.decoder import Decoder
@@ -38,7 +38,10 @@ def _compile_kw(how: str) -> dict:
 
 
 def _model(arch, **sizes):
-    model = zoo.make(arch, **sizes)
+    return _randomized(zoo.make(arch, **sizes))
+
+
+def _randomized(model):
     with torch.no_grad():  # random biases and norms, so that every pointer the decoder reads
         for name, p in model.named_parameters():  # is exercised (LayerNorm's bias too)
             gen = torch.Generator().manual_seed(len(name))
@@ -117,6 +120,28 @@ def test_models_it_does_not_run_are_refused_with_a_reason(arch):
     ids = torch.randint(3, zoo.VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     torch.testing.assert_close(cm.generate(ids, **kw), ref.generate(ids, **kw), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma3", "qwen2"])
+def test_sliding_windows_past_their_size_match_hugging_face(arch):
+    """A window of 4 positions (every layer in Mistral, every other in Gemma 3 and Qwen2), a
+    7-token prompt: the prefill's cache holds only the last positions of those layers."""
+    config = zoo.hf_config(arch)
+    config.sliding_window = 4
+    if arch == "qwen2":
+        config.use_sliding_window, config.max_window_layers = True, 1
+        config.layer_types = ["full_attention", "sliding_attention"]
+    torch.manual_seed(0)
+    model = _randomized(AutoModelForCausalLM.from_config(config).eval())
+    ref = copy.deepcopy(model)
+    cm = picompile.compile(model, quiet=True)
+    dec = cm.decoder()
+    assert dec is not None, cm.decoder_reason
+    assert any(layer.window == 4 for layer in dec.layers)
+    ids = torch.randint(3, zoo.VOCAB, (1, 7), generator=torch.Generator().manual_seed(8))
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    want = ref.generate(ids, **kw)
+    assert torch.equal(cm.generate(ids, **kw), want)
 
 
 def test_post_norm_opt_is_refused_with_a_reason():

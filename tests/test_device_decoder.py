@@ -9,6 +9,7 @@ import itertools
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import picompile
 from picompile.compiler import apply_order
@@ -17,10 +18,13 @@ from picompile.runtime.device_decoder import DeviceDecoder
 from tests import zoo
 
 
-def _split(arch, shares, mode="exact", dtype=torch.float32, seed=0):
+def _split(arch, shares, mode="exact", dtype=torch.float32, seed=0, config=None):
     """(dense, compiled and split on the CPU stand-in): block i keeps shares[i % len] of its
-    neurons (a random order) on the "GPU"."""
+    neurons (a random order) on the "GPU". `config`: the model's, instead of the zoo's."""
     dense = zoo.make(arch, dtype, seed=seed)
+    if config is not None:
+        torch.manual_seed(seed)
+        dense = AutoModelForCausalLM.from_config(config).to(dtype).eval()
     kw = {}
     if mode == "predicted":
         kw = dict(mode="predicted", calibration=torch.randint(0, zoo.VOCAB, (6, 32)))
@@ -51,6 +55,20 @@ def test_split_model_decodes_through_the_device_decoder_as_dense(arch, shares):
     ids = _ids()
     want = dense.generate(ids, max_new_tokens=10, do_sample=False)
     assert torch.equal(cm.generate(ids, max_new_tokens=10, do_sample=False), want)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_sliding_windows_past_their_size_decode_as_dense(arch):
+    config = zoo.hf_config(arch)
+    config.sliding_window = 4  # every layer (Mistral), every other one (Gemma 3)
+    dense, cm = _split(arch, (0.5,), config=config)
+    dec = cm.decoder()
+    assert isinstance(dec, DeviceDecoder), cm.decoder_reason
+    assert any(layer.window == 4 for layer in dec.layers)
+    ids = _ids(n=7, seed=9)
+    want = dense.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert torch.equal(cm.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False),
+                       want)
 
 
 @pytest.mark.parametrize("arch", ["llama_relu", "opt"])

@@ -33,7 +33,7 @@ class Layer(ctypes.Structure):
     """pi_layer: one decoder layer's weights (by pointer) and KV cache."""
     _fields_ = [("attn_norm", _vp), ("attn_norm_b", _vp), ("ffn_norm", _vp), ("ffn_norm_b", _vp),
                 ("q_norm", _vp), ("k_norm", _vp), ("post_attn_norm", _vp), ("post_ffn_norm", _vp),
-                ("rope_cos", _vp), ("rope_sin", _vp), ("q", Linear),
+                ("rope_cos", _vp), ("rope_sin", _vp), ("window", _i64), ("q", Linear),
                 ("k", Linear), ("v", Linear), ("o", Linear), ("ffn", FFN), ("k_cache", _vp),
                 ("v_cache", _vp), ("qkv_fn", _vp)]
 

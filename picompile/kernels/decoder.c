@@ -13,9 +13,9 @@
  *     rotate q, k by the layer's rope tables at `pos` (rotate_half form: pairs i and
  *         i + head_dim/2), where the model has them
  *     k, v -> the layer's cache at `pos`
- *     a[head] = softmax(cap(scale * q[head] . K[kv(head)][0..pos])) V[kv(head)][0..pos]
- *         cap(s) = attn_softcap * tanh(s / attn_softcap) where set (Gemma 2). (A sliding
- *         window is all positions up to its size, which is as far as the caller runs it.)
+ *     a[head] = softmax(cap(scale * q[head] . K[kv(head)][t0..pos])) V[kv(head)][t0..pos]
+ *         t0 = pos - window + 1 in a sliding-window layer (those before it are not read), else 0;
+ *         cap(s) = attn_softcap * tanh(s / attn_softcap) where set (Gemma 2)
  *     x += post_attn_norm(Wo a (+bo))          the post-norm where the layer has one (Gemma 2, 3)
  *     h = norm(x, ffn_norm)
  *     x += post_ffn_norm(ffn(h))   the block's sparse FFN kernel (and its predictor, if any)
@@ -91,6 +91,7 @@ typedef struct {
     const float* post_ffn_norm;  /* [d] norm of the FFN's output, or NULL */
     const float* rope_cos;   /* [max_len, head_dim], or NULL: no rotary embedding */
     const float* rope_sin;   /* [max_len, head_dim] */
+    int64_t window;          /* attend to the last `window` positions; 0: to all */
     pi_linear q, k, v, o;    /* k.fn NULL: q projects to [q; k; v] (qd + 2 kvd outputs) */
     pi_ffn ffn;
     float* k_cache;          /* [n_kv_heads, max_len, head_dim] */
@@ -187,6 +188,7 @@ static float dot(const float* a, const float* b, int64_t n) {
 static void attention(const pi_decoder* m, const pi_layer* L, const float* q, int64_t pos,
                       float* scores, float* out) {
     const int64_t H = m->n_heads, hd = m->head_dim, group = m->n_heads / m->n_kv_heads;
+    const int64_t t0 = L->window > 0 && pos >= L->window ? pos - L->window + 1 : 0;
     const int64_t n = pos + 1;
     const float cap = m->attn_softcap;
 #ifdef _OPENMP
@@ -200,17 +202,17 @@ static void attention(const pi_decoder* m, const pi_layer* L, const float* q, in
         const float* qh = q + h * hd;
         float* s = scores + h * m->max_len;
         float mx = -INFINITY;
-        for (int64_t t = 0; t < n; ++t) {
+        for (int64_t t = t0; t < n; ++t) {
             s[t] = dot(qh, K + t * hd, hd) * m->scale;
             if (cap > 0.0f) s[t] = cap * tanhf(s[t] / cap);
             if (s[t] > mx) mx = s[t];
         }
         float sum = 0.0f;
-        for (int64_t t = 0; t < n; ++t) { s[t] = expf(s[t] - mx); sum += s[t]; }
+        for (int64_t t = t0; t < n; ++t) { s[t] = expf(s[t] - mx); sum += s[t]; }
         const float inv = 1.0f / sum;
         float* o = out + h * hd;
         memset(o, 0, (size_t)hd * sizeof(float));
-        for (int64_t t = 0; t < n; ++t) {
+        for (int64_t t = t0; t < n; ++t) {
             const float p = s[t] * inv;
             const float* vt = V + t * hd;
             for (int64_t i = 0; i < hd; ++i) o[i] += p * vt[i];

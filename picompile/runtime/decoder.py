@@ -105,6 +105,7 @@ class Layer:
     head_norms: tuple[Norm, Norm] | None  # RMSNorms of each query and key head (Qwen3), or None
     post_norms: tuple[Norm | None, Norm | None]  # of the attention's and the FFN's output (Gemma 2)
     rope: str | None  # which of the model's RoPE tables the layer reads (Gemma 3: local / global)
+    window: int | None  # a sliding-window layer's window: it attends to the last `window` positions
     ffn: SparseFFN
     mlp: nn.Module  # what the layer calls on its normed FFN input: the block, or a wrapper of it
 
@@ -190,9 +191,12 @@ def _sparse_ffn_of(mlp: nn.Module, where: str) -> SparseFFN:
     return ffn
 
 
-def _window(config) -> int | None:
-    """Sliding-window attention's window, when any layer uses one (positions up to it are
-    plain causal attention)."""
+def _window(attn: nn.Module, config) -> int | None:
+    """The sliding window of a layer's attention, or None: its own `sliding_window` where it
+    has one (Qwen2, Gemma 2 and 3: per layer type), else the model's (Mistral, Phi-3: every
+    layer)."""
+    if hasattr(attn, "sliding_window"):
+        return int(attn.sliding_window) if attn.sliding_window else None
     window = getattr(config, "sliding_window", None)
     if not window:
         return None
@@ -246,17 +250,15 @@ class Stack:
         rotary = getattr(base, "rotary_emb", None)
         per_type = (rotary is not None  # a table per layer type (Gemma 3)
                     and "layer_type" in inspect.signature(rotary.forward).parameters)
-        # Positions: RoPE (rope_tables), or a learned table [n, d] in the model's dtype.
-        self.learned_positions = None
-        limits = [_window(config)]
+        # Positions: RoPE (rope_tables), or a learned table [n, d] in the model's dtype, which
+        # bounds the positions a step can run.
+        self.learned_positions, self.max_positions = None, None
         if fam.positions != "rotary_emb":
             table = getattr(base, fam.positions)
             if not isinstance(table, nn.Embedding):
                 raise Unsupported(f"{fam.stack}.{fam.positions} is not an nn.Embedding")
             self.learned_positions = table.weight.detach()[getattr(table, "offset", 0):]
-            limits.append(len(self.learned_positions))
-        # The most positions a step can run (a sliding window, a table of learned positions).
-        self.max_positions = min((n for n in limits if n is not None), default=None)
+            self.max_positions = len(self.learned_positions)
 
         self.layers: list[Layer] = []
         attn0 = layers[0].self_attn
@@ -314,16 +316,18 @@ class Stack:
             if any(n.eps != eps for n in (*norms, *post_norms) if n is not None):
                 raise Unsupported("norm epsilons differ between layers")
             rope = getattr(attn, "layer_type", None) if per_type else None
+            window = _window(attn, config)
             mlp = getattr(layer, mlp_name)
             ffn = ffn_of(mlp, f"{where}.{mlp_name}")
             if ffn.d_model != self.d:
                 raise Unsupported(f"{where}.{mlp_name} has d={ffn.d_model}, the model {self.d}")
-            self.layers.append(Layer(*norms, linears, head_norms, post_norms, rope, ffn, mlp))
+            self.layers.append(Layer(*norms, linears, head_norms, post_norms, rope, window, ffn,
+                                     mlp))
         self.eps = eps
 
     def fits(self, max_len: int) -> bool:
-        """Whether a step can run positions 0..max_len-1 (past a sliding window or a table of
-        learned positions it cannot)."""
+        """Whether a step can run positions 0..max_len-1 (past a table of learned positions it
+        cannot)."""
         return self.max_positions is None or max_len <= self.max_positions
 
     def room(self, max_len: int) -> int:
@@ -469,7 +473,7 @@ class Decoder(Stack):
                 *_pointers(layer.attn_norm), *_pointers(layer.ffn_norm),
                 *(_pointers(n)[0] for n in layer.head_norms or (None, None)),
                 *(_pointers(n)[0] for n in layer.post_norms),
-                *(None if t is None else t.data_ptr() for t in (cos, sin)),
+                *(None if t is None else t.data_ptr() for t in (cos, sin)), layer.window or 0,
                 q, k, v, self._linear(lin["o_proj"]), self._ffn(layer.ffn),
                 self.k_cache[i].data_ptr(), self.v_cache[i].data_ptr(), multi)
             max_ff = max(max_ff, layer.ffn.n_ff)
@@ -511,15 +515,20 @@ class Decoder(Stack):
 
     # ---- running ------------------------------------------------------------------------
     def load_cache(self, cache, n: int) -> None:
-        """Copy positions 0..n-1 of an HF cache (StaticCache / DynamicCache of batch 1) in."""
+        """Copy positions 0..n-1 of an HF cache (StaticCache / DynamicCache of batch 1, right
+        after a prefill of n tokens) in. A sliding-window layer's cache holds only the last
+        positions, in order: they go to their places (its window reads no earlier one)."""
         if n > self.max_len:
             raise ValueError(f"{n} cached positions, room for {self.max_len} (reserve first)")
         if len(cache.layers) != len(self.layers):
             raise ValueError(f"the cache has {len(cache.layers)} layers, the model "
                              f"{len(self.layers)}")
-        for i, layer in enumerate(cache.layers):
-            self.k_cache[i, :, :n] = layer.keys[0, :, :n]
-            self.v_cache[i, :, :n] = layer.values[0, :, :n]
+        for i, (layer, ours) in enumerate(zip(cache.layers, self.layers)):
+            held = min(n, layer.keys.shape[-2])
+            if held < n and not (ours.window and held >= ours.window - 1):
+                raise ValueError(f"layer {i}'s cache holds {held} of {n} positions")
+            self.k_cache[i, :, n - held : n] = layer.keys[0, :, :held]
+            self.v_cache[i, :, n - held : n] = layer.values[0, :, :held]
 
     def step(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
         """tokens [1] (long) at position pos -> logits [1, vocab] float32 (a buffer reused by

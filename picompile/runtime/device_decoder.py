@@ -167,7 +167,10 @@ class DeviceDecoder(Stack):
             k = k * cos + _rotate_half(k) * sin
         self.k_cache[i].index_copy_(2, pos, k)  # [1, KV, max_len, hd]
         self.v_cache[i].index_copy_(2, pos, v)
-        visible = (self.positions.view(1, -1) <= pos.view(-1, 1)).view(1, 1, T, -1)
+        visible = self.positions.view(1, -1) <= pos.view(-1, 1)  # [T, max_len]
+        if layer.window:  # a sliding-window layer: the last `window` positions
+            visible &= self.positions.view(1, -1) > pos.view(-1, 1) - layer.window
+        visible = visible.view(1, 1, T, -1)
         k, v = self.k_cache[i], self.v_cache[i]  # [1, KV, max_len, hd]
         if self.attn_softcap:  # scores capped by tanh (Gemma 2): not in SDPA
             k, v = (t.repeat_interleave(H // KV, dim=1) for t in (k, v))
