@@ -25,9 +25,9 @@ def hf_config(arch: str, hidden: int = 32, n_ff: int = 80, layers: int = 2):
         return T.MistralConfig(**c, intermediate_size=n_ff, num_key_value_heads=2)
     if arch == "qwen2":
         return T.Qwen2Config(**c, intermediate_size=n_ff, num_key_value_heads=2)
-    if arch == "phi3":  # q, k, v in one linear, gate and up in one
+    if arch == "phi3":  # q, k, v in one linear, gate and up in one, RoPE over half of a head
         return T.Phi3Config(**c, intermediate_size=n_ff, num_key_value_heads=2, pad_token_id=0,
-                            bos_token_id=1, eos_token_id=2)
+                            bos_token_id=1, eos_token_id=2, partial_rotary_factor=0.5)
     if arch == "qwen3":  # RMSNorm over each query and key head
         return T.Qwen3Config(**c, intermediate_size=n_ff, num_key_value_heads=2, head_dim=8)
     if arch == "opt":

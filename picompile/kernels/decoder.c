@@ -10,8 +10,8 @@
  *     q, k, v = Wq h (+bq), Wk h (+bk), Wv h (+bv)          (GQA: n_kv_heads <= n_heads)
  *         or [q; k; v] = Wqkv h (+bqkv) where the model fuses them (Phi-3)
  *     q, k per head = rmsnorm(head, q_norm / k_norm)        where the model has them (Qwen3)
- *     rotate q, k by the layer's rope tables at `pos` (rotate_half form: pairs i and
- *         i + head_dim/2), where the model has them
+ *     rotate q, k by the layer's rope tables at `pos` (rotate_half form over each head's first
+ *         rot_dim dimensions: pairs i and i + rot_dim/2), where the model has them
  *     k, v -> the layer's cache at `pos`
  *     a[head] = softmax(cap(scale * q[head] . K[kv(head)][t0..pos])) V[kv(head)][t0..pos]
  *         t0 = pos - window + 1 in a sliding-window layer (those before it are not read), else 0;
@@ -89,8 +89,8 @@ typedef struct {
     const float* k_norm;     /* [head_dim] and of each key head, or NULL */
     const float* post_attn_norm; /* [d] norm of the attention's output, or NULL */
     const float* post_ffn_norm;  /* [d] norm of the FFN's output, or NULL */
-    const float* rope_cos;   /* [max_len, head_dim], or NULL: no rotary embedding */
-    const float* rope_sin;   /* [max_len, head_dim] */
+    const float* rope_cos;   /* [max_len, rot_dim], or NULL: no rotary embedding */
+    const float* rope_sin;   /* [max_len, rot_dim] */
     int64_t window;          /* attend to the last `window` positions; 0: to all */
     pi_linear q, k, v, o;    /* k.fn NULL: q projects to [q; k; v] (qd + 2 kvd outputs) */
     pi_ffn ffn;
@@ -103,6 +103,7 @@ typedef struct {
 typedef struct {
     int64_t n_layers, d, n_heads, n_kv_heads, head_dim, max_len, vocab;
     int64_t layer_norm;      /* 0: RMSNorm, 1: LayerNorm (mean removed, bias added) */
+    int64_t rot_dim;         /* dimensions of each head RoPE rotates (head_dim, or fewer) */
     float eps;               /* the norms' epsilon */
     float scale;             /* attention scores scale (head_dim ** -0.5 for Llama) */
     float embed_scale;       /* the embedding's factor (1: none) */
@@ -161,9 +162,11 @@ static void linear(const pi_linear* l, const float* x, int64_t in_features, floa
     ((pi_dense_fn)l->fn)(x, 1, in_features, l->w, l->out_features, l->b, out);
 }
 
-/* heads [n, hd] rotated in place: rotate_half form, cos / sin rows of the position */
-static void rope(float* heads, int64_t n, int64_t hd, const float* cos, const float* sin) {
-    const int64_t half = hd / 2;
+/* heads [n, hd] rotated in place over their first rot dimensions: rotate_half form, cos / sin
+ * [rot] rows of the position */
+static void rope(float* heads, int64_t n, int64_t hd, int64_t rot, const float* cos,
+                 const float* sin) {
+    const int64_t half = rot / 2;
     for (int64_t h = 0; h < n; ++h) {
         float* v = heads + h * hd;
         for (int64_t i = 0; i < half; ++i) {
@@ -257,8 +260,9 @@ int pi_decoder_step(const pi_decoder* m, int64_t pos, float* x, float* logits) {
         head_norm(m, q, m->n_heads, L->q_norm);
         head_norm(m, k, m->n_kv_heads, L->k_norm);
         if (L->rope_cos) {
-            rope(q, m->n_heads, hd, L->rope_cos + pos * hd, L->rope_sin + pos * hd);
-            rope(k, m->n_kv_heads, hd, L->rope_cos + pos * hd, L->rope_sin + pos * hd);
+            const int64_t r = m->rot_dim;
+            rope(q, m->n_heads, hd, r, L->rope_cos + pos * r, L->rope_sin + pos * r);
+            rope(k, m->n_kv_heads, hd, r, L->rope_cos + pos * r, L->rope_sin + pos * r);
         }
         for (int64_t g = 0; g < m->n_kv_heads; ++g) {
             memcpy(L->k_cache + (g * m->max_len + pos) * hd, k + g * hd, (size_t)hd * sizeof(float));

@@ -248,6 +248,7 @@ class Stack:
         self.attn_softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
         self.logit_softcap = float(getattr(config, "final_logit_softcapping", None) or 0.0)
         rotary = getattr(base, "rotary_emb", None)
+        self.rot_dim = 0  # dimensions of each head RoPE rotates: set below, from its tables
         per_type = (rotary is not None  # a table per layer type (Gemma 3)
                     and "layer_type" in inspect.signature(rotary.forward).parameters)
         # Positions: RoPE (rope_tables), or a learned table [n, d] in the model's dtype, which
@@ -324,6 +325,12 @@ class Stack:
             self.layers.append(Layer(*norms, linears, head_norms, post_norms, rope, window, ffn,
                                      mlp))
         self.eps = eps
+        if self.learned_positions is None:  # RoPE's width, from one position of its tables
+            widths = {cos.shape[-1] for cos, _ in self._rope(1).values()}
+            self.rot_dim = widths.pop()
+            if widths or self.rot_dim % 2 or self.rot_dim > self.head_dim:
+                raise Unsupported(f"RoPE tables of widths {sorted(widths | {self.rot_dim})} "
+                                  f"over heads of {self.head_dim}")
 
     def fits(self, max_len: int) -> bool:
         """Whether a step can run positions 0..max_len-1 (past a table of learned positions it
@@ -356,20 +363,19 @@ class Stack:
 
     @torch.no_grad()
     def rope_tables(self, n: int) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
-        """{Layer.rope: cos, sin [n, head_dim] float32} from the model's own rotary embedding
-        (any scaling; per layer type where it has several), on the embedding's device."""
+        """{Layer.rope: cos, sin [n, rot_dim] float32} from the model's own rotary embedding
+        (any scaling; per layer type where it has several), on the embedding's device. RoPE
+        rotates each head's first rot_dim dimensions (head_dim, or fewer: Phi-4-mini)."""
+        return {kind: (cos.reshape(n, -1).float().contiguous(),
+                       sin.reshape(n, -1).float().contiguous())
+                for kind, (cos, sin) in self._rope(n).items()}
+
+    def _rope(self, n: int) -> dict:
         device = self.embedding.device
         pos = torch.arange(n, device=device).unsqueeze(0)  # [1, n]
         probe = torch.zeros(1, n, self.head_dim, device=device)
-        tables = {}
-        for kind in {layer.rope for layer in self.layers}:
-            args = () if kind is None else (kind,)
-            cos, sin = self.base.rotary_emb(probe, pos, *args)
-            if cos.shape[-1] != self.head_dim:
-                raise Unsupported(f"RoPE over {cos.shape[-1]} of {self.head_dim} head dimensions")
-            tables[kind] = (cos.reshape(n, -1).float().contiguous(),
-                            sin.reshape(n, -1).float().contiguous())
-        return tables
+        return {kind: self.base.rotary_emb(probe, pos, *(() if kind is None else (kind,)))
+                for kind in {layer.rope for layer in self.layers}}
 
     def rounds_activations(self) -> bool:
         """Some layer's kernel reads its input rounded to int8 blocks (quant.INT8_ACTIVATIONS)."""
@@ -480,7 +486,8 @@ class Decoder(Stack):
         self._mask = torch.empty(max_ff, dtype=torch.uint8)
         s = native.Decoder(
             len(self.layers), self.d, self.n_heads, self.n_kv_heads, self.head_dim, self.max_len,
-            self.vocab, self.family.layer_norm, self.eps, self.scale, self.embed_scale,
+            self.vocab, self.family.layer_norm, self.rot_dim, self.eps, self.scale,
+            self.embed_scale,
             self.attn_softcap, self.logit_softcap,
             None if self.learned_positions is None else self.pos_embed.data_ptr(), layers,
             *_pointers(self.final_norm),

@@ -78,9 +78,14 @@ def _post(norm, y: torch.Tensor) -> torch.Tensor:
     return y if norm is None else norm.module(y)
 
 
-def _rotate_half(t: torch.Tensor) -> torch.Tensor:
-    half = t.shape[-1] // 2
-    return torch.cat((-t[..., half:], t[..., :half]), dim=-1)
+def _rotated(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Heads t [..., hd] rotated over their first rot dimensions (cos, sin [T, rot]) as HF's
+    apply_rotary_pos_emb, in the model's dtype."""
+    rot = cos.shape[-1]
+    r, rest = t[..., :rot], t[..., rot:]
+    half = rot // 2
+    r = r * cos + torch.cat((-r[..., half:], r[..., :half]), dim=-1) * sin
+    return r if rest.shape[-1] == 0 else torch.cat((r, rest), dim=-1)
 
 
 class DeviceDecoder(Stack):
@@ -162,9 +167,8 @@ class DeviceDecoder(Stack):
         k = k.transpose(0, 1).unsqueeze(0)  # [1, KV, T, hd]
         v = v.reshape(T, KV, hd).transpose(0, 1).unsqueeze(0)
         if self.learned_positions is None:  # RoPE, as HF's apply_rotary_pos_emb, model's dtype
-            cos, sin = (t.index_select(0, pos) for t in self.rope[layer.rope])  # [T, hd]
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            cos, sin = (t.index_select(0, pos) for t in self.rope[layer.rope])  # [T, rot]
+            q, k = _rotated(q, cos, sin), _rotated(k, cos, sin)
         self.k_cache[i].index_copy_(2, pos, k)  # [1, KV, max_len, hd]
         self.v_cache[i].index_copy_(2, pos, v)
         visible = self.positions.view(1, -1) <= pos.view(-1, 1)  # [T, max_len]
