@@ -2,10 +2,14 @@
 
     .venv/bin/python benchmarks/decode.py                        # SmolLM2-135M (default model)
     .venv/bin/python benchmarks/decode.py --random --density 0.1  # random-weight OPT-style ReLU
+    .venv/bin/python benchmarks/decode.py --random --arch gemma3  # random Gemma 3 (qwen3, phi3)
 
-The random model is an OPT-style decoder (ReLU FFN with biases) whose fc1 biases are shifted per
+The random OPT is an OPT-style decoder (ReLU FFN with biases) whose fc1 biases are shifted per
 neuron so each fires on about `--density` of tokens, as trained ReLU LLMs do (OPT-6.7B: about
-10%). Its sizes are options; it fits in this machine's memory at the defaults.
+10%). The other architectures are random models of their Hugging Face class (head_dim 64, a
+quarter as many key/value heads; Gemma 3: five sliding-window layers of 512 per global one);
+their SiLU / GELU blocks run dense and at `--sparsity` (threshold calibrated on random ids).
+Sizes are options; they fit in this machine's memory at the defaults.
 
 The last compiled variant runs twice: through picompile's whole-step decoder where it runs the
 model, and per module (PICOMPILE_DECODER=0), so the table shows what the decoder adds.
@@ -54,9 +58,30 @@ def random_opt(hidden: int, ffn: int, layers: int, density: float, dtype) -> tor
     return model.to(dtype)
 
 
+def random_model(arch: str, hidden: int, ffn: int, layers: int, dtype) -> torch.nn.Module:
+    """A random Qwen3 / Phi-3 / Gemma 3 of the given sizes (vocabulary 8192)."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    heads = max(1, hidden // 64)
+    common = dict(vocab_size=8192, hidden_size=hidden, intermediate_size=ffn,
+                  num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=max(1, heads // 4), max_position_embeddings=4096,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if arch == "qwen3":
+        config = T.Qwen3Config(**common, head_dim=64)
+    elif arch == "phi3":
+        config = T.Phi3Config(**common)
+    else:
+        types = [("full_attention" if i % 6 == 5 else "sliding_attention") for i in range(layers)]
+        config = T.Gemma3TextConfig(**common, head_dim=64, sliding_window=512, layer_types=types)
+    return T.AutoModelForCausalLM.from_config(config).eval().to(dtype)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--random", action="store_true", help="random-weight OPT-style ReLU model")
+    ap.add_argument("--random", action="store_true", help="a random-weight model (--arch)")
+    ap.add_argument("--arch", default="opt", choices=["opt", "qwen3", "phi3", "gemma3"])
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--ffn", type=int, default=8192)
     ap.add_argument("--layers", type=int, default=8)
@@ -69,7 +94,15 @@ def main():
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
 
-    if args.random:
+    if args.random and args.arch != "opt":
+        dense = random_model(args.arch, args.hidden, args.ffn, args.layers, dtype)
+        prompt = torch.randint(0, 8192, (1, 16), generator=torch.Generator().manual_seed(1))
+        name = (f"random {type(dense).__name__}, d={args.hidden}, n_ff={args.ffn}, "
+                f"{args.layers} layers, {args.dtype}")
+        calib = torch.randint(0, 8192, (16, 128), generator=torch.Generator().manual_seed(2))
+        variants = {"dense": {}, f"threshold @{args.sparsity:.0%}": dict(sparsity=args.sparsity,
+                                                                          calibration=calib)}
+    elif args.random:
         dense = random_opt(args.hidden, args.ffn, args.layers, args.density, dtype)
         prompt = torch.randint(0, 8192, (1, 16), generator=torch.Generator().manual_seed(1))
         name = (f"random OPT-style ReLU, d={args.hidden}, n_ff={args.ffn}, {args.layers} layers, "
@@ -87,7 +120,7 @@ def main():
         if args.predicted:  # minutes more: profiling and predictor training
             variants[f"predicted @{args.sparsity:.0%}"] = dict(mode="predicted", sparsity=args.sparsity,
                                                                calibration=calib)
-    runs = {"dense": dense}
+    runs = {"HF eager": dense}
     for label, kw in variants.items():
         runs[label] = picompile.compile(copy.deepcopy(dense), quiet=True, **kw)
     per_module = f"{label}, per module"  # the last variant with its whole-step decoder off
@@ -96,7 +129,7 @@ def main():
     print(f"{name}; {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d', time.gmtime())}")
     print(f"streaming read before: {stream_probe(5):.1f} GB/s")
-    print("| run | decode tok/s (median of %d) | vs dense | FFN sparsity | weight MB / token | "
+    print("| run | decode tok/s (median of %d) | vs HF eager | FFN sparsity | weight MB / token | "
           "GB/s | decode step |" % args.repeats)
     print("|---|---|---|---|---|---|---|")
     base = None

@@ -216,20 +216,24 @@ def nbytes(t) -> int:
 def picompile_bytes_per_token(cm) -> float:
     """Weight bytes picompile reads per decoded token at the sparsity measured since the last
     reset_stats(): attention and LM head whole; exact mode: each FFN's gate rows (up rows of a
-    plain block) all, the up and down rows of the share of neurons that fired; predicted mode:
-    the predictor's kernel (float16 matrices), the first rows of the neurons it predicts (its
-    predicted density on held-out calibration samples) and the other rows of the share that
-    fired."""
+    plain block) all, the up and down rows of the share of neurons that fired (a threshold on a
+    gated block, |act(gate) * up|: gate and up rows all, the down rows of that share);
+    predicted mode: the predictor's kernel (float16 matrices), the first rows of the neurons it
+    predicts (its predicted density on held-out calibration samples) and the other rows of the
+    share that fired."""
     total = 0.0
     for m in cm._orig_mod.modules():
         if isinstance(m, SparseFFN):
-            first = m.w_gate if m.w_gate is not None else m.w_up
-            rest = sum(nbytes(t) for t in (m.w_up, m.w_down_t) if t is not first)
+            first = [m.w_gate if m.w_gate is not None else m.w_up]
+            if m.threshold > 0 and m.w_gate is not None:
+                first.append(m.w_up)  # the threshold reads both to know which neurons pass
+            rest = sum(nbytes(t) for t in (m.w_up, m.w_down_t) if all(t is not f for f in first))
             if m.predictor is not None and m.predictor.enabled:
                 total += predictors.kernel_bytes(m.predictor.rank, m.d_model, m.n_ff)
-                total += m.block.measured.predicted_density * nbytes(first) + (1 - m.sparsity) * rest
+                total += (m.block.measured.predicted_density * sum(map(nbytes, first))
+                          + (1 - m.sparsity) * rest)
             else:
-                total += nbytes(first) + (1 - m.sparsity) * rest
+                total += sum(map(nbytes, first)) + (1 - m.sparsity) * rest
         elif isinstance(m, QuantLinear):
             total += nbytes(m.qweight)
         elif isinstance(m, DenseLinear):
