@@ -247,10 +247,6 @@ class Stack:
         # tanh caps (Gemma 2) of the attention scores and the logits: cap * tanh(s / cap)
         self.attn_softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
         self.logit_softcap = float(getattr(config, "final_logit_softcapping", None) or 0.0)
-        rotary = getattr(base, "rotary_emb", None)
-        self.rot_dim = 0  # dimensions of each head RoPE rotates: set below, from its tables
-        per_type = (rotary is not None  # a table per layer type (Gemma 3)
-                    and "layer_type" in inspect.signature(rotary.forward).parameters)
         # Positions: RoPE (rope_tables), or a learned table [n, d] in the model's dtype, which
         # bounds the positions a step can run.
         self.learned_positions, self.max_positions = None, None
@@ -261,7 +257,6 @@ class Stack:
             self.learned_positions = table.weight.detach()[getattr(table, "offset", 0):]
             self.max_positions = len(self.learned_positions)
 
-        self.layers: list[Layer] = []
         attn0 = layers[0].self_attn
         self.head_dim = int(getattr(attn0, "head_dim", 0))
         self.scale = getattr(attn0, "scaling", None)
@@ -272,65 +267,80 @@ class Stack:
         if self.n_heads % self.n_kv_heads or self.head_dim % 2:
             raise Unsupported(f"{self.n_heads} heads over {self.n_kv_heads} key/value heads of "
                               f"dim {self.head_dim}")
-        qd, kvd = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        shapes = {"q_proj": (qd, self.d), "k_proj": (kvd, self.d), "v_proj": (kvd, self.d),
-                  "qkv_proj": (qd + 2 * kvd, self.d), "o_proj": (self.d, qd)}
-        eps = self.final_norm.eps
-        for i, layer in enumerate(layers):
-            where = f"{fam.stack}.layers.{i}"
-            parts = {n for n, m in layer._modules.items() if not isinstance(m, nn.Dropout)}
-            post = (fam.post_attn_norm, fam.post_ffn_norm)
-            frame = {fam.attn_norm, "self_attn", fam.ffn_norm} | {n for n in post if n}
-            if not frame < parts or len(parts) != len(frame) + 1:
-                raise Unsupported(f"{where} ({type(layer).__name__}) has the parts "
-                                  f"{sorted(parts)}, not {sorted(frame)} and one FFN")
-            (mlp_name,) = parts - frame
-            attn = layer.self_attn
-            # ours: the family's names
-            names = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj",
-                     "o_proj": fam.out_proj}
-            if "qkv_proj" in attn._modules:  # q, k and v in one linear (Phi-3)
-                names = {"qkv_proj": "qkv_proj", "o_proj": fam.out_proj}
-            if set(attn._modules) - {"q_norm", "k_norm"} != set(names.values()):
-                raise Unsupported(f"{where}.self_attn has the parts {sorted(attn._modules)}")
-            head_norms = None
-            if {"q_norm", "k_norm"} & set(attn._modules):
-                head_norms = tuple(_norm(getattr(attn, n, None), f"{where}.self_attn.{n}", False,
-                                         fam.gemma) for n in ("q_norm", "k_norm"))
-                if any(n.weight.shape != (self.head_dim,) or n.eps != eps for n in head_norms):
-                    raise Unsupported(f"{where}.self_attn: q_norm / k_norm are not RMSNorms "
-                                      f"over a head of {self.head_dim} with epsilon {eps}")
-            if getattr(attn, "head_dim", None) != self.head_dim or attn.scaling != self.scale:
-                raise Unsupported(f"{where}.self_attn: head_dim / scaling differ between layers")
-            linears = {}
-            for name, theirs in names.items():
-                shape = shapes[name]
-                lin = linear_of(getattr(attn, theirs), f"{where}.self_attn.{theirs}")
-                if (lin.out_features, lin.in_features) != shape:
-                    raise Unsupported(f"{where}.self_attn.{theirs} is "
-                                      f"{(lin.out_features, lin.in_features)}, not {shape}")
-                linears[name] = lin
-            norms = [_norm(getattr(layer, n), f"{where}.{n}", fam.layer_norm, fam.gemma)
-                     for n in (fam.attn_norm, fam.ffn_norm)]
-            post_norms = tuple(n and _norm(getattr(layer, n), f"{where}.{n}", fam.layer_norm,
-                                           fam.gemma) for n in post)
-            if any(n.eps != eps for n in (*norms, *post_norms) if n is not None):
-                raise Unsupported("norm epsilons differ between layers")
-            rope = getattr(attn, "layer_type", None) if per_type else None
-            window = _window(attn, config)
-            mlp = getattr(layer, mlp_name)
-            ffn = ffn_of(mlp, f"{where}.{mlp_name}")
-            if ffn.d_model != self.d:
-                raise Unsupported(f"{where}.{mlp_name} has d={ffn.d_model}, the model {self.d}")
-            self.layers.append(Layer(*norms, linears, head_norms, post_norms, rope, window, ffn,
-                                     mlp))
-        self.eps = eps
-        if self.learned_positions is None:  # RoPE's width, from one position of its tables
+        self.eps = self.final_norm.eps
+        rotary = getattr(base, "rotary_emb", None)
+        self.per_type_rope = (rotary is not None  # a table per layer type (Gemma 3)
+                              and "layer_type" in inspect.signature(rotary.forward).parameters)
+        self.layers: list[Layer] = [
+            self._layer(layer, f"{fam.stack}.layers.{i}", linear_of, ffn_of)
+            for i, layer in enumerate(layers)]
+        self.rot_dim = 0  # dimensions of each head RoPE rotates (head_dim, or fewer)
+        if self.learned_positions is None:  # from one position of its tables
             widths = {cos.shape[-1] for cos, _ in self._rope(1).values()}
             self.rot_dim = widths.pop()
             if widths or self.rot_dim % 2 or self.rot_dim > self.head_dim:
                 raise Unsupported(f"RoPE tables of widths {sorted(widths | {self.rot_dim})} "
                                   f"over heads of {self.head_dim}")
+
+    def _layer(self, layer: nn.Module, where: str, linear_of, ffn_of) -> Layer:
+        """One decoder layer's parts, checked: its norms, attention and one FFN block."""
+        fam = self.family
+        parts = {n for n, m in layer._modules.items() if not isinstance(m, nn.Dropout)}
+        post = (fam.post_attn_norm, fam.post_ffn_norm)
+        frame = {fam.attn_norm, "self_attn", fam.ffn_norm} | {n for n in post if n}
+        if not frame < parts or len(parts) != len(frame) + 1:
+            raise Unsupported(f"{where} ({type(layer).__name__}) has the parts "
+                              f"{sorted(parts)}, not {sorted(frame)} and one FFN")
+        (mlp_name,) = parts - frame
+        linears, head_norms = self._attention_parts(layer.self_attn, f"{where}.self_attn",
+                                                    linear_of)
+        norms = [_norm(getattr(layer, n), f"{where}.{n}", fam.layer_norm, fam.gemma)
+                 for n in (fam.attn_norm, fam.ffn_norm)]
+        post_norms = tuple(n and _norm(getattr(layer, n), f"{where}.{n}", fam.layer_norm,
+                                       fam.gemma) for n in post)
+        if any(n.eps != self.eps for n in (*norms, *post_norms) if n is not None):
+            raise Unsupported("norm epsilons differ between layers")
+        rope = None
+        if self.per_type_rope:
+            rope = getattr(layer.self_attn, "layer_type", None)
+            if rope is None:
+                raise Unsupported(f"{where}.self_attn has no layer_type for its RoPE table")
+        mlp = getattr(layer, mlp_name)
+        ffn = ffn_of(mlp, f"{where}.{mlp_name}")
+        if ffn.d_model != self.d:
+            raise Unsupported(f"{where}.{mlp_name} has d={ffn.d_model}, the model {self.d}")
+        return Layer(*norms, linears, head_norms, post_norms, rope,
+                     _window(layer.self_attn, self.model.config), ffn, mlp)
+
+    def _attention_parts(self, attn: nn.Module, where: str, linear_of) -> tuple[dict, tuple]:
+        """An attention's linears ({our name: module}) and per-head q / k norms (or None)."""
+        fam = self.family
+        qd, kvd = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        shapes = {"q_proj": (qd, self.d), "k_proj": (kvd, self.d), "v_proj": (kvd, self.d),
+                  "qkv_proj": (qd + 2 * kvd, self.d), "o_proj": (self.d, qd)}
+        names = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj",
+                 "o_proj": fam.out_proj}  # ours: the family's
+        if "qkv_proj" in attn._modules:  # q, k and v in one linear (Phi-3)
+            names = {"qkv_proj": "qkv_proj", "o_proj": fam.out_proj}
+        if set(attn._modules) - {"q_norm", "k_norm"} != set(names.values()):
+            raise Unsupported(f"{where} has the parts {sorted(attn._modules)}")
+        if getattr(attn, "head_dim", None) != self.head_dim or attn.scaling != self.scale:
+            raise Unsupported(f"{where}: head_dim / scaling differ between layers")
+        head_norms = None
+        if {"q_norm", "k_norm"} & set(attn._modules):
+            head_norms = tuple(_norm(getattr(attn, n, None), f"{where}.{n}", False, fam.gemma)
+                               for n in ("q_norm", "k_norm"))
+            if any(n.weight.shape != (self.head_dim,) or n.eps != self.eps for n in head_norms):
+                raise Unsupported(f"{where}: q_norm / k_norm are not RMSNorms over a head of "
+                                  f"{self.head_dim} with epsilon {self.eps}")
+        linears = {}
+        for name, theirs in names.items():
+            lin = linear_of(getattr(attn, theirs), f"{where}.{theirs}")
+            if (lin.out_features, lin.in_features) != shapes[name]:
+                raise Unsupported(f"{where}.{theirs} is {(lin.out_features, lin.in_features)}, "
+                                  f"not {shapes[name]}")
+            linears[name] = lin
+        return linears, head_norms
 
     def fits(self, max_len: int) -> bool:
         """Whether a step can run positions 0..max_len-1 (past a table of learned positions it
@@ -374,8 +384,12 @@ class Stack:
         device = self.embedding.device
         pos = torch.arange(n, device=device).unsqueeze(0)  # [1, n]
         probe = torch.zeros(1, n, self.head_dim, device=device)
-        return {kind: self.base.rotary_emb(probe, pos, *(() if kind is None else (kind,)))
-                for kind in {layer.rope for layer in self.layers}}
+        try:
+            return {kind: self.base.rotary_emb(probe, pos, *(() if kind is None else (kind,)))
+                    for kind in {layer.rope for layer in self.layers}}
+        except (TypeError, ValueError, RuntimeError) as e:  # a rotary module of another shape
+            raise Unsupported(f"its rotary embedding cannot be tabled ({type(e).__name__}: "
+                              f"{str(e)[:120]})") from e
 
     def rounds_activations(self) -> bool:
         """Some layer's kernel reads its input rounded to int8 blocks (quant.INT8_ACTIVATIONS)."""
