@@ -12,7 +12,8 @@ their SiLU / GELU blocks run dense and at `--sparsity` (threshold calibrated on 
 Sizes are options; they fit in this machine's memory at the defaults.
 
 The last compiled variant runs twice: through picompile's whole-step decoder where it runs the
-model, and per module (PICOMPILE_DECODER=0), so the table shows what the decoder adds.
+model, and per module (PICOMPILE_DECODER=0), so the table shows what the decoder adds. Rows are
+timed in interleaved rounds (the medians of --repeats), as the machine's speed drifts.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import argparse
 import copy
 import os
 import platform
+import statistics
 import time
 
 import torch
@@ -132,18 +134,26 @@ def main():
     print("| run | decode tok/s (median of %d) | vs HF eager | FFN sparsity | weight MB / token | "
           "GB/s | decode step |" % args.repeats)
     print("|---|---|---|---|---|---|---|")
-    base = None
+
+    def switch(label: str) -> None:  # the per-module row runs its model with the decoders off
+        os.environ[config.DECODER_ENV] = "0" if label == per_module else "1"
+
+    for label, model in runs.items():  # warm-up: kernel builds, allocator, the decoders
+        switch(label)
+        timed_generate(model, prompt, 4)
+    speeds, sparsity = {label: [] for label in runs}, {}
+    for _ in range(args.repeats):  # interleaved rounds: this VM's memory speed drifts
+        for label, model in runs.items():
+            switch(label)
+            if hasattr(model, "reset_stats"):
+                model.reset_stats()
+            speeds[label].append(timed_generate(model, prompt, args.new_tokens,
+                                                exact_length=True)[1])
+            sparsity[label] = model.sparsity() if hasattr(model, "sparsity") else None
+    base = statistics.median(speeds["HF eager"])
     for label, model in runs.items():
-        if label == per_module:
-            os.environ[config.DECODER_ENV] = "0"
-        timed_generate(model, prompt, 4)  # warm-up: kernel builds, allocator
-        if hasattr(model, "reset_stats"):
-            model.reset_stats()
-        speeds = sorted(timed_generate(model, prompt, args.new_tokens, exact_length=True)[1]
-                        for _ in range(args.repeats))
-        tps = speeds[len(speeds) // 2]
-        base = base or tps
-        sp = model.sparsity() if hasattr(model, "sparsity") else None
+        switch(label)
+        tps, sp = statistics.median(speeds[label]), sparsity[label]
         path, read = "HF eager", "- | -"
         if hasattr(model, "decoder"):
             step = model.decoder()

@@ -1,6 +1,6 @@
 /* picompile decoder step: one decode token through a whole pre-norm decoder stack in one call
- * (Llama family, OPT). Built by picompile/codegen/decoder.py with the flags of the other C kernels
- * (c.build_flags()).
+ * (runtime/decoder.py's Family: Llama and its relatives, Gemma, OPT). Built by
+ * picompile/codegen/decoder.py with the flags of the other C kernels (c.build_flags()).
  *
  *     x *= embed_scale             (Gemma: sqrt(d))
  *     x += pos_embed[pos]          learned positions (OPT), where the model has them

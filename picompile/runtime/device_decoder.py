@@ -1,5 +1,5 @@
-"""DeviceDecoder: picompile's decode step for a pre-norm decoder stack (Llama family, OPT) split
-across a GPU and the CPU.
+"""DeviceDecoder: picompile's decode step for a pre-norm decoder stack (decoder.Family: Llama and
+its relatives, Gemma, OPT) split across a GPU and the CPU.
 
     dec = DeviceDecoder(model)        # model distributed (runtime/hybrid.distribute); Unsupported
     dec.reserve(max_len)              # static KV cache and RoPE tables on the device
