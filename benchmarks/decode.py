@@ -60,13 +60,14 @@ def random_opt(hidden: int, ffn: int, layers: int, density: float, dtype) -> tor
     return model.to(dtype)
 
 
-def random_model(arch: str, hidden: int, ffn: int, layers: int, dtype) -> torch.nn.Module:
-    """A random Qwen3 / Phi-3 / Gemma 3 of the given sizes (vocabulary 8192)."""
+def random_model(arch: str, hidden: int, ffn: int, layers: int, vocab: int,
+                 dtype) -> torch.nn.Module:
+    """A random Qwen3 / Phi-3 / Gemma 3 of the given sizes."""
     import transformers as T
 
     torch.manual_seed(0)
     heads = max(1, hidden // 64)
-    common = dict(vocab_size=8192, hidden_size=hidden, intermediate_size=ffn,
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
                   num_hidden_layers=layers, num_attention_heads=heads,
                   num_key_value_heads=max(1, heads // 4), max_position_embeddings=4096,
                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -87,6 +88,7 @@ def main():
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--ffn", type=int, default=8192)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=8192, help="vocabulary (not the random OPT)")
     ap.add_argument("--density", type=float, default=0.1, help="planted firing rate per neuron")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--sparsity", type=float, default=0.5, help="threshold sparsity (SiLU models)")
@@ -97,10 +99,10 @@ def main():
     dtype = getattr(torch, args.dtype)
 
     if args.random and args.arch != "opt":
-        dense = random_model(args.arch, args.hidden, args.ffn, args.layers, dtype)
+        dense = random_model(args.arch, args.hidden, args.ffn, args.layers, args.vocab, dtype)
         prompt = torch.randint(0, 8192, (1, 16), generator=torch.Generator().manual_seed(1))
         name = (f"random {type(dense).__name__}, d={args.hidden}, n_ff={args.ffn}, "
-                f"{args.layers} layers, {args.dtype}")
+                f"{args.layers} layers, vocabulary {args.vocab}, {args.dtype}")
         calib = torch.randint(0, 8192, (16, 128), generator=torch.Generator().manual_seed(2))
         variants = {"dense": {}, f"threshold @{args.sparsity:.0%}": dict(sparsity=args.sparsity,
                                                                           calibration=calib)}
