@@ -103,6 +103,16 @@ class TinyBlock(nn.Module):
         return x + self.ffn(self.norm2(x))
 
 
+class HalvedLogitsLlama(T.LlamaForCausalLM):
+    """A look-alike: Llama's modules and config, its logits halved in its own forward (what
+    only a numeric check tells apart)."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits / 2
+        return out
+
+
 class TinyLM(nn.Module):
     """A plain nn.Module causal LM: ids [B, T] -> logits [B, T, vocab]."""
 

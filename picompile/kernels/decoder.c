@@ -1,8 +1,8 @@
 /* picompile decoder step: one decode token through a whole pre-norm decoder stack in one call
- * (runtime/decoder.py's Family: Llama and its relatives, Gemma, OPT). Built by
+ * (runtime/decoder.py's Family: Llama and its relatives, Granite, Gemma, OPT). Built by
  * picompile/codegen/decoder.py with the flags of the other C kernels (c.build_flags()).
  *
- *     x *= embed_scale             (Gemma: sqrt(d))
+ *     x *= embed_scale             (Gemma: sqrt(d); Granite: its embedding multiplier)
  *     x += pos_embed[pos]          learned positions (OPT), where the model has them
  * Per layer (pre-norm, as Hugging Face's LlamaDecoderLayer, OPTDecoderLayer, Gemma2DecoderLayer
  * and their relatives):
@@ -16,10 +16,13 @@
  *     a[head] = softmax(cap(scale * q[head] . K[kv(head)][t0..pos])) V[kv(head)][t0..pos]
  *         t0 = pos - window + 1 in a sliding-window layer (those before it are not read), else 0;
  *         cap(s) = attn_softcap * tanh(s / attn_softcap) where set (Gemma 2)
- *     x += post_attn_norm(Wo a (+bo))          the post-norm where the layer has one (Gemma 2, 3)
+ *     x += post_attn_norm(Wo a (+bo)) * residual_scale   the post-norm where the layer has one
+ *                                  (Gemma 2, 3); residual_scale 1 but in Granite
  *     h = norm(x, ffn_norm)
- *     x += post_ffn_norm(ffn(h))   the block's sparse FFN kernel (and its predictor, if any)
- * then  logits = cap(W_lm norm(x, final_norm)), cap by logit_softcap where set.
+ *     x += post_ffn_norm(ffn(h)) * residual_scale   the block's sparse FFN kernel (and its
+ *                                  predictor, if any)
+ * then  logits = cap(W_lm norm(x, final_norm) / logit_divisor), cap by logit_softcap where set,
+ *       logit_divisor 1 but in Granite.
  *
  * The weight-bearing work runs in picompile's other kernels, called through function pointers
  * the caller takes from their loaded libraries (so each keeps its own dtype, variant and build):
@@ -109,6 +112,8 @@ typedef struct {
     float embed_scale;       /* the embedding's factor (1: none) */
     float attn_softcap;      /* attention scores capped by tanh (0: not) */
     float logit_softcap;     /* and the logits (0: not) */
+    float residual_scale;    /* each sublayer's output times it before the residual add (1) */
+    float logit_divisor;     /* the logits divided by it (1) */
     const float* pos_embed;  /* [max_len, d] learned position embeddings, or NULL */
     const pi_layer* layers;  /* [n_layers] */
     const float* final_norm; /* [d] */
@@ -227,6 +232,12 @@ static void add(float* x, const float* y, int64_t d) {
     for (int64_t i = 0; i < d; ++i) x[i] += y[i];
 }
 
+/* x [d] += y * scale: a sublayer's output into the residual stream */
+static void add_scaled(float* x, const float* y, float scale, int64_t d) {
+    if (scale == 1.0f) add(x, y, d);
+    else for (int64_t i = 0; i < d; ++i) x[i] += y[i] * scale;
+}
+
 int pi_decoder_step(const pi_decoder* m, int64_t pos, float* x, float* logits) {
     if (pos < 0 || pos >= m->max_len) return -1;
     const int64_t d = m->d, hd = m->head_dim;
@@ -271,7 +282,7 @@ int pi_decoder_step(const pi_decoder* m, int64_t pos, float* x, float* logits) {
         attention(m, L, q, pos, scores, att);
         linear(&L->o, att, qd, y);
         if (L->post_attn_norm) norm(m, y, L->post_attn_norm, NULL, y);
-        add(x, y, d);
+        add_scaled(x, y, m->residual_scale, d);
 
         norm(m, x, L->ffn_norm, L->ffn_norm_b, h);
         const pi_ffn* f = &L->ffn;
@@ -288,10 +299,12 @@ int pi_decoder_step(const pi_decoder* m, int64_t pos, float* x, float* logits) {
         if (n_active < 0) return -2;
         m->n_active[l] += n_active;
         if (L->post_ffn_norm) norm(m, y, L->post_ffn_norm, NULL, y);
-        add(x, y, d);
+        add_scaled(x, y, m->residual_scale, d);
     }
     norm(m, x, m->final_norm, m->final_norm_b, m->work);
     linear(&m->lm_head, m->work, d, logits);
+    if (m->logit_divisor != 1.0f)
+        for (int64_t i = 0; i < m->vocab; ++i) logits[i] /= m->logit_divisor;
     if (m->logit_softcap > 0.0f)
         for (int64_t i = 0; i < m->vocab; ++i)
             logits[i] = m->logit_softcap * tanhf(logits[i] / m->logit_softcap);

@@ -16,14 +16,14 @@ Which models (`Family`): decoder stacks shaped like HF's LlamaForCausalLM (Llama
 Mistral, Qwen2, ...): pre-norm layers of exactly {input_layernorm, self_attn,
 post_attention_layernorm, mlp}, RMSNorm, attention of exactly q/k/v/o projections (biases
 allowed, GQA) with rotate-half RoPE over the whole head, and an mlp that is one rewritten
-SparseFFN (with or without predictor), with Qwen3's per-head q / k norms or Phi-3's fused
-qkv_proj; Gemma's (norms by 1 + weight, scaled embeddings; Gemma 2 and 3: post-norms of each
+SparseFFN (with or without predictor), with Qwen3's per-head q / k norms, Phi-3's fused
+qkv_proj or Granite's multipliers; Gemma's (norms by 1 + weight, scaled embeddings; Gemma 2 and 3: post-norms of each
 sublayer's output, tanh caps of scores and logits, a RoPE table per layer type); and OPT's
 (pre-norm OPT: LayerNorm with biases, learned positions, the rewritten fc1 / fc2 block in the
 layer itself). Parallel-residual families (Falcon, GPT-NeoX, GPT-J, Phi) are refused.
 `Decoder(model)` checks the structure; `verify(model)` then checks the numbers, one decode step
-against the model's own forward, since a look-alike (Granite's scaled residuals and logits) has
-the same modules. The compiler uses the decoder only when both pass, and says why
+against the model's own forward, since a look-alike (a model that scales its residuals or logits
+in its own forward) has the same modules. The compiler uses the decoder only when both pass, and says why
 not otherwise.
 
 The structure checks (`Stack`) are shared with runtime/device_decoder.py, the decode step of a
@@ -124,12 +124,15 @@ class Family:
     post_attn_norm: str | None = None  # a norm of the attention's output, before the residual
     post_ffn_norm: str | None = None  # and of the FFN's
     gemma: bool = False  # RMSNorm by 1 + weight, embeddings times sqrt(d)
+    granite: bool = False  # the config's multipliers of embeddings, residuals and logits
 
 
 LLAMA = Family("Llama", "model", "norm", "input_layernorm", "post_attention_layernorm", "o_proj",
                layer_norm=False, positions="rotary_emb")
 OPT = Family("OPT", "model.decoder", "final_layer_norm", "self_attn_layer_norm",
              "final_layer_norm", "out_proj", layer_norm=True, positions="embed_positions")
+GRANITE = Family("Granite", "model", "norm", "input_layernorm", "post_attention_layernorm",
+                 "o_proj", layer_norm=False, positions="rotary_emb", granite=True)
 GEMMA = Family("Gemma", "model", "norm", "input_layernorm", "post_attention_layernorm", "o_proj",
                layer_norm=False, positions="rotary_emb", gemma=True)
 GEMMA2 = Family("Gemma 2", "model", "norm", "input_layernorm", "pre_feedforward_layernorm",
@@ -151,6 +154,8 @@ def family(model: nn.Module) -> Family:
         return OPT
     if kind == "gemma":
         return GEMMA
+    if kind == "granite":
+        return GRANITE
     if kind in ("gemma2", "gemma3_text"):  # Gemma 3: Gemma 2's layout, its own q / k norms
         return GEMMA2
     if kind in ("falcon", "gpt_neox", "gptj", "phi"):
@@ -241,9 +246,15 @@ class Stack:
                                 fam.layer_norm, fam.gemma)
         self.embedding = base.embed_tokens.weight  # [vocab, d]
         self.vocab, self.d = self.embedding.shape
-        # Gemma scales the embeddings by sqrt(d) rounded to the model's dtype.
-        self.embed_scale = (float(torch.tensor(self.d ** 0.5, dtype=self.embedding.dtype))
-                            if fam.gemma else 1.0)
+        # Gemma scales the embeddings by sqrt(d) rounded to the model's dtype; Granite scales
+        # embeddings, each sublayer's output and (dividing) the logits by its config's numbers.
+        self.embed_scale, self.residual_scale, self.logit_divisor = 1.0, 1.0, 1.0
+        if fam.gemma:
+            self.embed_scale = float(torch.tensor(self.d ** 0.5, dtype=self.embedding.dtype))
+        if fam.granite:
+            self.embed_scale = float(config.embedding_multiplier)
+            self.residual_scale = float(config.residual_multiplier)
+            self.logit_divisor = float(config.logits_scaling)
         # tanh caps (Gemma 2) of the attention scores and the logits: cap * tanh(s / cap)
         self.attn_softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
         self.logit_softcap = float(getattr(config, "final_logit_softcapping", None) or 0.0)
@@ -502,7 +513,7 @@ class Decoder(Stack):
             len(self.layers), self.d, self.n_heads, self.n_kv_heads, self.head_dim, self.max_len,
             self.vocab, self.family.layer_norm, self.rot_dim, self.eps, self.scale,
             self.embed_scale,
-            self.attn_softcap, self.logit_softcap,
+            self.attn_softcap, self.logit_softcap, self.residual_scale, self.logit_divisor,
             None if self.learned_positions is None else self.pos_embed.data_ptr(), layers,
             *_pointers(self.final_norm),
             self._linear(self.lm_head), self.n_active.data_ptr(), None, self._mask.data_ptr())

@@ -1,5 +1,5 @@
 """DeviceDecoder: picompile's decode step for a pre-norm decoder stack (decoder.Family: Llama and
-its relatives, Gemma, OPT) split across a GPU and the CPU.
+its relatives, Granite, Gemma, OPT) split across a GPU and the CPU.
 
     dec = DeviceDecoder(model)        # model distributed (runtime/hybrid.distribute); Unsupported
     dec.reserve(max_len)              # static KV cache and RoPE tables on the device
@@ -185,7 +185,8 @@ class DeviceDecoder(Stack):
         else:
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.scale,
                                                enable_gqa=KV != H)  # [1, H, T, hd]
-        return _post(layer.post_norms[0], lin["o_proj"](a[0].transpose(0, 1).reshape(T, H * hd)))
+        out = lin["o_proj"](a[0].transpose(0, 1).reshape(T, H * hd))
+        return self._residual(_post(layer.post_norms[0], out))
 
     def _ffn_begin(self, i: int) -> None:
         """Layer i's FFN input to the cold worker's staging (where it has cold rows) and its hot
@@ -208,7 +209,11 @@ class DeviceDecoder(Stack):
         if self.stages[i] is not None:  # landed on the host: receive() has returned
             copy_async(self.cold_out[i], self.stages[i].out[:1])
             out = self.cold_out[i] if out is None else out + self.cold_out[i]
-        self.x = self.x + _post(self.layers[i].post_norms[1], out.to(self.dtype))
+        self.x = self.x + self._residual(_post(self.layers[i].post_norms[1], out.to(self.dtype)))
+
+    def _residual(self, y: torch.Tensor) -> torch.Tensor:
+        """A sublayer's output as it joins the residual stream (Granite scales it)."""
+        return y if self.residual_scale == 1.0 else y * self.residual_scale
 
     def _head(self) -> None:
         self.logits = self._logits(self.x)  # [1, vocab]
@@ -217,6 +222,8 @@ class DeviceDecoder(Stack):
         """x [T, d] -> [T, vocab] float32: the final norm, the LM head, the cap of the logits
         where the model caps them (Gemma 2)."""
         logits = self.lm_head(self.final_norm.module(x)).float()
+        if self.logit_divisor != 1.0:  # Granite
+            logits = logits / self.logit_divisor
         if self.logit_softcap:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits
@@ -267,7 +274,7 @@ class DeviceDecoder(Stack):
         for i, layer in enumerate(self.layers):
             x = x + self._attend(i, x, pos)
             out = layer.mlp(layer.ffn_norm.module(x).unsqueeze(0))[0].to(self.dtype)
-            x = x + _post(layer.post_norms[1], out)
+            x = x + self._residual(_post(layer.post_norms[1], out))
         return self._logits(x[-1:])
 
     def set_threads(self) -> None:
