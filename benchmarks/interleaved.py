@@ -5,13 +5,16 @@ F32 / F16 file made by llama-quantize --allow-requantize, as peers.py does).
 
     .venv/bin/python benchmarks/interleaved.py [--rounds 8] [--new-tokens 64] [--sparsity 0.5]
     .venv/bin/python benchmarks/interleaved.py --dtype float16
+    .venv/bin/python benchmarks/interleaved.py --dtype float16 --depth 2048
 
 This VM's speed drifts by tens of percent over seconds to minutes (BENCHMARKS.md), so peers.py's
 "best of N, one system after the other" can hand one system a slow stretch. Here each round runs
 every system once, in turn (llama-bench `-r 1`, picompile's C decode step alone over the same
 number of tokens from a 32-token prompt), and the table gives each system's median and best over
 the rounds, and the median of the per-round ratios to llama.cpp (both sides of a ratio measured
-within seconds of each other). Needs llama.cpp built by benchmarks/peers.py.
+within seconds of each other). With --depth D the decode steps follow a D-token prompt (held-out
+text prefilled once into picompile's cache; llama-bench -d D), so attention reads D positions.
+Needs llama.cpp built by benchmarks/peers.py.
 """
 
 from __future__ import annotations
@@ -27,12 +30,27 @@ import picompile
 from picompile import bench, corpus, models
 
 
+@torch.no_grad()
+def prefill(cm, dec, prompt: torch.Tensor, n: int) -> None:
+    """The prompt's keys and values into the decoder's cache, through the model (as generate)."""
+    from transformers import StaticCache
+
+    from picompile.runtime.generate import cache_kwarg
+
+    model = cm._orig_mod
+    cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + n)
+    model(prompt, **{cache_kwarg(model): cache}, use_cache=True)
+    dec.reserve(prompt.shape[1] + n)
+    dec.load_cache(cache, prompt.shape[1])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sparsity", type=float, default=0.5)
+    ap.add_argument("--depth", type=int, default=0, help="positions before the decode steps")
     ap.add_argument("--dtype", choices=["gguf", "float32", "float16"], default="gguf",
                     help="gguf: the file's Q4_1 blocks as they are; else its weights in that dtype")
     args = ap.parse_args()
@@ -49,15 +67,18 @@ def main():
         peer, weights = f"llama.cpp {kind}", {}
         peer_file = bench.requantized(bins, gguf, kind, bench.BUILD / f"{gguf.stem}-{kind}.gguf")
     model, tok = models.load(None, dtype=dtype)
-    prompt = corpus.token_batches(tok, "heldout", 1, seq_len=32)
+    prompt = corpus.token_batches(tok, "heldout", 1, seq_len=max(32, args.depth))
     calib = corpus.token_batches(tok, "calibration", 16384)
-    systems = {peer: lambda: bench.llama_bench(bins, peer_file, args.threads, args.new_tokens, 1)}
+    systems = {peer: lambda: bench.llama_bench(bins, peer_file, args.threads, args.new_tokens, 1,
+                                               depth=args.depth)}
     for what, kw in (("dense", {}), (f"threshold @{args.sparsity:.0%}",
                                      dict(sparsity=args.sparsity, calibration=calib))):
         cm = picompile.compile(copy.deepcopy(model), quiet=True, **weights, **kw)
         dec = cm.decoder()
         if dec is None:
             raise SystemExit(f"picompile {what}: no whole-step decoder ({cm.decoder_reason})")
+        if args.depth:
+            prefill(cm, dec, prompt, args.new_tokens)
         systems[f"picompile {what}, {args.dtype}, C decode step"] = (
             lambda dec=dec: bench.decoder_tps(dec, prompt, args.new_tokens))
         bench.decoder_tps(dec, prompt, 8)  # warm up
@@ -68,7 +89,8 @@ def main():
         bench.log(f"round {r + 1}/{args.rounds}: "
                   + ", ".join(f"{name} {v[-1]:.1f}" for name, v in runs.items()))
     base = runs[peer]
-    print(f"\nSmolLM2-135M-Instruct decode, {args.threads} threads, {args.new_tokens} tokens, "
+    print(f"\nSmolLM2-135M-Instruct decode, {args.threads} threads, {args.new_tokens} tokens "
+          f"after {prompt.shape[1]} positions, "
           f"{args.rounds} interleaved rounds, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"| system | median tok/s | best tok/s | median of per-round ratio to {peer} |")
     print("|---|---:|---:|---:|")

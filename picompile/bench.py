@@ -109,13 +109,13 @@ def build_llama_cpp(build: pathlib.Path = BUILD) -> pathlib.Path:
 
 
 def llama_bench(bins: pathlib.Path, gguf: pathlib.Path, threads: int, n: int,
-                repetitions: int = 3, test: str = "tg") -> float:
+                repetitions: int = 3, test: str = "tg", depth: int = 0) -> float:
     """Tokens/s of llama-bench (mean of `repetitions`): its tg test (decode n tokens), or with
-    test="pp" its pp test (prefill an n-token prompt)."""
+    test="pp" its pp test (prefill an n-token prompt); after `depth` positions in the cache."""
     p, g = (n, 0) if test == "pp" else (0, n)
     r = subprocess.run([str(bins / "llama-bench"), "-m", str(gguf), "-p", str(p), "-n", str(g),
-                        "-t", str(threads), "-r", str(repetitions), "-o", "json"],
-                       capture_output=True, text=True, check=True)
+                        "-t", str(threads), "-r", str(repetitions), "-d", str(depth), "-o",
+                        "json"], capture_output=True, text=True, check=True)
     return float(json.loads(r.stdout)[0]["avg_ts"])
 
 
