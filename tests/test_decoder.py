@@ -268,6 +268,34 @@ def test_compile_converts_the_weights_and_the_decoder_runs_them(arch, dtype):
     torch.testing.assert_close(got, want_logits, rtol=0.05, atol=0.05 * float(want_logits.abs().max()))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_16_bit_model_caches_keys_and_values_in_its_dtype(dtype):
+    """The cache holds what Hugging Face's would (its dtype, rounded to nearest even) where the
+    library has the 16-bit path; the first layer's new row equals the float32 cache's, rounded
+    (later layers read the rounded cache, so their rows may differ in the last bits)."""
+    cm = picompile.compile(_model("llama_silu"), dtype=dtype, quiet=True)
+    dec16 = cm.decoder()
+    assert dec16.lib.pi_decoder_kv_16bit() == 1  # this machine has AVX2 and F16C
+    assert dec16.kv_dtype == dtype
+    dec32 = Decoder(cm._orig_mod)
+    dec32.kv_dtype = torch.float32
+    ids = torch.randint(3, zoo.VOCAB, (1, 9), generator=torch.Generator().manual_seed(7))
+    cache = StaticCache(config=cm.config, max_cache_len=16)
+    cm._orig_mod(ids[:, :8], **{cache_kwarg(cm._orig_mod): cache}, use_cache=True)
+    for dec in (dec16, dec32):
+        assert dec.reserve(16)
+        dec.load_cache(cache, 8)
+        dec.set_threads()
+        dec.step(ids[0, 8:], 8)
+    assert dec16.k_cache.dtype == dtype and dec32.k_cache.dtype == torch.float32
+    torch.testing.assert_close(dec16.k_cache[:, :, :8], dec32.k_cache[:, :, :8].to(dtype),
+                               rtol=0, atol=0)  # the prefill's rows, converted on load
+    for cache16, cache32 in ((dec16.k_cache, dec32.k_cache), (dec16.v_cache, dec32.v_cache)):
+        assert torch.equal(cache16[0, :, 8], cache32[0, :, 8].to(dtype))
+    got, want = dec16.logits[0], dec32.logits[0]
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * float(want.abs().max()))
+
+
 def test_compile_refuses_other_dtypes():
     with pytest.raises(ValueError, match="dtype must be one of"):
         picompile.compile(_model("llama_relu"), dtype="int8", quiet=True)

@@ -43,7 +43,7 @@ class Decoder(ctypes.Structure):
     """pi_decoder: the whole stack."""
     _fields_ = [("n_layers", _i64), ("d", _i64), ("n_heads", _i64), ("n_kv_heads", _i64),
                 ("head_dim", _i64), ("max_len", _i64), ("vocab", _i64), ("layer_norm", _i64),
-                ("rot_dim", _i64), ("eps", _f32), ("scale", _f32), ("embed_scale", _f32),
+                ("rot_dim", _i64), ("kv_dtype", _i64), ("eps", _f32), ("scale", _f32), ("embed_scale", _f32),
                 ("attn_softcap", _f32), ("logit_softcap", _f32), ("residual_scale", _f32),
                 ("logit_divisor", _f32), ("pos_embed", _vp),
                 ("layers", ctypes.POINTER(Layer)), ("final_norm", _vp), ("final_norm_b", _vp),
@@ -62,6 +62,7 @@ def load() -> ctypes.CDLL:
         "pi_decoder_step": ([ctypes.POINTER(Decoder), _i64, _vp, _vp], ctypes.c_int),
         "pi_decoder_work_floats": ([ctypes.POINTER(Decoder)], _i64),
         "pi_decoder_set_num_threads": ([ctypes.c_int], None),
+        "pi_decoder_kv_16bit": ([], ctypes.c_int),
     })
 
 

@@ -12,7 +12,8 @@
  *     q, k per head = rmsnorm(head, q_norm / k_norm)        where the model has them (Qwen3)
  *     rotate q, k by the layer's rope tables at `pos` (rotate_half form over each head's first
  *         rot_dim dimensions: pairs i and i + rot_dim/2), where the model has them
- *     k, v -> the layer's cache at `pos`
+ *     k, v -> the layer's cache at `pos` (float32; float16 / bfloat16 for a 16-bit model where
+ *         the build has AVX2 and F16C: pi_decoder_kv_16bit)
  *     a[head] = softmax(cap(scale * q[head] . K[kv(head)][t0..pos])) V[kv(head)][t0..pos]
  *         t0 = pos - window + 1 in a sliding-window layer (those before it are not read), else 0;
  *         cap(s) = attn_softcap * tanh(s / attn_softcap) where set (Gemma 2)
@@ -36,10 +37,17 @@
  *         x [d] float32: the token's embedding in, clobbered; logits [vocab] float32 out.
  *         Returns 0, -1 for pos outside [0, max_len), -2 when an FFN kernel ran out of memory.
  *     void pi_decoder_set_num_threads(int n);  OpenMP threads for attention (<= 0: default)
+ *     int pi_decoder_kv_16bit(void);  1 where the cache may hold float16 / bfloat16 (kv_dtype)
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PI_KV16 1
+#else
+#define PI_KV16 0
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -97,8 +105,8 @@ typedef struct {
     int64_t window;          /* attend to the last `window` positions; 0: to all */
     pi_linear q, k, v, o;    /* k.fn NULL: q projects to [q; k; v] (qd + 2 kvd outputs) */
     pi_ffn ffn;
-    float* k_cache;          /* [n_kv_heads, max_len, head_dim] */
-    float* v_cache;          /* [n_kv_heads, max_len, head_dim] */
+    void* k_cache;           /* [n_kv_heads, max_len, head_dim] of kv_dtype */
+    void* v_cache;           /* [n_kv_heads, max_len, head_dim] */
     void* qkv_fn;            /* pi_dense_multi of the library q, k and v share (one call for
                                 the three), or NULL: three pi_dense calls */
 } pi_layer;
@@ -107,6 +115,7 @@ typedef struct {
     int64_t n_layers, d, n_heads, n_kv_heads, head_dim, max_len, vocab;
     int64_t layer_norm;      /* 0: RMSNorm, 1: LayerNorm (mean removed, bias added) */
     int64_t rot_dim;         /* dimensions of each head RoPE rotates (head_dim, or fewer) */
+    int64_t kv_dtype;        /* the KV cache's: 0 float32, 1 float16, 2 bfloat16 (PI_KV16) */
     float eps;               /* the norms' epsilon */
     float scale;             /* attention scores scale (head_dim ** -0.5 for Llama) */
     float embed_scale;       /* the embedding's factor (1: none) */
@@ -192,6 +201,54 @@ static float dot(const float* a, const float* b, int64_t n) {
     return s;
 }
 
+int pi_decoder_kv_16bit(void) { return PI_KV16; }
+
+#if PI_KV16
+/* 8 cached 16-bit values (float16, or bfloat16 where bf) as float32 */
+static inline __m256 kv_load8(const uint16_t* p, int bf) {
+    const __m128i h = _mm_loadu_si128((const __m128i*)p);
+    return bf ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+              : _mm256_cvtph_ps(h);
+}
+
+/* a [n] . b [n] of 16-bit values; n a multiple of 8 (head_dim: checked by the caller) */
+static float dot_kv16(const float* a, const uint16_t* b, int64_t n, int bf) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), kv_load8(b + i, bf), acc);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* o [n] += p * v [n] of 16-bit values */
+static void axpy_kv16(float* o, float p, const uint16_t* v, int64_t n, int bf) {
+    const __m256 pv = _mm256_set1_ps(p);
+    for (int64_t i = 0; i < n; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(pv, kv_load8(v + i, bf), _mm256_loadu_ps(o + i)));
+}
+
+/* x [n] float32 -> 16-bit values at out, rounded to nearest even */
+static void store_kv16(uint16_t* out, const float* x, int64_t n, int bf) {
+    for (int64_t i = 0; i < n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        if (bf) {  /* round to nearest even on the upper 16 bits (no NaN in a cache) */
+            const __m256i u = _mm256_castps_si256(v);
+            const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+            const __m256i r = _mm256_srli_epi32(
+                _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+            const __m256i packed = _mm256_packus_epi32(r, r);  /* per 128-bit lane */
+            const __m128i lo = _mm256_castsi256_si128(packed);
+            const __m128i hi = _mm256_extracti128_si256(packed, 1);
+            _mm_storeu_si128((__m128i*)(out + i), _mm_unpacklo_epi64(lo, hi));
+        } else {
+            _mm_storeu_si128((__m128i*)(out + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+        }
+    }
+}
+#endif
+
 /* out [n_heads, hd]: attention of q [n_heads, hd] over cache positions 0..pos */
 static void attention(const pi_decoder* m, const pi_layer* L, const float* q, int64_t pos,
                       float* scores, float* out) {
@@ -204,13 +261,22 @@ static void attention(const pi_decoder* m, const pi_layer* L, const float* q, in
 #pragma omp parallel for num_threads(nt) schedule(static) if (n * H * hd >= 32768)
 #endif
     for (int64_t h = 0; h < H; ++h) {
-        const int64_t g = h / group;
-        const float* K = L->k_cache + g * m->max_len * hd;
-        const float* V = L->v_cache + g * m->max_len * hd;
+        const int64_t g = h / group, head = g * m->max_len * hd;  /* the kv head's first */
+        const float* K = (const float*)L->k_cache + head;
+        const float* V = (const float*)L->v_cache + head;
+#if PI_KV16
+        const uint16_t* K16 = (const uint16_t*)L->k_cache + head;
+        const uint16_t* V16 = (const uint16_t*)L->v_cache + head;
+        const int bf = m->kv_dtype == 2;
+#endif
         const float* qh = q + h * hd;
         float* s = scores + h * m->max_len;
         float mx = -INFINITY;
         for (int64_t t = t0; t < n; ++t) {
+#if PI_KV16
+            if (m->kv_dtype) s[t] = dot_kv16(qh, K16 + t * hd, hd, bf) * m->scale;
+            else
+#endif
             s[t] = dot(qh, K + t * hd, hd) * m->scale;
             if (cap > 0.0f) s[t] = cap * tanhf(s[t] / cap);
             if (s[t] > mx) mx = s[t];
@@ -222,6 +288,9 @@ static void attention(const pi_decoder* m, const pi_layer* L, const float* q, in
         memset(o, 0, (size_t)hd * sizeof(float));
         for (int64_t t = t0; t < n; ++t) {
             const float p = s[t] * inv;
+#if PI_KV16
+            if (m->kv_dtype) { axpy_kv16(o, p, V16 + t * hd, hd, bf); continue; }
+#endif
             const float* vt = V + t * hd;
             for (int64_t i = 0; i < hd; ++i) o[i] += p * vt[i];
         }
@@ -276,8 +345,16 @@ int pi_decoder_step(const pi_decoder* m, int64_t pos, float* x, float* logits) {
             rope(k, m->n_kv_heads, hd, r, L->rope_cos + pos * r, L->rope_sin + pos * r);
         }
         for (int64_t g = 0; g < m->n_kv_heads; ++g) {
-            memcpy(L->k_cache + (g * m->max_len + pos) * hd, k + g * hd, (size_t)hd * sizeof(float));
-            memcpy(L->v_cache + (g * m->max_len + pos) * hd, v + g * hd, (size_t)hd * sizeof(float));
+            const int64_t at = (g * m->max_len + pos) * hd;  /* the position's row */
+#if PI_KV16
+            if (m->kv_dtype) {
+                store_kv16((uint16_t*)L->k_cache + at, k + g * hd, hd, m->kv_dtype == 2);
+                store_kv16((uint16_t*)L->v_cache + at, v + g * hd, hd, m->kv_dtype == 2);
+                continue;
+            }
+#endif
+            memcpy((float*)L->k_cache + at, k + g * hd, (size_t)hd * sizeof(float));
+            memcpy((float*)L->v_cache + at, v + g * hd, (size_t)hd * sizeof(float));
         }
         attention(m, L, q, pos, scores, att);
         linear(&L->o, att, qd, y);

@@ -1,7 +1,7 @@
 """Decoder: picompile's decode step for pre-norm decoder stacks, the whole stack in one C call.
 
     dec = Decoder(model)              # raises Unsupported(why) for a model it does not run
-    dec.reserve(max_len)              # KV cache (float32) and RoPE tables for max_len positions
+    dec.reserve(max_len)              # KV cache and RoPE tables for max_len positions
     dec.load_cache(static_cache, n)   # positions 0..n-1 from Hugging Face's prefill
     logits = dec.step(tokens, pos)    # tokens [1] long -> [1, vocab] float32
     dec.flush_stats()                 # active neurons computed -> each SparseFFN's statistics
@@ -15,16 +15,17 @@ through function pointers. Prefill stays batched in PyTorch, through the same mo
 Which models (`Family`): decoder stacks shaped like HF's LlamaForCausalLM (Llama, SmolLM,
 Mistral, Qwen2, ...): pre-norm layers of exactly {input_layernorm, self_attn,
 post_attention_layernorm, mlp}, RMSNorm, attention of exactly q/k/v/o projections (biases
-allowed, GQA) with rotate-half RoPE over the whole head, and an mlp that is one rewritten
-SparseFFN (with or without predictor), with Qwen3's per-head q / k norms, Phi-3's fused
-qkv_proj or Granite's multipliers; Gemma's (norms by 1 + weight, scaled embeddings; Gemma 2 and 3: post-norms of each
-sublayer's output, tanh caps of scores and logits, a RoPE table per layer type); and OPT's
-(pre-norm OPT: LayerNorm with biases, learned positions, the rewritten fc1 / fc2 block in the
-layer itself). Parallel-residual families (Falcon, GPT-NeoX, GPT-J, Phi) are refused.
-`Decoder(model)` checks the structure; `verify(model)` then checks the numbers, one decode step
-against the model's own forward, since a look-alike (a model that scales its residuals or logits
-in its own forward) has the same modules. The compiler uses the decoder only when both pass, and says why
-not otherwise.
+allowed, GQA) with rotate-half RoPE (over all or the first part of each head), and an mlp that
+is one rewritten SparseFFN (with or without predictor), with Qwen3's per-head q / k norms,
+Phi-3's fused qkv_proj or Granite's multipliers; Gemma's (norms by 1 + weight, scaled
+embeddings; Gemma 2 and 3: post-norms of each sublayer's output, tanh caps of scores and
+logits, a RoPE table per layer type); and OPT's (pre-norm OPT: LayerNorm with biases, learned
+positions, the rewritten fc1 / fc2 block in the layer itself). Sliding windows per layer.
+Parallel-residual families (Falcon, GPT-NeoX, GPT-J, Phi) are refused. `Decoder(model)` checks
+the structure; `verify(model)` then checks the numbers, one decode step against the model's own
+forward, since a look-alike (a model that scales its residuals or logits in its own forward)
+has the same modules. The compiler uses the decoder only when both pass, and says why not
+otherwise.
 
 The structure checks (`Stack`) are shared with runtime/device_decoder.py, the decode step of a
 model split across a GPU and the CPU; `build(model)` picks the one that runs the model.
@@ -416,6 +417,9 @@ class Stack:
         self.n_active.zero_()
 
 
+_KV_DTYPES = {torch.float16: 1, torch.bfloat16: 2}  # kernels/decoder.c's kv_dtype (0: float32)
+
+
 def _pointers(norm: Norm | None) -> tuple[int | None, int | None]:
     """A norm's weight and bias (None: it has none) for the C structs."""
     if norm is None:
@@ -431,6 +435,12 @@ class Decoder(Stack):
             raise Unsupported("the model's weights are not all on the CPU")
         super().__init__(model, _dense, _sparse_ffn_of)
         self.lib = native.load()
+        # The KV cache: in a 16-bit model's dtype, as Hugging Face's holds it (half the bytes
+        # attention reads at depth), where the library has its AVX2 + F16C path; else float32.
+        self.kv_dtype = torch.float32
+        if (self.embedding.dtype in _KV_DTYPES and self.head_dim % 8 == 0
+                and self.lib.pi_decoder_kv_16bit()):
+            self.kv_dtype = self.embedding.dtype
         self.max_len = 0
         self.n_active = torch.zeros(len(self.layers), dtype=torch.int64)  # [n_layers]
         self.x = torch.empty(1, self.d)  # [1, d] float32: the embedding in
@@ -476,8 +486,8 @@ class Decoder(Stack):
             return True
         max_len = self.room(max(max_len, 2 * self.max_len, 64))  # grow geometrically
         L, hd = len(self.layers), self.head_dim
-        self.k_cache = torch.zeros(L, self.n_kv_heads, max_len, hd)  # float32
-        self.v_cache = torch.zeros(L, self.n_kv_heads, max_len, hd)
+        self.k_cache = torch.zeros(L, self.n_kv_heads, max_len, hd, dtype=self.kv_dtype)
+        self.v_cache = torch.zeros(L, self.n_kv_heads, max_len, hd, dtype=self.kv_dtype)
         if self.learned_positions is None:
             self.rope = self.rope_tables(max_len)  # {kind: [max_len, head_dim] cos, sin}
         else:  # [n, d] float32 (the table itself where the model is float32)
@@ -511,7 +521,8 @@ class Decoder(Stack):
         self._mask = torch.empty(max_ff, dtype=torch.uint8)
         s = native.Decoder(
             len(self.layers), self.d, self.n_heads, self.n_kv_heads, self.head_dim, self.max_len,
-            self.vocab, self.family.layer_norm, self.rot_dim, self.eps, self.scale,
+            self.vocab, self.family.layer_norm, self.rot_dim, _KV_DTYPES.get(self.kv_dtype, 0),
+            self.eps, self.scale,
             self.embed_scale,
             self.attn_softcap, self.logit_softcap, self.residual_scale, self.logit_divisor,
             None if self.learned_positions is None else self.pos_embed.data_ptr(), layers,
