@@ -448,7 +448,8 @@ class Decoder(Stack):
         self._struct = None
 
     def describe(self) -> str:
-        return "picompile decoder (kernels/decoder.c, one C call per token)"
+        kv = str(self.kv_dtype).removeprefix("torch.")
+        return f"picompile decoder (kernels/decoder.c, one C call per token, {kv} KV cache)"
 
     def flush_stats(self, steps: int) -> None:
         """Add what `steps` decode steps computed to each block's statistics, as the per-module
