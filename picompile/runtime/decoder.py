@@ -69,8 +69,8 @@ class Unsupported(Exception):
 
 @dataclass(frozen=True)
 class Norm:
-    """A pre-norm: the module the model runs (the device decoder calls it) and the float32
-    copies the C step reads."""
+    """A norm of a layer (or of the final hidden state): the module the model runs (the device
+    decoder calls it) and the float32 copies the C step reads."""
     module: nn.Module
     weight: torch.Tensor  # [d] float32
     bias: torch.Tensor | None  # [d] float32: a LayerNorm's; None for RMSNorm
@@ -490,7 +490,7 @@ class Decoder(Stack):
         self.k_cache = torch.zeros(L, self.n_kv_heads, max_len, hd, dtype=self.kv_dtype)
         self.v_cache = torch.zeros(L, self.n_kv_heads, max_len, hd, dtype=self.kv_dtype)
         if self.learned_positions is None:
-            self.rope = self.rope_tables(max_len)  # {kind: [max_len, head_dim] cos, sin}
+            self.rope = self.rope_tables(max_len)  # {kind: cos, sin [max_len, rot_dim]}
         else:  # [n, d] float32 (the table itself where the model is float32)
             self.pos_embed = self.learned_positions.float().contiguous()
         self.max_len = max_len
@@ -523,12 +523,10 @@ class Decoder(Stack):
         s = native.Decoder(
             len(self.layers), self.d, self.n_heads, self.n_kv_heads, self.head_dim, self.max_len,
             self.vocab, self.family.layer_norm, self.rot_dim, _KV_DTYPES.get(self.kv_dtype, 0),
-            self.eps, self.scale,
-            self.embed_scale,
-            self.attn_softcap, self.logit_softcap, self.residual_scale, self.logit_divisor,
+            self.eps, self.scale, self.embed_scale, self.attn_softcap, self.logit_softcap,
+            self.residual_scale, self.logit_divisor,
             None if self.learned_positions is None else self.pos_embed.data_ptr(), layers,
-            *_pointers(self.final_norm),
-            self._linear(self.lm_head), self.n_active.data_ptr(), None, self._mask.data_ptr())
+            *_pointers(self.final_norm), self._linear(self.lm_head), self.n_active.data_ptr(), None, self._mask.data_ptr())
         self._work = torch.empty(int(self.lib.pi_decoder_work_floats(ctypes.byref(s))))
         s.work = self._work.data_ptr()
         self._layers, self._struct = layers, s  # kept alive: C reads them by pointer

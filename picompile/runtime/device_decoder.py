@@ -294,7 +294,7 @@ class DeviceDecoder(Stack):
         shape = (len(self.layers), 1, self.n_kv_heads, max_len, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        if self.learned_positions is None:  # {kind: cos, sin [max_len, hd]}, the model's dtype
+        if self.learned_positions is None:  # {kind: cos, sin [max_len, rot]}, the model's dtype
             self.rope = {kind: (cos.to(self.dtype), sin.to(self.dtype))
                          for kind, (cos, sin) in self.rope_tables(max_len).items()}
         self.positions = torch.arange(max_len, device=self.device)
