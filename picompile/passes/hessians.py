@@ -33,6 +33,13 @@ MAX_TOKENS = 16384  # calibration tokens the Hessians see (more cost time; BENCH
 MAX_BYTES = 2 << 30
 
 
+def gathered(width: int, max_width: int | None) -> bool:
+    """Whether a Hessian of `width` inputs is gathered: not where it has more inputs than
+    max_width, the calibration tokens (singular: GPTQ leaves such weights to nearest; None:
+    every one). The one rule for collect, estimate_bytes and quantize's Rounding."""
+    return max_width is None or width <= max_width
+
+
 def estimate_bytes(model: nn.Module, ffns: dict[str, SparseFFN], layers=None,
                    max_width: int | None = None) -> int:
     """An upper bound on what collect() holds: K x K float32 per FFN input and hidden layer and
@@ -47,7 +54,7 @@ def estimate_bytes(model: nn.Module, ffns: dict[str, SparseFFN], layers=None,
         inside = {id(m) for m in within.modules()}
         widths = [w for f in ffns.values() if id(f) in inside for w in (f.d_model, f.n_ff)]
         widths += [modules[i].in_features for i in linears if i in inside]
-        return sum(4 * k * k for k in widths if max_width is None or k <= max_width)
+        return sum(4 * k * k for k in widths if gathered(k, max_width))
 
     return held(model) if layers is None else max((held(layer) for layer in layers), default=0)
 
@@ -83,15 +90,12 @@ def collect(model: nn.Module, ffns: dict[str, SparseFFN], ids: torch.Tensor, *,
             sums[key] = x.T @ x
             owner[key] = id(module)
 
-    def wanted(width: int) -> bool:
-        return max_width is None or width <= max_width
-
     def on_ffn(name: str):
         def hook(ffn: SparseFFN, args, _out):
             x = args[0].reshape(-1, ffn.d_model)  # [T, d]
-            if wanted(ffn.d_model):
+            if gathered(ffn.d_model, max_width):
                 add(f"{name}.w_up", x, ffn)
-            if not wanted(ffn.n_ff):
+            if not gathered(ffn.n_ff, max_width):
                 return
             h = down_input(x, ffn.w_up, w_gate=ffn.w_gate, b_gate=ffn.b_gate, b_up=ffn.b_up,
                            act=ffn.act, drelu=ffn.drelu)  # [T, n_ff]
@@ -108,7 +112,7 @@ def collect(model: nn.Module, ffns: dict[str, SparseFFN], ids: torch.Tensor, *,
                     aliases[name] = last["key"]
                 return
             last["x"], last["key"] = x, names[0]
-            if wanted(x.shape[-1]):
+            if gathered(x.shape[-1], max_width):
                 add(names[0], x, lin)
         return hook
 

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from picompile import gguf_weights, gptq, quant
+from picompile.passes.hessians import gathered
 from picompile.plan import PlanError
 from picompile.progress import progress_bar
 from picompile.runtime.dense_linear import DenseLinear, QuantLinear
@@ -117,7 +118,7 @@ def too_wide(targets: dict, tokens: int) -> dict[int, int]:
     weights = {id(w): (w, transposed) for w, _, transposed in targets.values()}  # each once
     for w, transposed in weights.values():
         width = w.shape[0] if transposed else w.shape[1]  # down_t [n_ff, d]: n_ff inputs
-        if width > tokens:
+        if not gathered(width, tokens):
             out[width] = out.get(width, 0) + 1
     return out
 
@@ -164,7 +165,7 @@ class Rounding:
             return
         for (_, fmt, transposed), keys in progress_bar(groups.items(), desc="GPTQ", quiet=quiet,
                                                        total=len(groups)):
-            if self.tokens < hessians[keys[0]].shape[0]:  # too wide: to nearest (too_wide)
+            if not gathered(hessians[keys[0]].shape[0], self.tokens):  # too wide: to nearest
                 continue
             weights: dict[int, torch.Tensor] = {}  # one weight under several keys: once
             for key in keys:
@@ -231,6 +232,7 @@ def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None,
     -> notes on the blocks that stay float, and why, and on the down rows' format."""
     notes = []
     requantized_down = 0  # blocks whose 4-bit down rows went to q8_0
+
     def file_format(module: str) -> str | None:  # the file's blocks hold its quantized tensors
         blocks = file_blocks.get(module)
         return None if blocks is None else blocks.fmt
