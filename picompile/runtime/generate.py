@@ -172,7 +172,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
 
     cache = _new_cache(model, total)
     if decoder is not None and not (b == 1 and mask is None and decoder.reserve(total)):
-        decoder = None  # batches, padding, past a sliding window: the model's own steps
+        decoder = None  # batches, padding, past its learned positions: the model's own steps
     if steps is not None and (decoder is not None or not steps.fits(b, total, mask is not None)):
         steps = None
     common = {"attention_mask": mask, cache_kwarg(model): cache, "use_cache": True}

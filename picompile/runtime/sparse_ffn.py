@@ -292,7 +292,8 @@ class SparseFFN(KernelModule):
             dotted = name != "w_down_t" and want not in _FLOAT_DTYPES  # gate / up: dot layout
             if given is not None:
                 shape = (self.n_ff, quant.row_bytes(d, want))
-                if want in _FLOAT_DTYPES or given.dtype != torch.uint8 or tuple(given.shape) != shape:
+                if (want in _FLOAT_DTYPES or given.dtype != torch.uint8
+                        or tuple(given.shape) != shape):
                     raise ValueError(f"picompile: {name} blocks given as {given.dtype} "
                                      f"{tuple(given.shape)}; {want} rows of this block are uint8 "
                                      f"{shape}")
