@@ -4,6 +4,8 @@ float32 builds, in GB/s of weight bytes read.
     .venv/bin/python benchmarks/dense_quant.py           # SmolLM2 shapes, T=1, 2 threads
     .venv/bin/python benchmarks/dense_quant.py --quick   # fewer calls
     .venv/bin/python benchmarks/dense_quant.py --isa     # quantized rows also forced AVX2 / AVX-512
+    .venv/bin/python benchmarks/dense_quant.py --base 8795319  # and that revision's dense.c
+    .venv/bin/python benchmarks/dense_quant.py --hot     # one copy of W: the compute ceiling
 
 One token (x [1, K]) through W [O, K] for SmolLM2-135M's LM head (49152x576) and its q/o
 (576x576), gate/up (1536x576) and down (576x1536) projections, the build picompile selects for
@@ -15,7 +17,11 @@ preallocated buffers, about a microsecond more per call, which weighs on the sma
 Bytes are the weight matrix as stored: O*K*4 (float32), O*K*2 (float16), O*K/32 * 34 / 18 / 20
 (q8_0 / q4_0 / q4_1, scales included). Methods are interleaved in rounds so that load from other
 processes hits all of them alike; reported are medians ("best": the fastest call) and the share
-of CPU time other processes took during the run. "% BW" is from the C timing.
+of CPU time other processes took during the run. "% BW" is from the C timing. With --base REV
+each quantized format is also timed with the dense.c and qblocks.h of git revision REV, built
+with the same flags ("base" rows), in the same rounds. --hot times one copy of each W, so the
+weights come from the caches where they fit: what the kernel computes per second, not a
+decoding figure.
 
 Memory bandwidth: benchmarks/gemv.py's streaming-read probe (torch sum of a 1 GB float32 tensor)
 at the start and the end of the run; "% BW" is a format's median GB/s over the higher of the two.
@@ -28,6 +34,7 @@ import ctypes
 import os
 import pathlib
 import statistics
+import subprocess
 
 import torch
 
@@ -47,24 +54,63 @@ SHAPES = [  # (name, O, K)
 FLOATS = {"float32": torch.float32, "float16": torch.float16}
 
 
-def methods(O: int, K: int, isa: bool) -> list[tuple[str, str, int, list]]:
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def base_library(fmt: str, avx512: bool, rev: str) -> ctypes.CDLL:
+    """The dense kernel of git revision `rev` for `fmt`, built with this tree's flags."""
+    def show(path: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{path}"], check=True,
+                              capture_output=True, text=True).stdout
+
+    src = show("picompile/kernels/dense.c").replace('#include "qblocks.h"',
+                                                    show("picompile/kernels/qblocks.h"))
+    lib = ctypes.CDLL(str(c_codegen.build_library(src, dense.flags(fmt, avx512), "bench-base")))
+    lib.pi_dense.argtypes = dense._DENSE_ARGTYPES
+    lib.pi_dense.restype = None
+    lib.pi_dense_variant.restype = ctypes.c_char_p
+    lib.pi_set_num_threads.argtypes = [ctypes.c_int]
+    lib._pi_threads = None  # as codegen.dense's loader leaves it (dense._set_threads)
+    return lib
+
+
+class BaseKernel:
+    """What bench() needs of a kernel: the library for one token, and the weight."""
+
+    def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor):
+        self.lib, self.weight = lib, weight
+
+    def library_for(self, T: int) -> ctypes.CDLL:
+        return self.lib
+
+
+def methods(O: int, K: int, isa: bool, base: str | None, hot: bool) -> list[tuple[str, str, int, list]]:
     """(format, build, bytes of W, [(kernel, W copy), ...]) for every format (and build)."""
     gen = torch.Generator().manual_seed(0)
     W = torch.randn(O, K, generator=gen) * K**-0.5
     out = []
+
+    def copies_of(w: torch.Tensor) -> list[torch.Tensor]:
+        n = 1 if hot else max(2, -(-COLD_BYTES // w.nbytes))
+        return [w] + [w.clone() for _ in range(n - 1)]
+
     for name, dt in FLOATS.items():
         w = W.to(dt)
-        copies = [w] + [w.clone() for _ in range(max(2, -(-COLD_BYTES // w.nbytes)) - 1)]
+        copies = copies_of(w)
         out.append((name, "", w.nbytes, [(dense.dense_kernel_for(c), c) for c in copies]))
     for fmt in dense.QFORMATS:
         q = quant.interleave_blocks(quant.quantize(W, fmt), fmt)  # the kernel's layout
-        copies = [q] + [q.clone() for _ in range(max(2, -(-COLD_BYTES // q.nbytes)) - 1)]
+        copies = copies_of(q)
         builds = [("", None)]  # the build picompile selects for T=1
         if isa:
             builds += [("forced", False)] + ([("forced", True)] if dense.avx512_available() else [])
         for label, avx512 in builds:
             kernels = [(dense.quant_kernel_for(c, fmt, K, avx512=avx512), c) for c in copies]
             out.append((fmt, label, q.nbytes, kernels))
+        if base:  # the base revision's kernel, as the selected build
+            wide = "avx512" in out[-len(builds)][3][0][0].library_for(1).pi_dense_variant().decode()
+            lib = base_library(fmt, wide, base)
+            out.append((fmt, "base", q.nbytes, [(BaseKernel(lib, c), c) for c in copies]))
     return out
 
 
@@ -87,12 +133,13 @@ def time_in_c(timer, lib, x, K: int, weights: list, O: int, out, calls: int) -> 
     return list(seconds)
 
 
-def bench(O: int, K: int, calls: int, rounds: int, isa: bool) -> list[dict]:
+def bench(O: int, K: int, calls: int, rounds: int, isa: bool, base: str | None,
+          hot: bool) -> list[dict]:
     x = torch.randn(1, K, generator=torch.Generator().manual_seed(1))
     out = torch.empty(1, O)
     fns, info, in_c = {}, {}, {}
     timer = call_timer()
-    alive = methods(O, K, isa)  # the weights the raw calls below read by pointer
+    alive = methods(O, K, isa, base, hot)  # the weights the raw calls below read by pointer
     for fmt, label, nbytes, kernels in alive:
         k0 = kernels[0][0]
         if k0 is None:
@@ -128,11 +175,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer calls")
     ap.add_argument("--isa", action="store_true",
                     help="also time each quantized format's AVX2 and AVX-512 builds")
+    ap.add_argument("--base", metavar="REV",
+                    help="also time the quantized formats with git revision REV's dense.c")
+    ap.add_argument("--hot", action="store_true",
+                    help="one copy of each weight: from the caches where it fits (compute ceiling)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     other = OtherLoad()
     print(f"# dense kernel, quantized vs float weights: {cpu_name()}, {os.cpu_count()} CPUs, {args.threads} threads, "
-          f"T=1, torch {torch.__version__}\n")
+          f"T=1, torch {torch.__version__}{', HOT: weights from the caches where they fit' if args.hot else ''}\n")
     bw0 = stream_probe(5 if args.quick else 15)
     print(f"streaming read (torch sum of 1 GB float32): {bw0:.1f} GB/s\n")
     results = []
@@ -140,7 +191,7 @@ def main() -> None:
         big = O * K >= 1 << 24
         calls = max(3, (10 if big else 100) // (3 if args.quick else 1))
         rounds = 3 if args.quick else 8
-        results.append((name, O, K, bench(O, K, calls, rounds, args.isa)))
+        results.append((name, O, K, bench(O, K, calls, rounds, args.isa, args.base, args.hot)))
     bw1 = stream_probe(5 if args.quick else 15)
     bw = max(bw0, bw1)
     print("| O x K | layer | format | build | MB | C GB/s | best | C us | % BW | ctypes GB/s | ctypes us |")

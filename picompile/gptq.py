@@ -279,7 +279,7 @@ def quantize(w: torch.Tensor, fmt: str, hessian: torch.Tensor | Prepared, damp: 
         if not started[b]:  # the block's scales, from its 32 columns as they are now
             cols = slice(b * quant.BLOCK, (b + 1) * quant.BLOCK)
             vals = current(pos_of[cols]).T  # [O, 32]
-            if search and fmt in quant.INT8_ACTIVATIONS:
+            if search and fmt != "q8_0":  # the 4-bit formats
                 with wide():  # [candidates, O, 32] at once: worth all threads
                     d, inv, m = _searched_scales(vals, importance[cols], fmt)
             else:

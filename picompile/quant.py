@@ -15,10 +15,12 @@ quantize_row_*_ref, maintained with llama.cpp), so picompile's blocks are bit fo
 llama.cpp makes. Dequantizing here is plain PyTorch: the reference every quantized kernel is
 tested against.
 
-The 4-bit formats' kernels take their input rounded to 8 bits per block of 32 (INT8_ACTIVATIONS,
-`round_activations`; picompile/kernels/qblocks.h), as llama.cpp's do: a 4-bit block dotted with
-float32 x is compute-bound on a CPU, with int8 x it is one integer multiply-add per weight. The
-reference applies the same rounding, so kernel and reference differ only in summation order.
+The kernels take their input rounded to 8 bits per block of 32 (INT8_ACTIVATIONS,
+`round_activations`; picompile/kernels/qblocks.h), as llama.cpp's do for all three formats: a
+block dotted with float32 x is compute-bound on a CPU, with int8 x it is one integer
+multiply-add per weight. The reference applies the same rounding, so kernel and reference differ
+only in summation order. (FFN down rows are added into the output, not dotted: their input is
+never rounded.)
 """
 
 from __future__ import annotations
@@ -35,18 +37,19 @@ BLOCK = 32  # weights per block, along the input dimension
 class Format:
     name: str
     block_bytes: int  # bytes of one block of BLOCK weights
+    head_bytes: int  # of them the float16 scale (and minimum) in front; the rest the weights
     gguf_type: str  # gguf.GGMLQuantizationType member name
 
 
 FORMATS = {
-    "q8_0": Format("q8_0", 34, "Q8_0"),
-    "q4_0": Format("q4_0", 18, "Q4_0"),
-    "q4_1": Format("q4_1", 20, "Q4_1"),
+    "q8_0": Format("q8_0", 34, 2, "Q8_0"),
+    "q4_0": Format("q4_0", 18, 2, "Q4_0"),
+    "q4_1": Format("q4_1", 20, 4, "Q4_1"),
 }
 
 
-# Formats whose kernels dot their rows with x rounded to int8 blocks (round_activations).
-INT8_ACTIVATIONS = frozenset({"q4_0", "q4_1"})
+# Formats whose kernels dot their rows with x rounded to int8 blocks (round_activations): all.
+INT8_ACTIVATIONS = frozenset(FORMATS)
 
 
 def format_of(name: str) -> Format:
@@ -132,14 +135,14 @@ def round_activations(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
     return r
 
 
-# -- the dot layout of 4-bit rows ---------------------------------------------------------------
+# -- the dot layout of rows dotted with x -------------------------------------------------------
 
 SUPERBLOCK = 8  # blocks interleaved per run (PQ_SB in picompile/kernels/qblocks.h)
 
 
 def _superblocks(q: torch.Tensor, fmt: str) -> tuple[torch.Tensor, int, int]:
     """(the superblocks of q's rows [rows, n_sb, 8, block_bytes], header bytes per block, bytes
-    per row in superblocks) for a 4-bit matrix q uint8 [rows, row_bytes]."""
+    per row in superblocks) for a matrix q uint8 [rows, row_bytes]."""
     f = format_of(fmt)
     if q.dtype != torch.uint8 or q.dim() != 2 or q.shape[1] % f.block_bytes:
         raise ValueError(f"a {fmt} matrix is uint8 [rows, blocks * {f.block_bytes}], got "
@@ -147,40 +150,36 @@ def _superblocks(q: torch.Tensor, fmt: str) -> tuple[torch.Tensor, int, int]:
     nb = q.shape[1] // f.block_bytes
     n_sb = nb // SUPERBLOCK
     span = n_sb * SUPERBLOCK * f.block_bytes
-    return q[:, :span].reshape(q.shape[0], n_sb, SUPERBLOCK, f.block_bytes), f.block_bytes - 16, span
+    return q[:, :span].reshape(q.shape[0], n_sb, SUPERBLOCK, f.block_bytes), f.head_bytes, span
 
 
 def interleave_blocks(q: torch.Tensor, fmt: str) -> torch.Tensor:
-    """GGUF's row layout -> the dot layout the 4-bit kernels read (qblocks.h): a new uint8
+    """GGUF's row layout -> the dot layout the kernels dot with x (qblocks.h): a new uint8
     [rows, row_bytes] tensor. In each row every run of 8 blocks (a superblock; the row's last
     blocks % 8 stay as they are) holds the 8 blocks' float16 scales, their minimums (q4_1), then
-    their qs bytes in 4-byte pieces, piece v of blocks 0..7 after one another. Only the order of
-    bytes within a row changes. q8_0 (its kernels read GGUF's layout) is returned as it is."""
-    if fmt not in INT8_ACTIVATIONS:
-        format_of(fmt)
-        return q
+    their weight bytes (qs: 16 of a 4-bit block, 32 of a q8_0 one) in 4-byte pieces, piece v of
+    blocks 0..7 after one another. Only the order of bytes within a row changes. (FFN down rows,
+    added rather than dotted, keep GGUF's layout.)"""
     sb, head, span = _superblocks(q, fmt)  # [R, S, b, byte]
     R, S = sb.shape[:2]
+    P = (sb.shape[-1] - head) // 4  # pieces per block
     heads = sb[..., :head].reshape(R, S, SUPERBLOCK, head // 2, 2).transpose(2, 3)  # [R, S, f16, b, 2]
-    qs = sb[..., head:].reshape(R, S, SUPERBLOCK, 4, 4).transpose(2, 3)  # [R, S, v, b, c]
+    qs = sb[..., head:].reshape(R, S, SUPERBLOCK, P, 4).transpose(2, 3)  # [R, S, v, b, c]
     out = q.clone()
-    out[:, :span] = torch.cat([heads.reshape(R, S, SUPERBLOCK * head), qs.reshape(R, S, SUPERBLOCK * 16)],
+    out[:, :span] = torch.cat([heads.reshape(R, S, SUPERBLOCK * head), qs.reshape(R, S, SUPERBLOCK * 4 * P)],
                               dim=-1).reshape(R, span)
     return out
 
 
 def deinterleave_blocks(q: torch.Tensor, fmt: str) -> torch.Tensor:
-    """The dot layout -> GGUF's row layout (interleave_blocks undone): a new tensor for the
-    4-bit formats, q itself for q8_0."""
-    if fmt not in INT8_ACTIVATIONS:
-        format_of(fmt)
-        return q
+    """The dot layout -> GGUF's row layout (interleave_blocks undone): a new tensor."""
     sb, head, span = _superblocks(q, fmt)  # [R, S, 8, bb]: a superblock's bytes, dot layout
     R, S = sb.shape[:2]
-    flat = sb.reshape(R, S, SUPERBLOCK * (head + 16))
+    P = (sb.shape[-1] - head) // 4
+    flat = sb.reshape(R, S, SUPERBLOCK * (head + 4 * P))
     heads = flat[..., :SUPERBLOCK * head].reshape(R, S, head // 2, SUPERBLOCK, 2).transpose(2, 3)
-    qs = flat[..., SUPERBLOCK * head:].reshape(R, S, 4, SUPERBLOCK, 4).transpose(2, 3)  # [R, S, b, v, c]
-    blocks = torch.cat([heads.reshape(R, S, SUPERBLOCK, head), qs.reshape(R, S, SUPERBLOCK, 16)], dim=-1)
+    qs = flat[..., SUPERBLOCK * head:].reshape(R, S, P, SUPERBLOCK, 4).transpose(2, 3)  # [R, S, b, v, c]
+    blocks = torch.cat([heads.reshape(R, S, SUPERBLOCK, head), qs.reshape(R, S, SUPERBLOCK, 4 * P)], dim=-1)
     out = q.clone()
     out[:, :span] = blocks.reshape(R, span)
     return out

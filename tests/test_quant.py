@@ -82,7 +82,7 @@ def test_round_activations(rows, blocks, seed, scale):
 
 def test_round_activations_other_formats_and_gradient():
     x = torch.randn(2, 64)
-    assert quant.round_activations(x, "q8_0") is x and quant.round_activations(x, None) is x
+    assert quant.round_activations(x, "float16") is x and quant.round_activations(x, None) is x
     with pytest.raises(ValueError, match="multiple of 32"):
         quant.round_activations(torch.zeros(1, 48), "q4_0")
     x.requires_grad_(True)
@@ -91,19 +91,21 @@ def test_round_activations_other_formats_and_gradient():
 
 
 @settings(max_examples=40, deadline=None)
-@given(fmt=st.sampled_from(sorted(quant.INT8_ACTIVATIONS)), rows=st.integers(0, 6),
+@given(fmt=st.sampled_from(sorted(quant.FORMATS)), rows=st.integers(0, 6),
        blocks=st.integers(1, 27), seed=st.integers(0, 2**31 - 1))
 def test_interleave_blocks(fmt, rows, blocks, seed):
-    """The 4-bit dot layout (qblocks.h): in each row, per run of 8 blocks, the 8 blocks' float16
-    scales (and minimums) side by side, then qs byte 4v + c of block b at 32 v + 4 b + c; the
-    blocks % 8 after the last run unchanged; deinterleave_blocks undoes it."""
+    """The dot layout (qblocks.h): in each row, per run of 8 blocks, the 8 blocks' float16
+    scales (and minimums) side by side, then weight byte 4v + c of block b (qs of a 4-bit block,
+    q of a q8_0 one) at 32 v + 4 b + c; the blocks % 8 after the last run unchanged;
+    deinterleave_blocks undoes it."""
     gen = torch.Generator().manual_seed(seed)
     bb = quant.format_of(fmt).block_bytes
     q = torch.randint(0, 256, (rows, blocks * bb), generator=gen, dtype=torch.uint8)
     packed = quant.interleave_blocks(q, fmt)
     assert packed.shape == q.shape and packed is not q
     assert torch.equal(quant.deinterleave_blocks(packed, fmt), q)
-    head = bb - 16
+    head = {"q8_0": 2, "q4_0": 2, "q4_1": 4}[fmt]
+    P = (bb - head) // 4  # 4-byte pieces of weights per block
     span = blocks // 8 * 8 * bb
     assert torch.equal(packed[:, span:], q[:, span:])
     for r in range(rows):
@@ -112,13 +114,12 @@ def test_interleave_blocks(fmt, rows, blocks, seed):
             dst = packed[r, g * 8 * bb:(g + 1) * 8 * bb]
             for h in range(head // 2):  # d (and m): float16 h of blocks 0..7 side by side
                 assert torch.equal(dst[16 * h:16 * h + 16].reshape(8, 2), src[:, 2 * h:2 * h + 2])
-            qs = dst[8 * head:].reshape(4, 8, 4)  # [v, b, c]
-            assert torch.equal(qs.permute(1, 0, 2).reshape(8, 16), src[:, head:])
+            qs = dst[8 * head:].reshape(P, 8, 4)  # [v, b, c]
+            assert torch.equal(qs.permute(1, 0, 2).reshape(8, 4 * P), src[:, head:])
 
 
-def test_interleave_blocks_other_formats_and_errors():
+def test_interleave_blocks_errors():
     q = quant.quantize(torch.randn(9, 64), "q8_0")
-    assert quant.interleave_blocks(q, "q8_0") is q and quant.deinterleave_blocks(q, "q8_0") is q
     with pytest.raises(ValueError, match="uint8"):
         quant.interleave_blocks(torch.zeros(8, 19, dtype=torch.uint8), "q4_0")
     with pytest.raises(ValueError, match="unknown"):

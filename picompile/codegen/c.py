@@ -16,10 +16,10 @@ blocks the up and down rows of a neuron are only read when its gate fired for so
 
 Weight formats: float32 / float16 / bfloat16 elements (DTYPES), or GGUF's q8_0 / q4_0 / q4_1
 blocks (QFORMATS, picompile/quant.py): uint8 [n_ff, d / 32 * block bytes], each neuron's row its
-blocks of 32 weights along d: q8_0 rows dequantized in registers (F16C for the scales, FMA into
-float32 accumulators), 4-bit gate / up rows dotted in integers with x rounded to int8 blocks
+blocks of 32 weights along d: gate / up rows dotted in integers with x rounded to int8 blocks
 (picompile/kernels/qblocks.h, spliced into the source; those rows in its dot layout,
-quant.interleave_blocks: each run of 8 blocks interleaved, the row still contiguous). The gate
+quant.interleave_blocks: each run of 8 blocks interleaved, the row still contiguous), down rows
+(GGUF's layout) dequantized in registers (F16C for the scales) and FMAed into float32 outputs. The gate
 and up rows share one format (`Variant.dtype`, PIC_WDTYPE), the down rows may have their own
 (`Variant.down_dtype`, PIC_DDTYPE: e.g. q4_1 gate / up with q8_0 down, as the 4-bit formats'
 down rows are). The C code reaches every row through `row_bytes(F, d)` / `row_at`, and does its three per-row operations (dot with up to 8
@@ -98,7 +98,7 @@ _HEADER = """\
  *                                   float formats: [n_ff, d] elements; quantized (q8_0, q4_0,
  *                                   q4_1): uint8 [n_ff, row_bytes(F, d)], each row its d / 32
  *                                   GGUF blocks (d a multiple of 32, which the caller checks);
- *                                   4-bit gate / up rows in qblocks.h's dot layout
+ *                                   gate / up rows in qblocks.h's dot layout
  *            const float* b_gate,   [n_ff] or NULL
  *            const float* b_up,     [n_ff] or NULL
  *            const float* b_down,   [d] or NULL

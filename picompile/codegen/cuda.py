@@ -35,9 +35,10 @@ for NVRTC and for the build cache's key.
 Quantized variants (dtype q8_0 / q4_0 / q4_1, down rows q8_0) read GGUF blocks and dequantize
 them in registers (ffn_cuda_q.cuh, with qdecode.h's decoding, which a host test checks against
 picompile.quant bit for bit), fp32 accumulation; x, biases and the predictor are float32. The rows
-are the CPU's SparseFFN rows as they are (4-bit gate / up rows in the dot layout), and 4-bit rows
-are dotted with x rounded to int8 blocks (pi_round_x, quant.round_activations), as the reference
-and the C kernels do: results match ffn_reference up to float summation order.
+are the CPU's SparseFFN rows as they are (gate / up rows in the dot layout, down rows in GGUF's),
+and gate / up rows are dotted with x rounded to int8 blocks (pi_round_x,
+quant.round_activations), as the reference and the C kernels do: results match ffn_reference up
+to float summation order.
 
 No system headers are included: float16 / bfloat16 are read as raw 16-bit words and widened with
 one PTX `cvt` (f16) or a shift (bf16), so the same source builds with nvcc and with NVRTC (cupy).
@@ -141,9 +142,9 @@ def _x_format(v: Variant) -> str:
 
 def _rows_format(fmt: str, dot: bool = False) -> str:
     """The row format struct (ffn_cuda.cuh's PiRows, ffn_cuda_q.cuh's PiQRows) of rows in
-    `fmt`. dot: 4-bit rows in the dot layout (SparseFFN's gate / up rows; down rows are GGUF's)."""
+    `fmt`. dot: rows in the dot layout (SparseFFN's gate / up rows; down rows are GGUF's)."""
     if fmt in _QFORMATS:
-        return f"PiQRows<{_QFORMATS[fmt]}, {int(dot and fmt in quant.INT8_ACTIVATIONS)}>"
+        return f"PiQRows<{_QFORMATS[fmt]}, {int(dot)}>"
     return f"PiRows<{_FORMATS[fmt][0]}>"
 
 
@@ -530,9 +531,9 @@ class CudaFFN:
     p2[j] . relu(p1 x + pb1) + pb2[j] > tau.
 
     Quantized (`qformat` "q8_0" | "q4_0" | "q4_1"): w_gate / w_up are uint8 row blocks [n_hot,
-    quant.row_bytes(d, qformat)] as SparseFFN holds them (4-bit ones in the dot layout,
+    quant.row_bytes(d, qformat)] as SparseFFN holds them (in the dot layout,
     quant.interleave_blocks), w_down_t q8_0 rows in GGUF's layout (`down_qformat` "q8_0", the
-    default for uint8 down rows); biases, the predictor and x are float32. 4-bit gate / up rows
+    default for uint8 down rows); biases, the predictor and x are float32. Gate / up rows
     are dotted with x rounded to int8 blocks, as in ffn_reference.
 
     Calls return (out [T, d] float32, n_active), n_active a 0-d int32 CUDA tensor counting the
@@ -650,7 +651,7 @@ class CudaFFN:
         import torch
 
         T = x.shape[0]
-        if self.variant.dtype in quant.INT8_ACTIVATIONS:  # the 4-bit rows read x rounded
+        if self.variant.dtype in quant.INT8_ACTIVATIONS:  # gate / up rows read x rounded
             xr = torch.empty_like(x)
             self.kernels.round_x(x, xr)
             x = xr

@@ -27,10 +27,10 @@ Weight formats ("variants" of the library) are of two kinds, kept apart here:
     kernel = quant_kernel_for(qweight, "q4_0", K, bias [O] | None)
     out = kernel(x [T, K])                                      # -> [T, O] float32
 
-computes `x @ quant.dequantize(blocks, fmt, K).T + bias` (the 4-bit formats over x rounded to
-int8 blocks, quant.round_activations). 4-bit rows are read in qblocks.h's dot layout
-(interleave_blocks: each run of 8 blocks of a row interleaved, so their sums and scales fill
-vector lanes); q8_0 rows as GGUF has them.
+computes `x @ quant.dequantize(blocks, fmt, K).T + bias` over x rounded to int8 blocks
+(quant.round_activations), the blocks dotted in integers. Rows are read in qblocks.h's dot
+layout (interleave_blocks: each run of 8 blocks of a row interleaved, so their sums and scales
+fill vector lanes).
 """
 
 from __future__ import annotations
@@ -344,7 +344,7 @@ def _bind(variant: str, w: torch.Tensor, b: torch.Tensor | None, O: int, K: int,
 
 def dequantize(q: torch.Tensor, fmt: str, cols: int, dot_layout: bool,
                out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """uint8 [rows, row_bytes] blocks of `fmt` (4-bit rows in the dot layout when `dot_layout`,
+    """uint8 [rows, row_bytes] blocks of `fmt` (rows in the dot layout when `dot_layout`,
     else GGUF's) -> float32 [rows, cols] (into `out` when given: contiguous float32 of that
     shape), in C; None where the library is not available (the caller then runs
     quant.dequantize). Equal to quant.dequantize of the GGUF layout, bit for bit: what

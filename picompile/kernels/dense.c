@@ -25,9 +25,9 @@
  *                                   or NULL for none
  *                 float* out);      [T, O] float32, row-major, contiguous; written fully
  *       out[t][o] = sum_k x[t][k] * W[o][k] (+ b[o]), accumulated in float32 (f16 / bf16
- *       weights convert to float32 exactly; a q8_0 block is dequantized in registers to float32,
- *       d * q). The 4-bit formats (q4_0: d * (q - 8), q4_1: d * q + m) take x rounded to 8 bits
- *       per block of 32 (qblocks.h) and dot the integers exactly: out = W . round8(x) (+ b).
+ *       weights convert to float32 exactly). The quantized formats (q8_0: d * q, q4_0:
+ *       d * (q - 8), q4_1: d * q + m) take x rounded to 8 bits per block of 32 (qblocks.h) and
+ *       dot the integers exactly: out = W . round8(x) (+ b).
  *       Out of memory for that rounded copy of x (T * K bytes): out is all NaN.
  *   void pi_dense_multi(const float* x, int64_t T, int64_t K,   x as pi_dense takes it
  *                       int n,                  1 <= n <= 8 matrices over that same x
@@ -35,7 +35,7 @@
  *                       float* const* out);     [n] each: W[i] [O[i], K], b[i] or NULL,
  *                                               out[i] [T, O[i]]
  *       out[i] = pi_dense(x, W[i], b[i]) for every i, in one parallel region (the chunks of
- *       all n matrices scheduled together; the 4-bit formats round x once): a decoder's q, k
+ *       all n matrices scheduled together; the quantized formats round x once): a decoder's q, k
  *       and v projections in one call.
  *   void pi_set_num_threads(int n);  OpenMP threads for pi_dense (<= 0: the OpenMP default)
  *   const char* pi_dense_variant(void);  e.g. "float16 avx512", "q4_0 avx2" (format and ISA)
@@ -68,7 +68,7 @@
 #define PI_WDTYPE PI_F32
 #endif
 #define PI_QUANT (PI_WDTYPE >= PI_Q8_0) /* block-quantized weights (float32 bias) */
-#define PI_Q4 (PI_WDTYPE == PI_Q4_0 || PI_WDTYPE == PI_Q4_1) /* int8 activations (qblocks.h) */
+#define PI_Q4 (PI_WDTYPE == PI_Q4_0 || PI_WDTYPE == PI_Q4_1)
 /* The vector paths convert float16 (weights, block scales) with F16C. */
 #define PI_NEEDS_F16C (PI_WDTYPE == PI_F16 || PI_QUANT)
 #ifndef PI_PF_BYTES
@@ -203,112 +203,27 @@ PI_INLINE float v_hsum(vf v) {
 #define PI_PREFETCH(p) __builtin_prefetch((const void*)(p), 0, 3)
 #endif
 
+/* A token's row as the dot products read it: float32 x, or for the quantized formats x rounded
+ * to int8 blocks (qblocks.h). */
 #if PI_QUANT
-PI_INLINE uint16_t load_u16(const uint8_t* p) { /* a block's float16 (little-endian host) */
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return h;
-}
-#endif
-
-/* A token's row as the dot products read it: float32 x, or for the 4-bit formats x rounded to
- * int8 blocks (qblocks.h). */
-#if PI_Q4
 typedef const pq_act* xin;
 #else
 typedef const float* xin;
 #endif
 
-#if PI_Q4
-/* res[n] = w . xs[n] for n < N over one row of 4-bit blocks: qblocks.h's integer dot */
+#if PI_QUANT
+/* res[n] = w . xs[n] for n < N over one row of blocks in the dot layout: qblocks.h's integer
+ * dots */
 PI_INLINE void dot_n(const wtype* w, const xin* xs, int64_t K, float* res, const int N,
                      const int U) {
     (void)U;
+#if PI_Q4
     pq_q4_dot(w, PI_WDTYPE == PI_Q4_1, K / PI_BLOCK, xs, res, N, PI_PF_BYTES);
-}
-
-#elif PI_QUANT
-/* ---- q8_0 blocks, dequantized in registers ---- */
-
-#if PI_VW == 16
-/* wv[0..1] = the block's 32 weights, dequantized (AVX-512) */
-PI_INLINE void v_dequant(const uint8_t* blk, vf* wv) {
-    const float d = _cvtsh_ss(load_u16(blk));
-    for (int v = 0; v < 2; ++v)
-        wv[v] = v_mul(v_set1(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                     _mm_loadu_si128((const __m128i*)(blk + 2 + 16 * v)))));
-}
-#elif PI_VW == 8
-/* wv[0..3] = the block's 32 weights, dequantized (AVX2) */
-PI_INLINE void v_dequant(const uint8_t* blk, vf* wv) {
-    const vf dv = v_set1(_cvtsh_ss(load_u16(blk)));
-    for (int v = 0; v < 4; ++v)
-        wv[v] = v_mul(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                              _mm_loadl_epi64((const __m128i*)(blk + 2 + 8 * v)))));
-}
 #else
-/* wk[0..31] = the block's weights (scalar fallback) */
-PI_INLINE void dequant_block(const uint8_t* blk, float* wk) {
-    const float d = pq_f16(load_u16(blk));
-    for (int i = 0; i < PI_BLOCK; ++i) wk[i] = d * (float)(int8_t)blk[2 + i];
-}
-#endif
-
-/* res[n] = w . xs[n][0:K] for n < N: one pass over the quantized row w for all N tokens.
- *   w    [K / 32 * PI_BLOCK_BYTES] one row's blocks
- *   xs   [N] pointers to the token rows, each [K] float32 (K a multiple of 32)
- *   res  [N] float32 out
- * Each block is dequantized once into registers (NV vectors) and used for all N tokens; N x U
- * accumulators (N * U <= 8) as in the float formats' dot_n below, each main-loop step SB whole
- * blocks (a multiple of U vectors); one prefetch PI_PF_BYTES ahead per step where > 0. */
-PI_INLINE void dot_n(const wtype* w, const xin* xs, int64_t K, float* res,
-                     const int N, const int U) {
-    const int64_t nb = K / PI_BLOCK;
-#if PI_VW > 1
-    const int NV = PI_BLOCK / PI_VW;         /* vectors per block: 4 (avx2) or 2 (avx512) */
-    const int SB = U > NV ? U / NV : 1;      /* blocks per step */
-    vf acc[PI_MAXTOK];
-    for (int i = 0; i < N * U; ++i) acc[i] = v_zero();
-    int64_t j = 0;
-    for (; j + SB <= nb; j += SB) {
-        if (PI_PF_BYTES > 0) PI_PREFETCH(w + j * PI_BLOCK_BYTES + PI_PF_BYTES);
-        for (int s = 0; s < SB; ++s) {
-            vf wv[PI_BLOCK / PI_VW];
-            v_dequant(w + (j + s) * PI_BLOCK_BYTES, wv);
-            const int64_t k = (j + s) * PI_BLOCK;
-            for (int v = 0; v < NV; ++v) {
-                const int a = (s * NV + v) % U;
-                for (int n = 0; n < N; ++n)
-                    acc[n * U + a] = v_fma(wv[v], v_loadx(xs[n] + k + PI_VW * v), acc[n * U + a]);
-            }
-        }
-    }
-    for (; j < nb; ++j) { /* the blocks left over when SB > 1 */
-        vf wv[PI_BLOCK / PI_VW];
-        v_dequant(w + j * PI_BLOCK_BYTES, wv);
-        for (int v = 0; v < NV; ++v)
-            for (int n = 0; n < N; ++n)
-                acc[n * U + v % U] = v_fma(wv[v], v_loadx(xs[n] + j * PI_BLOCK + PI_VW * v),
-                                           acc[n * U + v % U]);
-    }
-    for (int n = 0; n < N; ++n) {
-        vf s = acc[n * U];
-        for (int u = 1; u < U; ++u) s = v_add(s, acc[n * U + u]);
-        res[n] = v_hsum(s);
-    }
-#else
-    float r[PI_MAXTOK] = {0};
-    (void)U;
-    for (int64_t j = 0; j < nb; ++j) {
-        if (PI_PF_BYTES > 0) PI_PREFETCH(w + j * PI_BLOCK_BYTES + PI_PF_BYTES);
-        float wk[PI_BLOCK];
-        dequant_block(w + j * PI_BLOCK_BYTES, wk);
-        for (int i = 0; i < PI_BLOCK; ++i)
-            for (int n = 0; n < N; ++n) r[n] += wk[i] * xs[n][j * PI_BLOCK + i];
-    }
-    for (int n = 0; n < N; ++n) res[n] = r[n];
+    pq_q8_dot(w, K / PI_BLOCK, xs, res, N, PI_PF_BYTES);
 #endif
 }
+
 #else
 /* res[n] = w[0:K] . xs[n][0:K] for n < N: one pass over the row w for all N tokens.
  *   w    [K] one weight row
@@ -365,7 +280,7 @@ PI_INLINE void dot_n(const wtype* w, const xin* xs, int64_t K, float* res,
 #endif /* PI_QUANT */
 
 /* Rows [lo, hi) of W for one group of N tokens: out[t0 + n][o] for n < N, o in [lo, hi).
- *   x    [T, K] float32 (the group's rows start at x + t0 * K); the 4-bit formats read
+ *   x    [T, K] float32 (the group's rows start at x + t0 * K); the quantized formats read
  *   acts [T] instead (x rounded to int8 blocks, qblocks.h)
  *   W    [O, PI_ROW(K)], b [O] or NULL, out [T, O] float32
  * N and U are compile-time constants in every instance (rows_group dispatches). (Cutting K into
@@ -376,7 +291,7 @@ PI_INLINE void rows_n(const float* x, const pq_act* acts, int64_t t0, int64_t K,
     xin xs[PI_MAXTOK];
     float* os[PI_MAXTOK];
     for (int n = 0; n < N; ++n) {
-#if PI_Q4
+#if PI_QUANT
         (void)x;
         xs[n] = acts + t0 + n;
 #else
@@ -440,7 +355,7 @@ void pi_dense_multi(const float* x, int64_t T, int64_t K, int n, const wtype* co
     const int64_t nch = first[n];
     if (nch == 0) return;
     pq_act* acts = NULL;
-#if PI_Q4
+#if PI_QUANT
     acts = pq_quantize_rows(x, T, K); /* once for all the matrices */
     if (!acts) { /* loud, not silently wrong */
         for (int i = 0; i < n; ++i)
@@ -510,24 +425,25 @@ static void deq_block(const uint8_t* blk, float* out) {
 #endif
 }
 
-/* One superblock of a 4-bit row in the dot layout (qblocks.h) back to GGUF's 8 blocks. */
+/* One superblock of a row in the dot layout (qblocks.h) back to GGUF's 8 blocks. */
 static void sb_to_blocks(const uint8_t* sb, uint8_t* blocks) {
-    const int head = PI_BLOCK_BYTES - PQ_QK / 2;     /* scale (and minimum) bytes per block */
-    const uint8_t* qs = sb + PQ_SB * head;            /* qs [4][8][4] */
+    const int head = PI_WDTYPE == PI_Q4_1 ? 4 : 2;     /* scale (and minimum) bytes per block */
+    const int pieces = (PI_BLOCK_BYTES - head) / 4;    /* 4-byte pieces of weights per block */
+    const uint8_t* qs = sb + PQ_SB * head;              /* [pieces][8][4] */
     for (int b = 0; b < PQ_SB; ++b) {
         uint8_t* blk = blocks + b * PI_BLOCK_BYTES;
         memcpy(blk, sb + 2 * b, 2);                                      /* dw[b] */
         if (head == 4) memcpy(blk + 2, sb + 2 * PQ_SB + 2 * b, 2);       /* m[b] (q4_1) */
-        for (int v = 0; v < 4; ++v) memcpy(blk + head + 4 * v, qs + 32 * v + 4 * b, 4);
+        for (int v = 0; v < pieces; ++v) memcpy(blk + head + 4 * v, qs + 32 * v + 4 * b, 4);
     }
 }
 
-/* W [O, K / 32 blocks] in the kernel's layout (4-bit rows in the dot layout when dot_layout,
- * else GGUF's; q8_0 rows are GGUF's either way) -> out [O, K] float32: prefill's weights, made
- * once per call instead of by torch's elementwise ops. */
+/* W [O, K / 32 blocks] in the kernel's layout (the dot layout when dot_layout, else GGUF's:
+ * FFN down rows) -> out [O, K] float32: prefill's weights, made once per call instead of by
+ * torch's elementwise ops. */
 void pi_dequantize(const uint8_t* W, int64_t O, int64_t K, int dot_layout, float* out) {
     const int64_t nb = K / PQ_QK, rb = nb * PI_BLOCK_BYTES;
-    const int64_t nsb = PI_Q4 && dot_layout ? nb / PQ_SB : 0; /* superblocks per row */
+    const int64_t nsb = dot_layout ? nb / PQ_SB : 0; /* superblocks per row */
 #ifdef _OPENMP
     const int nthr = pi_threads > 0 ? pi_threads : omp_get_max_threads();
 #pragma omp parallel for schedule(static) num_threads(nthr) if (O * K >= (1 << 16))

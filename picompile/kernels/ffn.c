@@ -248,14 +248,13 @@ PIC_INLINE void faxpy_n(const int F, const void* w, const float* hs, float* cons
 /* ---- quantized rows: the row operations on GGUF blocks ----
  * A block is 32 weights along d: a float16 scale s (q4_1: and a float16 minimum m) and 32
  * integers q (q8_0: int8; q4_*: nibbles n, weight k in the low nibble of byte k for k < 16, in
- * the high nibble of byte k - 16 above). The dot product of a q8_0 row with x sums s * (q . x)
- * per block, the integers converted to float32. A 4-bit row is dotted with x rounded to int8
- * blocks (qblocks.h: x' = dx * qx, once per call) in integers:
- *     q4_0: s * dx * (n . qx) - 8 s * sx      q4_1: s * dx * (n . qx) + m * sx
+ * the high nibble of byte k - 16 above). A row is dotted with x rounded to int8 blocks
+ * (qblocks.h: x' = dx * qx, once per call) in integers:
+ *     q8_0: s * dx * (q . qx)    q4_0: s * dx * (n . qx) - 8 s * sx    q4_1: s * dx * (n . qx) + m * sx
  * with sx = dx * sum(qx). axpy dequantizes (s * q, s * (n - 8), s * n + m) and FMAs each weight
  * into the partial outputs. Only gate and up rows are dotted with x, so the rounding of x
  * follows their format. */
-#define PIC_QACT (PIC_WDTYPE == PIC_Q4_0 || PIC_WDTYPE == PIC_Q4_1) /* x rounded to int8 */
+#define PIC_QACT PIC_IS_QUANT(PIC_WDTYPE) /* x rounded to int8 */
 #define PIC_QGROUP 4 /* blocks per step of the row loops */
 
 /* Prefetches per step of the row loops: cover its bytes */
@@ -298,22 +297,6 @@ PIC_INLINE void qvals(const int F, const uint8_t* blk, __m256 v[4]) {
     }
 }
 
-/* One block of qdot_n (q8_0): block b of the row for N tokens, into accumulator u of each. */
-PIC_INLINE void qdot_block(const int F, const uint8_t* w, int64_t b, const float* const* xs,
-                           __m256* acc, const int N, const int U, const int u) {
-    const uint8_t* blk = w + b * pic_qbytes(F);
-    __m256 v[4];
-    qvals(F, blk, v);
-    const __m256 s = _mm256_broadcastss_ps(qhead(blk));
-    for (int n = 0; n < N; ++n) {
-        const float* x = xs[n] + b * PIC_QK;
-        __m256 q = _mm256_mul_ps(v[0], _mm256_loadu_ps(x));
-        q = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(x + 8), q);
-        q = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(x + 16), q);
-        q = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(x + 24), q);
-        acc[n * U + u] = _mm256_fmadd_ps(s, q, acc[n * U + u]);
-    }
-}
 #else
 /* The 32 weights of a block, dequantized (the reference's arithmetic, in float32). */
 PIC_INLINE void qdeq32(const int F, const uint8_t* blk, float w[32]) {
@@ -335,50 +318,12 @@ PIC_INLINE void qdeq32(const int F, const uint8_t* blk, float w[32]) {
 }
 #endif
 
-/* res[n] = w . xs[n] for n < N over a quantized row of d weights: one pass over its blocks for
- * all N tokens, N tokens x U vector accumulators (N * U <= 8; consecutive blocks take turns).
- * xa[n]: token n rounded to int8 blocks (read by 4-bit rows; q8_0 rows read xs). */
-PIC_INLINE void qdot_n(const int F, const void* row, const float* const* xs,
-                       const pq_act* const* xa, int64_t d, float* res, const int N, const int U,
-                       int64_t pf) {
-    const uint8_t* w = (const uint8_t*)row;
-    const int64_t nb = d / PIC_QK, qb = pic_qbytes(F);
-    if (F != PIC_Q8_0) {  /* 4-bit: integer dots with x rounded to int8 (qblocks.h) */
-        pq_q4_dot(w, F == PIC_Q4_1, nb, xa, res, N, pf); /* the dot layout */
-        return;
-    }
-#if PIC_SIMD
-    __m256 acc[8];
-    for (int i = 0; i < N * U; ++i) acc[i] = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + PIC_QGROUP <= nb; b += PIC_QGROUP) {
-        if (pf)
-            for (int l = 0; l < pic_qlines(F); ++l) PIC_PREFETCH(w + b * qb + pf + 64 * l);
-        for (int k = 0; k < PIC_QGROUP; ++k) qdot_block(F, w, b + k, xs, acc, N, U, k % U);
-    }
-    for (; b < nb; ++b) qdot_block(F, w, b, xs, acc, N, U, 0);
-    for (int n = 0; n < N; ++n) {
-        __m256 t = acc[n * U];
-        for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, acc[n * U + u]);
-        res[n] = pq_hsum(t);
-    }
-#else
-    float r[PIC_MAXTOK] = {0};
-    float wb[32];
-    (void)U; (void)xa;
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = w + b * qb;
-        if (pf) PIC_PREFETCH(blk + pf);
-        qdeq32(F, blk, wb);
-        for (int n = 0; n < N; ++n) {
-            const float* x = xs[n] + b * PIC_QK;
-            float t = 0.0f;
-            for (int i = 0; i < 32; ++i) t += wb[i] * x[i];
-            r[n] += t;
-        }
-    }
-    for (int n = 0; n < N; ++n) res[n] = r[n];
-#endif
+/* res[n] = w . x'[n] for n < N over a quantized row of d weights in the dot layout, x'[n] =
+ * xa[n] (token n rounded to int8 blocks): qblocks.h's integer dots. */
+PIC_INLINE void qdot_n(const int F, const void* row, const pq_act* const* xa, int64_t d,
+                       float* res, const int N, int64_t pf) {
+    if (F == PIC_Q8_0) pq_q8_dot((const uint8_t*)row, d / PIC_QK, xa, res, N, pf);
+    else pq_q4_dot((const uint8_t*)row, F == PIC_Q4_1, d / PIC_QK, xa, res, N, pf);
 }
 
 #if PIC_SIMD
@@ -441,7 +386,7 @@ PIC_INLINE void row_prefetch(const void* row, int64_t rb) { prefetch_bytes(row, 
 
 PIC_INLINE void dot_n(const int F, const void* w, const float* const* xs, const pq_act* const* xa,
                       int64_t d, float* res, const int N, const int U, int64_t pf) {
-    if (PIC_IS_QUANT(F)) qdot_n(F, w, xs, xa, d, res, N, U, pf);
+    if (PIC_IS_QUANT(F)) qdot_n(F, w, xa, d, res, N, pf);
     else fdot_n(F, w, xs, d, res, N, U, pf);
 }
 
@@ -518,7 +463,7 @@ PIC_INLINE void axpy_rows(const int F, const void* const* rows, const float* h, 
 #endif
 }
 
-/* res[n] = row . xs[n] for n < nt (xa: the tokens rounded to int8, for q4_* rows). Dispatches on
+/* res[n] = row . xs[n] for n < nt (xa: the tokens rounded to int8, for quantized rows). Dispatches on
  * the token count so that every instance has compile-time N and U. */
 PIC_INLINE void row_dot(const int F, const void* w, const float* const* xs,
                         const pq_act* const* xa, int nt, int64_t d, float* res, int64_t pf) {

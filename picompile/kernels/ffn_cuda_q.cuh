@@ -4,18 +4,18 @@
 //
 // The block decoding is qdecode.h's (__host__ __device__; tests/test_quant_decode_host.py checks
 // the same text on the CPU against picompile.quant). The rows are the CPU's as SparseFFN holds
-// them: 4-bit gate / up rows in the dot layout (quant.interleave_blocks), q8_0 rows in GGUF's, so
+// them: gate / up rows in the dot layout (quant.interleave_blocks), q8_0 down rows in GGUF's, so
 // the hybrid runtime copies hot rows to the GPU unchanged.
 //
-// x: the 4-bit formats' rows are dotted with x rounded to 8 bits per block of 32
+// x: gate / up rows are dotted with x rounded to 8 bits per block of 32
 // (quant.round_activations; pi_round_x makes it, as float32), as on the CPU, so the kernels match
-// ffn_reference up to float summation order; q8_0 rows are dotted with float32 x.
+// ffn_reference up to float summation order.
 #ifndef PICOMPILE_CUDA_Q
 #define PICOMPILE_CUDA_Q
 
 #include "qdecode.h"
 
-// Rows of GGUF blocks of format QF (PQD_Q8_0 / PQD_Q4_0 / PQD_Q4_1), DOT: 4-bit rows in the dot
+// Rows of GGUF blocks of format QF (PQD_Q8_0 / PQD_Q4_0 / PQD_Q4_1), DOT: rows in the dot
 // layout. The same members as PiRows (ffn_cuda.cuh); x is float32.
 template <int QF, int DOT>
 struct PiQRows {

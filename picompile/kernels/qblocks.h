@@ -1,32 +1,35 @@
 /* picompile: GGUF block helpers shared by the CPU kernels (dense.c and the generated FFN source):
  * float16 -> float32, activations rounded to 8 bits per block of 32, and the dot product of a row
- * of 4-bit blocks (q4_0 / q4_1) with them in integers.
+ * of blocks (q8_0, q4_0, q4_1) with them in integers.
  *
  * Spliced into both sources (picompile.codegen.build.package_source inlines `#include "qblocks.h"`),
- * so a kernel's cache key covers it. The int8 activations are llama.cpp's scheme: a 4-bit block
- * dotted with float32 x costs more instructions per weight than two cores can issue at memory
- * speed (BENCHMARKS.md, session 6); with x as int8 it is one widening of the nibbles and one
- * integer multiply-add per token. The reference (picompile.quant.round_activations) rounds x the
- * same way, bit for bit, before its float matmul.
+ * so a kernel's cache key covers it. The int8 activations are llama.cpp's scheme: a quantized
+ * block dotted with float32 x costs more instructions per weight than two cores can issue at
+ * memory speed (BENCHMARKS.md, sessions 6 and 15); with x as int8 it is one integer multiply-add
+ * per token and 32 weights. The reference (picompile.quant.round_activations) rounds x the same
+ * way, bit for bit, before its float matmul.
  *
  * Per block b of 32 values of a token row x [K] (K a multiple of 32):
  *     amax = max |x[i]|,  d[b] = amax / 127,  q[i] = round-half-even(x[i] * (1 / d[b]))
  *     (all zero when amax == 0),  s[b] = d[b] * sum(q[i])
- * A 4-bit block (scale dw; q4_0 weight dw * (n - 8), q4_1 dw * n + m) dotted with that block:
- *     q4_0: dw * d[b] * (n . q) - 8 * dw * s[b]        q4_1: dw * d[b] * (n . q) + m * s[b]
- * n . q (nibbles 0..15 times int8) is exact in int32.
+ * A block (scale dw; q8_0 weight dw * w, q4_0 dw * (n - 8), q4_1 dw * n + m) dotted with it:
+ *     q8_0: dw * d[b] * (w . q)     q4_0: dw * d[b] * (n . q) - 8 * dw * s[b]
+ *     q4_1: dw * d[b] * (n . q) + m * s[b]
+ * w . q and n . q (int8 or nibbles 0..15 times int8) are exact in int32.
  *
- * The dot layout (picompile.quant.interleave_blocks): a 4-bit row that is dotted with x (dense
+ * The dot layout (picompile.quant.interleave_blocks): a row that is dotted with x (dense
  * weights, FFN gate and up rows) keeps its bytes but each run of PQ_SB = 8 blocks (256 weights)
- * is a superblock: the 8 blocks' float16 scales dw[8], for q4_1 their minimums m[8], then
- * qs [4][8][4]: qs[v][b][c] = block b's GGUF byte qs[4v + c] (its weights 4v + c, low nibble,
- * and 16 + 4v + c, high nibble). The nb % 8 blocks after the last superblock stay as GGUF has
- * them. x's int8 values are stored to match (pq_quantize): per superblock, xq [8][8][4] with
- * xq[i][b][c] = x[32b + 4i + c] for i < 4 (the low nibbles' partners) and x[32b + 16 + 4(i - 4)
- * + c] above. Then 32-bit lane b of every vector belongs to block b: one integer multiply-add
+ * is a superblock: the 8 blocks' float16 scales dw[8], for q4_1 their minimums m[8], then their
+ * weights in 4-byte pieces. 4-bit: qs [4][8][4], qs[v][b][c] = block b's GGUF byte qs[4v + c]
+ * (its weights 4v + c, low nibble, and 16 + 4v + c, high nibble); q8_0: w [8][8][4],
+ * w[i][b][c] = block b's weight 4i + c. The nb % 8 blocks after the last superblock stay as
+ * GGUF has them. x's int8 values are stored to match: per superblock, xq [8][8][4] with
+ * xq[i][b][c] = x[32b + 4i + c] (for 4-bit rows pieces i < 4 meet the low nibbles, i >= 4 the
+ * high ones). Then 32-bit lane b of every vector belongs to block b: one integer multiply-add
  * per 32 bytes and no horizontal sum per block, and the 8 blocks' scales apply as one vector
  * (llama.cpp's repacked Q4_0 rows interleave several rows; this interleaves blocks of one row,
- * which keeps a neuron's row contiguous for the sparse kernels).
+ * which keeps a neuron's row contiguous for the sparse kernels). FFN down rows are added into
+ * the output, not dotted: they keep GGUF's layout.
  *
  * SIMD: AVX2 + FMA + F16C (VNNI's vpdpbusd where AVX512_VNNI and AVX512VL are enabled), unless
  * PQ_SCALAR is defined before the #include; the rounding of x is the same either way.
@@ -164,6 +167,17 @@ static pq_act* pq_quantize_rows(const float* x, int64_t T, int64_t K) {
     }
     return a;
 }
+
+#if !PQ_SIMD
+/* w . q over 32 int8 pairs, exact. Not vectorized by the compiler: GCC 12 turns this loop into
+ * vpdpbusd (unsigned times signed) where AVX512_VNNI is enabled, which is wrong for w < 0. */
+__attribute__((optimize("no-tree-vectorize")))
+static int32_t pq_dot_i8_scalar(const int8_t* w, const int8_t* q) {
+    int32_t t = 0;
+    for (int i = 0; i < PQ_QK; ++i) t += (int32_t)w[i] * (int32_t)q[i];
+    return t;
+}
+#endif
 
 /* n . q over one block: the 32 nibbles of qs [16] (weight i: the low nibble of qs[i] for i < 16,
  * the high nibble of qs[i - 16] above) times q [32] int8, exact. */
@@ -306,6 +320,86 @@ PQ_INLINE void pq_q4_dot(const uint8_t* row, const int q4_1, int64_t nb, const p
             pq_act_block(xa[n], nb, j, q);
             const float t = (float)pq_dot_scalar(qs, q), dx = xa[n]->d[j], sx = xa[n]->s[j];
             r[n] = q4_1 ? fmaf(m, sx, fmaf(t, dw * dx, r[n])) : fmaf(dw, fmaf(t, dx, -8.0f * sx), r[n]);
+        }
+    }
+    for (int n = 0; n < N; ++n) res[n] = r[n];
+#endif
+}
+#if PQ_SIMD
+/* int32 [8]: lane b = block b's w . q over one q8_0 superblock, exact. w: its 256 weights (the
+ * dot layout, 8 vectors), xq [256] x's. Signed times signed as maddubs / vpdpbusd take it
+ * (unsigned times signed): |w| times x with w's sign (|-128| is 128 unsigned); maddubs pairs
+ * stay in int16 (at most 2 * 128 * 127) and are widened per vector. */
+PQ_INLINE __m256i pq_dot_sb8(const __m256i* w, const int8_t* xq) {
+    __m256i s = _mm256_setzero_si256();
+    for (int i = 0; i < 8; ++i) {
+        const __m256i sx = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(xq + 32 * i)), w[i]);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        s = _mm256_dpbusd_epi32(s, _mm256_sign_epi8(w[i], w[i]), sx);
+#else
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w[i], w[i]), sx),
+                                                  _mm256_set1_epi16(1)));
+#endif
+    }
+    return s;
+}
+#endif
+
+/* res[n] = row . x'[n] for n < N (N <= 8) over one row of nb q8_0 blocks in the dot layout
+ * (34-byte blocks: f16 dw, int8 w[32]; each run of 8 in a superblock, see above), x'[n] = xa[n]
+ * rounded. Per block dw * dx * (w . q), the integer dot exact. With pf != 0 one prefetch pf
+ * bytes away per 64 bytes. */
+PQ_INLINE void pq_q8_dot(const uint8_t* row, int64_t nb, const pq_act* const* xa, float* res,
+                         const int N, const int64_t pf) {
+    const int64_t bb = 34, sbb = PQ_SB * bb, nsb = nb / PQ_SB;
+#if PQ_SIMD
+    __m256 acc[8];
+    for (int n = 0; n < N; ++n) acc[n] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < nsb; ++g) {
+        const uint8_t* sb = row + g * sbb;
+        if (pf != 0)
+            for (int64_t l = 0; l < (sbb + 63) / 64; ++l)
+                _mm_prefetch((const char*)(sb + pf + 64 * l), PQ_PF_HINT);
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)sb));
+        __m256i w[8];
+        for (int i = 0; i < 8; ++i) w[i] = _mm256_loadu_si256((const __m256i*)(sb + 2 * PQ_SB + 32 * i));
+        for (int n = 0; n < N; ++n) {
+            const __m256 sf = _mm256_cvtepi32_ps(pq_dot_sb8(w, xa[n]->q + g * PQ_SB * PQ_QK));
+            acc[n] = _mm256_fmadd_ps(sf, _mm256_mul_ps(dw, _mm256_loadu_ps(xa[n]->d + g * PQ_SB)), acc[n]);
+        }
+    }
+    for (int64_t j = nsb * PQ_SB; j < nb; ++j) { /* the blocks after the last superblock, as
+                                                    GGUF has them (x's in natural order) */
+        const uint8_t* blk = row + j * bb;
+        const float dw = pq_f16((uint16_t)(blk[0] | blk[1] << 8));
+        const __m256i w = _mm256_loadu_si256((const __m256i*)(blk + 2)), aw = _mm256_sign_epi8(w, w);
+        for (int n = 0; n < N; ++n) {
+            const __m256i sx = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(xa[n]->q + j * PQ_QK)), w);
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1));
+            acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xa[n]->d[j]), acc[n]);
+        }
+    }
+    for (int n = 0; n < N; ++n) res[n] = pq_hsum(acc[n]);
+#else
+    float r[8] = {0};
+    for (int64_t j = 0; j < nb; ++j) {
+        const int64_t g = j / PQ_SB, b = j % PQ_SB;
+        int8_t w[PQ_QK]; /* the block's weights in order */
+        float dw;
+        if (g < nsb) {
+            const uint8_t* sb = row + g * sbb;
+            if (pf != 0 && b == 0) __builtin_prefetch(sb + pf, 0, 3);
+            dw = pq_f16((uint16_t)(sb[2 * b] | sb[2 * b + 1] << 8));
+            for (int i = 0; i < 8; ++i) memcpy(w + 4 * i, sb + 2 * PQ_SB + 32 * i + 4 * b, 4);
+        } else {
+            const uint8_t* blk = row + j * bb;
+            dw = pq_f16((uint16_t)(blk[0] | blk[1] << 8));
+            memcpy(w, blk + 2, PQ_QK);
+        }
+        for (int n = 0; n < N; ++n) {
+            int8_t q[PQ_QK]; /* x's block j in natural order */
+            pq_act_block(xa[n], nb, j, q);
+            r[n] = fmaf((float)pq_dot_i8_scalar(w, q), dw * xa[n]->d[j], r[n]);
         }
     }
     for (int n = 0; n < N; ++n) res[n] = r[n];

@@ -12,11 +12,12 @@
  *     q4_0  18 bytes  d f16, qs[16]                    w[i] = d * (n[i] - 8)
  *     q4_1  20 bytes  d f16, m f16, qs[16]             w[i] = d * n[i] + m
  *     n[i] = qs[i] & 15 for i < 16, qs[i - 16] >> 4 above
- * Rows are their blocks one after another (GGUF's layout), or, for the 4-bit gate / up rows the
- * CPU kernels dot with x, the dot layout (quant.interleave_blocks, qblocks.h): each run of 8
- * blocks holds their 8 scales, their 8 minimums (q4_1), then qs [4][8][4] with qs[v][b][c] =
- * block b's byte 4v + c; the last nb % 8 blocks stay as GGUF has them. pqd_row_block reads a
- * block of either layout, so the GPU takes the CPU's rows as they are.
+ * Rows are their blocks one after another (GGUF's layout: FFN down rows), or, for the gate / up
+ * rows the CPU kernels dot with x, the dot layout (quant.interleave_blocks, qblocks.h): each run
+ * of 8 blocks holds their 8 scales, their 8 minimums (q4_1), then their weight bytes in 4-byte
+ * pieces, [pieces][8][4] with [v][b][c] = block b's weight byte 4v + c (4 pieces of qs for the
+ * 4-bit formats, 8 of q for q8_0); the last nb % 8 blocks stay as GGUF has them. pqd_row_block
+ * reads a block of either layout, so the GPU takes the CPU's rows as they are.
  *
  * A weight is exact whether or not a compiler fuses d * n + m: d is a float16 (11 significant
  * bits) and n, q at most 8 bits, so d * n is exact in float32 and only the add rounds.
@@ -72,8 +73,7 @@ PQD_FN float pqd_w_q4_0(float d, int n) { return d * (float)(n - 8); }
 PQD_FN float pqd_w_q4_1(float d, float m, int n) { return d * (float)n + m; }
 
 /* Where block j of a row of nb blocks of 4-bit `fmt` sits: its scale d (and minimum m) and its
- * 16 qs bytes gathered into qs [16]. dot: the row is in the dot layout (else GGUF's); q8_0 rows
- * are always GGUF's (quant.interleave_blocks leaves them). */
+ * 16 qs bytes gathered into qs [16]. dot: the row is in the dot layout (else GGUF's). */
 PQD_FN void pqd_q4_parts(int fmt, const unsigned char* row, long long nb, long long j, int dot,
                          float* d, float* m, unsigned char* qs) {
     const long long bb = PQD_BLOCK_BYTES(fmt), nsb = dot ? nb / PQD_SB : 0;
@@ -92,11 +92,19 @@ PQD_FN void pqd_q4_parts(int fmt, const unsigned char* row, long long nb, long l
     }
 }
 
-/* Block j of a row (nb blocks of `fmt`; dot: 4-bit rows in the dot layout) -> w [32] float32,
+/* Block j of a row (nb blocks of `fmt`; dot: the row in the dot layout) -> w [32] float32,
  * what quant.dequantize makes of it. */
 PQD_FN void pqd_row_block(int fmt, const unsigned char* row, long long nb, long long j, int dot,
                           float* w) {
     if (fmt == PQD_Q8_0) {
+        if (dot && j < nb / PQD_SB * PQD_SB) { /* in a superblock: w [8][8][4] after 8 scales */
+            const unsigned char* sb = row + j / PQD_SB * PQD_SB * 34;
+            const int b = (int)(j % PQD_SB);
+            const float d = pqd_f16_at(sb + 2 * b);
+            for (int i = 0; i < PQD_QK; ++i)
+                w[i] = pqd_w_q8_0(d, (signed char)sb[2 * PQD_SB + 32 * (i / 4) + 4 * b + i % 4]);
+            return;
+        }
         const unsigned char* blk = row + j * 34;
         const float d = pqd_f16_at(blk);
         for (int i = 0; i < PQD_QK; ++i) w[i] = pqd_w_q8_0(d, (signed char)blk[2 + i]);
@@ -118,7 +126,7 @@ PQD_FN void pqd_q8_0_run(const unsigned char* row, long long k0, int n, float* w
     for (int k = 0; k < n; ++k) w[k] = pqd_w_q8_0(d, (signed char)blk[2 + i0 + k]);
 }
 
-/* x [32] -> out [32]: x rounded to 8 bits per block as the 4-bit formats' kernels read it,
+/* x [32] -> out [32]: x rounded to 8 bits per block as the quantized kernels read it,
  * bit for bit quant.round_activations: d = max|x| / 127, out = round-half-even(x * (1 / d)) * d
  * (all zero when max|x| == 0). */
 PQD_FN void pqd_round_block(const float* x, float* out) {

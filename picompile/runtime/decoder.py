@@ -57,7 +57,7 @@ VERIFY_TOKENS = 8  # the probe sequence of verify()
 # threshold may fall either way; an architecture the decoder does not reproduce differs by
 # about 1 (an offset norm, scaled embeddings).
 VERIFY_RTOL = {torch.float32: 1e-3, torch.float16: 0.1, torch.bfloat16: 0.15}
-# Where 4-bit layers round their input to int8 blocks (quant.round_activations), a last-bit
+# Where quantized layers round their input to int8 blocks (quant.round_activations), a last-bit
 # difference in an activation (the decoder's fused norms against the model's) can move it by a
 # whole step of its block's 8-bit grid: the tolerance of float16 activations applies.
 VERIFY_RTOL_INT8 = 0.1

@@ -33,7 +33,7 @@ SCRATCH_MAX_BYTES = 256 << 20  # larger weights get a buffer of their own each c
 
 def float_weight(q: torch.Tensor, fmt: str, cols: int, dot_layout: bool,
                  slot: str = "linear") -> torch.Tensor:
-    """Quantized rows uint8 [rows, row_bytes] (4-bit ones in the dot layout when `dot_layout`)
+    """Quantized rows uint8 [rows, row_bytes] (in the dot layout when `dot_layout`)
     as float32 [rows, cols] for prefill's BLAS: dequantized in C where the dense library builds
     (the same values, in one pass), else by the reference, quant.dequantize.
 
@@ -194,12 +194,11 @@ class QuantLinear(KernelModule):
 
         y = x' @ dequantize(qweight).T + bias       x [..., K] -> y [..., O], in x's dtype
 
-    x' = quant.round_activations(x, format): x rounded to int8 blocks for the 4-bit formats (their
-    kernel dots integers), x itself for q8_0.
+    x' = quant.round_activations(x, format): x rounded to int8 blocks (the kernel dots integers).
 
     `qweight` (a buffer, so state_dict holds it) is uint8 [O, K / 32 * block_bytes], GGUF's
-    blocks in the layout the kernel reads (quant.interleave_blocks: q8_0 rows as GGUF has them,
-    4-bit rows with each run of 8 blocks interleaved; `row_blocks()` gives GGUF's layout back);
+    blocks in the layout the kernel reads (quant.interleave_blocks: each run of 8 blocks of a
+    row interleaved; `row_blocks()` gives GGUF's layout back);
     the constructor takes GGUF's row layout. `bias` a float32 Parameter or None. No float copy
     of the weight is kept: `forward_native` (the reference) dequantizes on each call. `forward`
     runs the kernel on the CPU for 1 <= T <= 8 tokens and, for the 4-bit formats, for prefill
@@ -301,7 +300,7 @@ class QuantLinear(KernelModule):
         return state
 
     def row_blocks(self) -> torch.Tensor:
-        """The weight's blocks in GGUF's row layout, uint8 [O, row_bytes] (a copy for 4-bit)."""
+        """The weight's blocks in GGUF's row layout, uint8 [O, row_bytes] (a copy)."""
         from picompile import quant
 
         return quant.deinterleave_blocks(self.qweight, self.qformat)
@@ -323,8 +322,8 @@ class QuantLinear(KernelModule):
         return quant.dequantize(self.row_blocks(), self.qformat, self.in_features)
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] -> [..., O] in x's dtype: dequantize, then F.linear (the reference; the
-        4-bit formats' x rounded to int8 blocks first, quant.round_activations)."""
+        """x [..., K] -> [..., O] in x's dtype: dequantize, then F.linear (the reference; x
+        rounded to int8 blocks first, quant.round_activations)."""
         from picompile import quant
 
         w = self.dequantized_weight().to(x.dtype)

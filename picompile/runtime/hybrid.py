@@ -91,7 +91,7 @@ class CudaHotKernel:
     def __init__(self, view: SparseFFN):
         from picompile.codegen.cuda import CudaFFN
 
-        # Quantized rows are read as the view holds them (4-bit gate / up rows in the dot layout).
+        # Quantized rows are read as the view holds them (gate / up rows in the dot layout).
         self.ffn = CudaFFN(view.w_up, view.w_down_t, w_gate=view.w_gate, b_gate=view.b_gate,
                            b_up=view.b_up, b_down=view.b_down, act=view.act, drelu=view.drelu,
                            threshold=view.threshold, qformat=view.qformat,
