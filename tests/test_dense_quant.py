@@ -250,7 +250,7 @@ def test_quant_linear_module(fmt):
         for shape in [(1, 96), (2, 3, 96), (8, 96)]:  # the kernel
             x = torch.randn(shape)
             _close(mod(x), mod.forward_native(x), x, mod)
-        x = torch.randn(40, 96)  # prefill: 4-bit on the kernel, q8_0 by BLAS (the reference)
+        x = torch.randn(40, 96)  # prefill: on the kernel where PREFILL_KERNEL_FORMATS says so
         if fmt in PREFILL_KERNEL_FORMATS:
             _close(mod(x), mod.forward_native(x), x, mod)
         else:

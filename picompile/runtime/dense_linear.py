@@ -6,7 +6,7 @@ QuantLinear (below): the same with a block-quantized weight (picompile.quant).
 `forward_native` is F.linear, the reference the kernel is tested against. `forward` runs the
 kernel (picompile/kernels/dense.c through picompile.codegen.dense) when 1 <= T <= 8 tokens
 (leading dimensions flattened) on the CPU, and for prefill too where the weights' format is in
-config.PREFILL_KERNEL_FORMATS (float16, the 4-bit formats); F.linear for the other prefills, on
+config.PREFILL_KERNEL_FORMATS (float16, the quantized formats); F.linear for the other prefills, on
 other devices, and where there is no kernel. The kernel accumulates in float32 and its result is
 cast to x's dtype.
 
@@ -201,9 +201,9 @@ class QuantLinear(KernelModule):
     row interleaved; `row_blocks()` gives GGUF's layout back);
     the constructor takes GGUF's row layout. `bias` a float32 Parameter or None. No float copy
     of the weight is kept: `forward_native` (the reference) dequantizes on each call. `forward`
-    runs the kernel on the CPU for 1 <= T <= 8 tokens and, for the 4-bit formats, for prefill
-    too (config.PREFILL_KERNEL_FORMATS); q8_0 prefill runs BLAS over the weight dequantized in
-    C; forward_native where autograd records x or there is no kernel.
+    runs the kernel on the CPU for 1 <= T <= 8 tokens and, for the formats of
+    config.PREFILL_KERNEL_FORMATS, for prefill too (else BLAS over the weight dequantized in C);
+    forward_native where autograd records x or there is no kernel.
     CPU only: moving it to another device is an error (no GPU kernels for quantized layers yet).
     """
 
@@ -343,7 +343,7 @@ class QuantLinear(KernelModule):
         if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
             return self.forward_native(x)
         if T > KERNEL_MAX_TOKENS and self.qformat not in PREFILL_KERNEL_FORMATS:
-            # prefill (q8_0): BLAS over the weight dequantized in C
+            # prefill where BLAS is the faster: over the weight dequantized in C
             from picompile import quant
 
             w = float_weight(self.qweight, self.qformat, self.in_features, dot_layout=True)
