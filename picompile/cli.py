@@ -35,7 +35,8 @@ def _compile(args, model, tokenizer):
 
     gguf, quantize = _quantization(args)
     if args.plan:  # the model was loaded in --dtype, as compile(dtype=) converted it before saving
-        cm = picompile.load(model, args.plan, gguf=gguf)  # quantized as the plan says
+        # quantized as the plan says
+        cm = picompile.load(model, args.plan, gguf=gguf, kv_cache=args.kv_cache)
         if quantize != cm.plan.quantize and args.quantize is not None:
             raise SystemExit(f"picompile: the plan in {args.plan} was compiled with quantize="
                              f"{cm.plan.quantize}; drop --quantize, or compile again with it")
@@ -45,7 +46,7 @@ def _compile(args, model, tokenizer):
     cm = picompile.compile(model, mode=args.mode, sparsity=args.sparsity, tokenizer=tokenizer,
                            gpu_budget=args.gpu_budget, calibration_tokens=args.calibration_tokens,
                            predictors=args.predictors, quiet=args.quiet, dtype=args.dtype,
-                           quantize=quantize, gguf=gguf)
+                           quantize=quantize, gguf=gguf, kv_cache=args.kv_cache)
     if args.save:
         cm.save(args.save)
         print(f"picompile: plan saved to {args.save} (reuse it with --plan)", file=sys.stderr)
@@ -334,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="weights the kernels read: a GGUF block format (q8_0, q4_0, q4_1), "
                             "gguf (the GGUF model file's own tensors), or float. Default: gguf "
                             "for a GGUF model, else float. CPU only")
+        p.add_argument("--kv-cache", choices=["float32", "float16", "bfloat16"], default=None,
+                       help="the dtype of the decoder's KV cache (default: the model's; float16 "
+                            "halves what attention reads at depth, as llama.cpp's F16 cache)")
         p.add_argument("--quiet", action="store_true",
                        help="no progress output (a bar on a terminal, plain lines elsewhere)")
     run = sub.choices["run"]

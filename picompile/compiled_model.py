@@ -46,6 +46,8 @@ class CompiledModel(nn.Module):
         # order), from compile's profile (mode="predicted" or a gpu_budget); kept for report();
         # not saved with a plan
         self.firing: dict[str, torch.Tensor] = {}
+        # the C decoder's KV cache dtype (compile's kv_cache=); None: the model's own
+        self.kv_cache_dtype: torch.dtype | None = None
         # the whole-step decoder (runtime/decoder.py) for the kernels bound now: see decoder()
         self._decoder_key = self._decoder = None
         self.decoder_reason = "not built yet"
@@ -77,12 +79,15 @@ class CompiledModel(nn.Module):
     def decoder(self):
         """The decode step in one C call (runtime/decoder.py) for the kernels bound now, or None
         (`decoder_reason` says why). Built and verified again when a kernel, threshold or
-        predictor switch changes (a dtype change, use_predictors, distribute)."""
+        predictor switch changes (a dtype change, use_predictors, distribute), or
+        kv_cache_dtype."""
+        from picompile.options import check_kv_cache
         from picompile.runtime import decoder as whole_step
 
-        key = whole_step.Decoder.key(self._orig_mod)
+        kv_dtype = check_kv_cache(self.kv_cache_dtype)
+        key = (whole_step.Decoder.key(self._orig_mod), kv_dtype)
         if key != self._decoder_key:
-            self._decoder, self.decoder_reason = whole_step.build(self._orig_mod)
+            self._decoder, self.decoder_reason = whole_step.build(self._orig_mod, kv_dtype)
             self._decoder_key = key
         return self._decoder
 
@@ -139,7 +144,7 @@ class CompiledModel(nn.Module):
             return getattr(super().__getattr__("_orig_mod"), name)
 
     _OWN = frozenset({"plan", "graphs", "paths", "linear_paths", "quant_notes", "training",
-                      "decoder_reason", "firing", "step_graphs"})
+                      "decoder_reason", "firing", "step_graphs", "kv_cache_dtype"})
 
     def capture_steps(self, max_len: int = 256):
         """Export the decode and prefill steps of the whole model (capture_whole.py) over a

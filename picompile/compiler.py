@@ -33,7 +33,8 @@ from torch import nn
 from picompile import gguf_weights, quant, saving
 from picompile.capture import capture, replace_module
 from picompile.compiled_model import CompiledModel
-from picompile.options import Options, calibration_ids, check_not_compiled, check_options
+from picompile.options import (Options, calibration_ids, check_kv_cache, check_not_compiled,
+                               check_options)
 from picompile.passes import autotune as autotune_pass
 from picompile.passes import calibrate as calibrate_pass
 from picompile.passes import hessians as hessians_pass
@@ -77,6 +78,7 @@ def compile(
     dtype: torch.dtype | str | None = None,
     quantize: str | None = None,
     gguf=None,
+    kv_cache: torch.dtype | str | None = None,
 ) -> CompiledModel:
     """Compile `model` (rewritten in place) into activation-sparse FFN blocks.
 
@@ -110,10 +112,17 @@ def compile(
     gguf (the GGUF file the model was loaded from): its Q8_0 / Q4_0 / Q4_1 tensors are used as
     they are, each in its own format (quantize="gguf", the default when gguf is given; see
     picompile/gguf_weights.py); a quantize format instead re-quantizes the float weights.
+
+    kv_cache ("float16", "bfloat16", "float32" or the torch dtype): the dtype of the KV cache
+    picompile's C decode step keeps (cm.kv_cache_dtype; set it later to change it). Default:
+    the model's own dtype, as Hugging Face's cache holds it. float16 halves what attention reads
+    per token at depth, as llama.cpp's default F16 cache does, for a float32 model (one loaded
+    from a GGUF file is), at the cost of rounding keys and values to float16.
     """
     opts = check_options(model, mode=mode, sparsity=sparsity, gpu_budget=gpu_budget,
                          predictors=predictors, dtype=dtype, quantize=quantize, gguf=gguf,
-                         target_recall=target_recall, max_context=max_context, quiet=quiet)
+                         target_recall=target_recall, max_context=max_context,
+                         kv_cache=kv_cache, quiet=quiet)
     ids = calibration_ids(model, calibration, tokenizer, calibration_tokens, opts)
     model.eval()
     if opts.dtype is not None:
@@ -140,6 +149,7 @@ def compile(
             gm.meta.pop("picompile_original", None)
         _collect(model)  # modules and their graphs hold each other: freed by the collector only
     cm = _lower(captured, plan, opts.gguf, rounding)
+    cm.kv_cache_dtype = opts.kv_cache
     del rounding  # GPTQ blocks no layer took (a weight under two names is quantized once)
     cm.firing = {name: prof.freq for name, prof in profiles.items()}
     hybrid = runs_hybrid(plan)
@@ -358,14 +368,15 @@ def _notes(cm: CompiledModel, opts: Options) -> None:
              "on this CPU (explain() shows the timings; predictors='all' runs every one)", opts.quiet)
 
 
-def load(model: nn.Module, directory, gguf=None) -> CompiledModel:
+def load(model: nn.Module, directory, gguf=None, kv_cache=None) -> CompiledModel:
     """Rebuild a compiled model from `cm.save(directory)` without profiling: `model` must be
     the model the plan was made from (checked by fingerprint); `gguf`: its GGUF file, for a plan
-    compiled with quantize="gguf"."""
+    compiled with quantize="gguf"; kv_cache as compile's (a runtime choice, not saved)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"picompile.load needs the torch.nn.Module the plan was made for, got "
                         f"{type(model).__name__}")
     check_not_compiled(model, "load")
+    kv_dtype = check_kv_cache(kv_cache)
     model.eval()
     plan_json, tensors = saving.read(directory, saving.fingerprint(model))
     try:
@@ -403,6 +414,7 @@ def load(model: nn.Module, directory, gguf=None) -> CompiledModel:
         rounding = quantize_pass.Rounding(saved={k: t for k, t in tensors.items()
                                                  if k.endswith(".blocks")})
     cm = _lower(captured, plan, gguf, rounding)
+    cm.kv_cache_dtype = kv_dtype
     cm.decoder()
     return cm
 

@@ -30,6 +30,7 @@ class Options:
     gguf: str | pathlib.Path | None  # the GGUF file the model was loaded from
     target_recall: float
     max_context: int
+    kv_cache: torch.dtype | None  # the C decoder's KV cache dtype; None: the model's
     quiet: bool
 
     @property
@@ -39,7 +40,7 @@ class Options:
 
 
 def check_options(model, *, mode, sparsity, gpu_budget, predictors, dtype, quantize, gguf,
-                  target_recall, max_context, quiet) -> Options:
+                  target_recall, max_context, kv_cache, quiet) -> Options:
     if not isinstance(model, nn.Module):
         raise TypeError(f"picompile.compile needs a torch.nn.Module, got {type(model).__name__}")
     if mode not in Mode.values():
@@ -55,7 +56,7 @@ def check_options(model, *, mode, sparsity, gpu_budget, predictors, dtype, quant
     return Options(mode=Mode(mode), sparsity=sparsity, budget=budget,
                    predictors=check_predictor_policy(predictors), dtype=check_dtype(dtype),
                    quantize=quantize, gguf=gguf, target_recall=target_recall,
-                   max_context=max_context, quiet=quiet)
+                   max_context=max_context, kv_cache=check_kv_cache(kv_cache), quiet=quiet)
 
 
 def check_dtype(dtype) -> torch.dtype | None:
@@ -65,6 +66,17 @@ def check_dtype(dtype) -> torch.dtype | None:
     if name not in WEIGHT_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")
     return WEIGHT_DTYPES[name]
+
+
+def check_kv_cache(kv_cache) -> torch.dtype | None:
+    """The KV cache dtype asked for (a name or torch dtype of WEIGHT_DTYPES), or None."""
+    if kv_cache is None:
+        return None
+    try:
+        return check_dtype(kv_cache)
+    except ValueError:
+        raise ValueError(f"kv_cache must be one of {', '.join(WEIGHT_DTYPES)} or None (the "
+                         f"model's dtype), got {kv_cache!r}") from None
 
 
 def _check_quantize(quantize, gguf) -> None:

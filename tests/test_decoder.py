@@ -296,6 +296,36 @@ def test_a_16_bit_model_caches_keys_and_values_in_its_dtype(dtype):
     torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * float(want.abs().max()))
 
 
+def test_kv_cache_option_gives_a_float32_model_a_16_bit_cache():
+    """compile(kv_cache="float16"): the C decoder of a float32 model keeps keys and values in
+    float16 (its new rows are the float32 cache's, rounded) and its steps stay within float16's
+    tolerance of the float32 cache's; cm.kv_cache_dtype set back to None rebuilds the decoder
+    with the model's float32."""
+    cm = picompile.compile(_model("llama_silu"), kv_cache="float16", quiet=True)
+    dec16 = cm.decoder()
+    assert dec16 is not None, cm.decoder_reason
+    assert dec16.kv_dtype == torch.float16 and "float16 KV cache" in picompile.explain(cm)
+    ids = torch.randint(3, zoo.VOCAB, (1, 12), generator=torch.Generator().manual_seed(8))
+    want, got = _step_logits(cm, dec16, ids, prompt=6)
+    assert dec16.k_cache.dtype == torch.float16
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * float(want.abs().max()))
+    assert not torch.equal(got, want)  # the rounding took effect
+    cm.kv_cache_dtype = None
+    dec32 = cm.decoder()
+    assert dec32 is not dec16 and dec32.kv_dtype == torch.float32
+    want, got = _step_logits(cm, dec32, ids, prompt=6)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def test_kv_cache_option_refuses_other_dtypes():
+    with pytest.raises(ValueError, match="kv_cache must be one of"):
+        picompile.compile(_model("llama_relu"), kv_cache="int8", quiet=True)
+    cm = picompile.compile(_model("llama_relu"), quiet=True)
+    cm.kv_cache_dtype = "fp8"
+    with pytest.raises(ValueError, match="kv_cache must be one of"):
+        cm.decoder()
+
+
 def test_compile_refuses_other_dtypes():
     with pytest.raises(ValueError, match="dtype must be one of"):
         picompile.compile(_model("llama_relu"), dtype="int8", quiet=True)

@@ -430,17 +430,18 @@ def _pointers(norm: Norm | None) -> tuple[int | None, int | None]:
 class Decoder(Stack):
     """A bound decode step over `model` (a compiled HF causal LM on the CPU)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, kv_dtype: torch.dtype | None = None):
         if any(p.device.type != "cpu" for p in model.parameters()):
             raise Unsupported("the model's weights are not all on the CPU")
         super().__init__(model, _dense, _sparse_ffn_of)
         self.lib = native.load()
-        # The KV cache: in a 16-bit model's dtype, as Hugging Face's holds it (half the bytes
-        # attention reads at depth), where the library has its AVX2 + F16C path; else float32.
+        # The KV cache: in kv_dtype, by default the model's, as Hugging Face's holds it; a
+        # 16-bit one (half the bytes attention reads at depth) where the library has its
+        # AVX2 + F16C path, else float32.
+        want = kv_dtype or self.embedding.dtype
         self.kv_dtype = torch.float32
-        if (self.embedding.dtype in _KV_DTYPES and self.head_dim % 8 == 0
-                and self.lib.pi_decoder_kv_16bit()):
-            self.kv_dtype = self.embedding.dtype
+        if want in _KV_DTYPES and self.head_dim % 8 == 0 and self.lib.pi_decoder_kv_16bit():
+            self.kv_dtype = want
         self.max_len = 0
         self.n_active = torch.zeros(len(self.layers), dtype=torch.int64)  # [n_layers]
         self.x = torch.empty(1, self.d)  # [1, d] float32: the embedding in
@@ -623,7 +624,8 @@ def verify(model: nn.Module, decoder: Stack) -> None:
         decoder.reset_counts()
     err = float((got - want).abs().max()) / max(float(want.abs().max()), 1e-6)
     err = max(err, prefill_err)
-    rtol = VERIFY_RTOL.get(decoder.embedding.dtype, 0.15)
+    rtol = max(VERIFY_RTOL.get(dtype, 0.15)
+               for dtype in (decoder.embedding.dtype, getattr(decoder, "kv_dtype", torch.float32)))
     if decoder.rounds_activations():
         rtol = max(rtol, VERIFY_RTOL_INT8)
     if not err <= rtol:
@@ -632,9 +634,10 @@ def verify(model: nn.Module, decoder: Stack) -> None:
                           "does not reproduce")
 
 
-def build(model: nn.Module) -> tuple[Stack | None, str]:
-    """(a verified decoder, "") or (None, why not): the C Decoder for a model on the CPU, the
-    DeviceDecoder (runtime/device_decoder.py) for one split across a GPU and the CPU.
+def build(model: nn.Module, kv_dtype: torch.dtype | None = None) -> tuple[Stack | None, str]:
+    """(a verified decoder, "") or (None, why not): the C Decoder for a model on the CPU (its
+    KV cache in kv_dtype, None: the model's), the DeviceDecoder (runtime/device_decoder.py; the
+    model's dtype) for one split across a GPU and the CPU.
 
     The probe runs with the predictors off on both sides: it checks that the decoder computes
     the model's architecture, and in predicted mode the model's forward over the probe's tokens
@@ -647,24 +650,27 @@ def build(model: nn.Module) -> tuple[Stack | None, str]:
     preds = [m.predictor for m in model.modules()
              if isinstance(m, SparseFFN) and m.predictor is not None and m.predictor.enabled]
     hybrid = any(isinstance(m, SparseFFN) and m.hybrid is not None for m in model.modules())
-    kind = DeviceDecoder if hybrid else Decoder
+
+    def bind() -> Stack:
+        return DeviceDecoder(model) if hybrid else Decoder(model, kv_dtype)
+
     try:
         for p in preds:
             p.enabled = False
         try:
-            dec = kind(model)
+            dec = bind()
             verify(model, dec)
         finally:
             for p in preds:
                 p.enabled = True
         if preds:
-            dec = kind(model)  # bound again, to the predictors
+            dec = bind()  # bound again, to the predictors
     except Unsupported as e:
         return None, str(e)
     except (c_codegen.CompilerNotFound, c_codegen.BuildFailed, c_codegen.LoadFailed) as e:
         return None, f"decoder library unavailable ({getattr(e, 'summary', None) or e})"
     except Exception as e:  # the device decoder's GPU path: fall back to the tested modules
-        if kind is Decoder:
+        if not hybrid:
             raise
         first = (str(e).strip().splitlines() or [""])[0][:200]
         return None, (f"the device decoder failed ({type(e).__name__}: {first}); the modules "
