@@ -92,6 +92,13 @@ _ACT_MODULES = {nn.ReLU: "Relu", nn.Sigmoid: "Sigmoid", nn.Tanh: "Tanh",
                 nn.Dropout: "Identity", nn.Identity: "Identity"}
 
 
+def _rounding(fmt: str) -> str:
+    """How gate and up rows of `fmt` read x (quant.round_activations), for the ONNX metadata."""
+    bits = quant.format_of(fmt).activation_bits
+    return (f"; gate and up rows dotted with x rounded to {bits} bits per block of 32 "
+            f"(d = max|x| / {2 ** (bits - 1) - 1}, round half to even)")
+
+
 def require_onnx() -> None:
     if onnx is None:
         raise ImportError("picompile's ONNX export needs the onnx package: "
@@ -441,11 +448,11 @@ class _GraphExport:
                      down_weight_dtype=(down_format(ffn.qformat, ffn.down_qformat, ffn.w_down_t)
                                         or dtype_name(ffn.w_down_t.dtype)),
                      weight_layout="w_gate, w_up, w_down_t: [n_ff, d_model], one row per neuron"
-                                   + ("; quantized: uint8 GGUF blocks of 32 weights along d_model"
+                                   + ("; quantized: uint8 GGUF blocks of 32 weights along d_model, "
+                                      "w_gate / w_up rows in picompile's dot layout (each run of "
+                                      "8 blocks interleaved: picompile.quant.interleave_blocks)"
                                       if ffn.qformat else "")
-                                   + ("; gate and up rows dotted with x rounded to int8 per block "
-                                      "of 32 (d = max|x| / 127, round half to even)"
-                                      if ffn.qformat in quant.INT8_ACTIVATIONS else ""),
+                                   + (_rounding(ffn.qformat) if ffn.qformat else ""),
                      linears=", ".join(f"{k}={v}" for k, v in b.linears.items()),
                      path=self.b.cm.paths.get(b.name, ""))
         if b.measured.sparsity is not None:

@@ -15,12 +15,14 @@ quantize_row_*_ref, maintained with llama.cpp), so picompile's blocks are bit fo
 llama.cpp makes. Dequantizing here is plain PyTorch: the reference every quantized kernel is
 tested against.
 
-The kernels take their input rounded to 8 bits per block of 32 (INT8_ACTIVATIONS,
-`round_activations`; picompile/kernels/qblocks.h), as llama.cpp's do for all three formats: a
-block dotted with float32 x is compute-bound on a CPU, with int8 x it is one integer
-multiply-add per weight. The reference applies the same rounding, so kernel and reference differ
-only in summation order. (FFN down rows are added into the output, not dotted: their input is
-never rounded.)
+The kernels take their input rounded to integers per block of 32 (`round_activations`;
+picompile/kernels/qblocks.h) and dot integers: a block dotted with float32 x is compute-bound on
+a CPU, with integer x it is a few integer multiply-adds per 32 weights. The 4-bit formats' x is
+rounded to 8 bits, as llama.cpp's is; q8_0's to 16 bits (ACTIVATION_BITS), where 8 bits, what
+llama.cpp uses for Q8_0, cost SmolLM2 +0.44% perplexity at q8_0 (BENCHMARKS.md, session 15) and
+16 bits dot as fast (int16 pairs: one multiply-add per two weights, no sign trick). The
+reference applies the same rounding, so kernel and reference differ only in summation order.
+(FFN down rows are added into the output, not dotted: their input is never rounded.)
 """
 
 from __future__ import annotations
@@ -38,18 +40,16 @@ class Format:
     name: str
     block_bytes: int  # bytes of one block of BLOCK weights
     head_bytes: int  # of them the float16 scale (and minimum) in front; the rest the weights
+    piece_bytes: int  # weight bytes of a block per piece of the dot layout (interleave_blocks)
+    activation_bits: int  # x rounded to this many bits per block (round_activations)
     gguf_type: str  # gguf.GGMLQuantizationType member name
 
 
 FORMATS = {
-    "q8_0": Format("q8_0", 34, 2, "Q8_0"),
-    "q4_0": Format("q4_0", 18, 2, "Q4_0"),
-    "q4_1": Format("q4_1", 20, 4, "Q4_1"),
+    "q8_0": Format("q8_0", 34, 2, 2, 16, "Q8_0"),
+    "q4_0": Format("q4_0", 18, 2, 4, 8, "Q4_0"),
+    "q4_1": Format("q4_1", 20, 4, 4, 8, "Q4_1"),
 }
-
-
-# Formats whose kernels dot their rows with x rounded to int8 blocks (round_activations): all.
-INT8_ACTIVATIONS = frozenset(FORMATS)
 
 
 def format_of(name: str) -> Format:
@@ -115,19 +115,20 @@ def dequantize(q: torch.Tensor, fmt: str, cols: int) -> torch.Tensor:
 
 
 def round_activations(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
-    """x [..., K] as a kernel for weights in `fmt` reads it: for INT8_ACTIVATIONS formats,
-    rounded to 8 bits per block of 32 along K and back to float32 (bit for bit what qblocks.h's
-    pq_quantize makes: d = max|x| / 127, q = round-half-even(x * (1 / d)), x' = d * q); for other
-    formats (and None) x unchanged. K must be a multiple of 32 for the rounding formats. Under
-    autograd the rounding passes gradients through unchanged (straight-through), as the float
-    weights' gradients would be."""
-    if fmt not in INT8_ACTIVATIONS:
+    """x [..., K] as a kernel for weights in `fmt` reads it: for the quantized formats, rounded
+    to the format's activation_bits (b) per block of 32 along K and back to float32 (bit for
+    bit what qblocks.h's pq_quantize makes: L = 2^(b-1) - 1, d = max|x| / L,
+    q = round-half-even(x * (1 / d)), x' = d * q); for float formats (and None) x unchanged. K
+    must be a multiple of 32 for the quantized formats. Under autograd the rounding passes
+    gradients through unchanged (straight-through), as the float weights' gradients would be."""
+    if fmt not in FORMATS:
         return x
     K = x.shape[-1]
     if K % BLOCK:
         raise ValueError(f"{fmt} kernels take inputs of a multiple of {BLOCK} features, got {K}")
     xb = x.to(torch.float32).reshape(*x.shape[:-1], K // BLOCK, BLOCK)
-    d = xb.abs().amax(dim=-1, keepdim=True) / 127.0  # [..., K/32, 1]
+    levels = float(2 ** (FORMATS[fmt].activation_bits - 1) - 1)  # 127 or 32767
+    d = xb.abs().amax(dim=-1, keepdim=True) / levels  # [..., K/32, 1]
     inv = torch.where(d != 0, 1.0 / d, torch.zeros((), dtype=torch.float32))
     r = (torch.round(xb * inv) * d).reshape(x.shape)
     if x.requires_grad and torch.is_grad_enabled():
@@ -157,16 +158,17 @@ def interleave_blocks(q: torch.Tensor, fmt: str) -> torch.Tensor:
     """GGUF's row layout -> the dot layout the kernels dot with x (qblocks.h): a new uint8
     [rows, row_bytes] tensor. In each row every run of 8 blocks (a superblock; the row's last
     blocks % 8 stay as they are) holds the 8 blocks' float16 scales, their minimums (q4_1), then
-    their weight bytes (qs: 16 of a 4-bit block, 32 of a q8_0 one) in 4-byte pieces, piece v of
-    blocks 0..7 after one another. Only the order of bytes within a row changes. (FFN down rows,
+    their weight bytes (qs: 16 of a 4-bit block, 32 of a q8_0 one) in pieces of piece_bytes (4,
+    q8_0: 2), piece v of blocks 0..7 after one another. Only the order of bytes within a row changes. (FFN down rows,
     added rather than dotted, keep GGUF's layout.)"""
     sb, head, span = _superblocks(q, fmt)  # [R, S, b, byte]
     R, S = sb.shape[:2]
-    P = (sb.shape[-1] - head) // 4  # pieces per block
+    c = format_of(fmt).piece_bytes
+    P = (sb.shape[-1] - head) // c  # pieces per block
     heads = sb[..., :head].reshape(R, S, SUPERBLOCK, head // 2, 2).transpose(2, 3)  # [R, S, f16, b, 2]
-    qs = sb[..., head:].reshape(R, S, SUPERBLOCK, P, 4).transpose(2, 3)  # [R, S, v, b, c]
+    qs = sb[..., head:].reshape(R, S, SUPERBLOCK, P, c).transpose(2, 3)  # [R, S, v, b, c]
     out = q.clone()
-    out[:, :span] = torch.cat([heads.reshape(R, S, SUPERBLOCK * head), qs.reshape(R, S, SUPERBLOCK * 4 * P)],
+    out[:, :span] = torch.cat([heads.reshape(R, S, SUPERBLOCK * head), qs.reshape(R, S, SUPERBLOCK * c * P)],
                               dim=-1).reshape(R, span)
     return out
 
@@ -175,11 +177,12 @@ def deinterleave_blocks(q: torch.Tensor, fmt: str) -> torch.Tensor:
     """The dot layout -> GGUF's row layout (interleave_blocks undone): a new tensor."""
     sb, head, span = _superblocks(q, fmt)  # [R, S, 8, bb]: a superblock's bytes, dot layout
     R, S = sb.shape[:2]
-    P = (sb.shape[-1] - head) // 4
-    flat = sb.reshape(R, S, SUPERBLOCK * (head + 4 * P))
+    c = format_of(fmt).piece_bytes
+    P = (sb.shape[-1] - head) // c
+    flat = sb.reshape(R, S, SUPERBLOCK * (head + c * P))
     heads = flat[..., :SUPERBLOCK * head].reshape(R, S, head // 2, SUPERBLOCK, 2).transpose(2, 3)
-    qs = flat[..., SUPERBLOCK * head:].reshape(R, S, P, SUPERBLOCK, 4).transpose(2, 3)  # [R, S, b, v, c]
-    blocks = torch.cat([heads.reshape(R, S, SUPERBLOCK, head), qs.reshape(R, S, SUPERBLOCK, 4 * P)], dim=-1)
+    qs = flat[..., SUPERBLOCK * head:].reshape(R, S, P, SUPERBLOCK, c).transpose(2, 3)  # [R, S, b, v, c]
+    blocks = torch.cat([heads.reshape(R, S, SUPERBLOCK, head), qs.reshape(R, S, SUPERBLOCK, c * P)], dim=-1)
     out = q.clone()
     out[:, :span] = blocks.reshape(R, span)
     return out

@@ -119,7 +119,8 @@ def test_quantized_blocks_say_their_formats_and_keep_their_blocks(tmp_path):
     node = _custom(exported)[0]
     attrs = _attrs(node)
     assert (attrs["weight_dtype"], attrs["down_weight_dtype"]) == (b"q4_1", b"q8_0")
-    assert b"GGUF blocks" in attrs["weight_layout"] and b"rounded to int8" in attrs["weight_layout"]
+    layout = attrs["weight_layout"]
+    assert b"GGUF blocks" in layout and b"dot layout" in layout and b"rounded to 8 bits" in layout
     ffn = cm.ffns()["model.layers.0.mlp.sparse_ffn"]
     np.testing.assert_array_equal(_initializer(exported, node.input[2]), ffn.w_up.numpy())
 

@@ -112,14 +112,15 @@ def dequantized_down(w_down_t: torch.Tensor, fmt: str, d: int) -> torch.Tensor:
 
 
 def exact_x(gen, fmt: str, T: int, d: int) -> torch.Tensor:
-    """x [T, d] for exact_case: multiples of 1/8 in [-1, 1]; for the formats whose kernels round x
-    to int8 blocks, multiples of 2^-7 with each block's largest |x| exactly 127/128 (so the
-    rounding's scale is 2^-7 and it leaves x as it is)."""
-    if fmt not in quant.INT8_ACTIVATIONS:
+    """x [T, d] for exact_case: multiples of 1/8 in [-1, 1]; for the quantized formats, whose
+    kernels round x to b-bit blocks (L = 2^(b-1) - 1), multiples of 1/(L + 1) with each block's
+    largest |x| exactly L/(L + 1) (so the rounding's scale is 1/(L + 1) and it leaves x as it is)."""
+    if fmt not in quant.FORMATS:
         return dyadic(gen, T, d, scale=8)
-    x = torch.randint(-127, 128, (T, d // 32, 32), generator=gen).float()
-    x[..., int(torch.randint(0, 32, (), generator=gen))] = 127.0
-    return x.reshape(T, d) / 128
+    L = 2 ** (quant.format_of(fmt).activation_bits - 1) - 1
+    x = torch.randint(-L, L + 1, (T, d // 32, 32), generator=gen).float()
+    x[..., int(torch.randint(0, 32, (), generator=gen))] = float(L)
+    return x.reshape(T, d) / (L + 1)
 
 
 def exact_case(fmt: str, v: c.Variant, T: int, d: int, n_ff: int, seed: int):

@@ -58,25 +58,29 @@ def test_bad_input_is_refused_clearly():
 @given(rows=st.integers(1, 5), blocks=st.integers(1, 6), seed=st.integers(0, 2**16),
        scale=st.sampled_from([1e-30, 1e-3, 1.0, 300.0]))
 def test_round_activations(rows, blocks, seed, scale):
-    """The 4-bit formats' kernels read x rounded to int8 blocks (qblocks.h); the reference
-    rounds the same way. Against an independent numpy float32 version: d = max|x| / 127,
-    q = rint(x * (1 / d)) (half to even), x' = q * d; within half a step of x."""
+    """The quantized kernels read x rounded to integer blocks (qblocks.h: 8 bits for the 4-bit
+    formats, 16 for q8_0); the reference rounds the same way. Against an independent numpy
+    float32 version: d = max|x| / L (L = 127, 32767), q = rint(x * (1 / d)) (half to even),
+    x' = q * d; within half a step of x."""
     K = blocks * quant.BLOCK
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(seed)) * scale
     x[0, :quant.BLOCK] = 0.0  # an all-zero block stays zero
     if K > quant.BLOCK:
         x[0, quant.BLOCK:2 * quant.BLOCK] = torch.arange(32) - 15.5  # ties at x * (1 / d) = k + 0.5
     xb = x.numpy().reshape(rows, blocks, quant.BLOCK)
-    d = np.abs(xb).max(-1, keepdims=True) / np.float32(127)
-    with np.errstate(divide="ignore"):
-        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-    q = np.rint(xb * inv)
-    assert np.abs(q).max() <= 127
-    want = (q * d).astype(np.float32).reshape(rows, K)
-    for fmt in sorted(quant.INT8_ACTIVATIONS):
+    for fmt, L in (("q4_0", 127), ("q4_1", 127), ("q8_0", 32767)):
+        assert quant.format_of(fmt).activation_bits == (8 if L == 127 else 16)
+        d = np.abs(xb).max(-1, keepdims=True) / np.float32(L)
+        with np.errstate(divide="ignore"):
+            inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+        q = np.rint(xb * inv)
+        assert np.abs(q).max() <= L
+        want = (q * d).astype(np.float32).reshape(rows, K)
         got = quant.round_activations(x, fmt)
         np.testing.assert_array_equal(got.numpy(), want)
-        assert ((got - x).abs().reshape(rows, blocks, -1) <= torch.from_numpy(d) * 0.5001).all()
+        # half a step, and float32's rounding of x * (1 / d) and q * d: a few L * 2^-24 steps
+        step = torch.from_numpy(d) * (0.5 + L * 2.0**-22)
+        assert ((got - x).abs().reshape(rows, blocks, -1) <= step).all()
         assert torch.equal(got[0, :quant.BLOCK], torch.zeros(quant.BLOCK))
 
 
@@ -95,9 +99,9 @@ def test_round_activations_other_formats_and_gradient():
        blocks=st.integers(1, 27), seed=st.integers(0, 2**31 - 1))
 def test_interleave_blocks(fmt, rows, blocks, seed):
     """The dot layout (qblocks.h): in each row, per run of 8 blocks, the 8 blocks' float16
-    scales (and minimums) side by side, then weight byte 4v + c of block b (qs of a 4-bit block,
-    q of a q8_0 one) at 32 v + 4 b + c; the blocks % 8 after the last run unchanged;
-    deinterleave_blocks undoes it."""
+    scales (and minimums) side by side, then weight byte Cv + c of block b (qs of a 4-bit block,
+    q of a q8_0 one) at 8Cv + Cb + c (C: 4 bytes per piece, q8_0 2); the blocks % 8 after the
+    last run unchanged; deinterleave_blocks undoes it."""
     gen = torch.Generator().manual_seed(seed)
     bb = quant.format_of(fmt).block_bytes
     q = torch.randint(0, 256, (rows, blocks * bb), generator=gen, dtype=torch.uint8)
@@ -105,7 +109,8 @@ def test_interleave_blocks(fmt, rows, blocks, seed):
     assert packed.shape == q.shape and packed is not q
     assert torch.equal(quant.deinterleave_blocks(packed, fmt), q)
     head = {"q8_0": 2, "q4_0": 2, "q4_1": 4}[fmt]
-    P = (bb - head) // 4  # 4-byte pieces of weights per block
+    c = {"q8_0": 2, "q4_0": 4, "q4_1": 4}[fmt]  # bytes per piece
+    P = (bb - head) // c  # pieces of weights per block
     span = blocks // 8 * 8 * bb
     assert torch.equal(packed[:, span:], q[:, span:])
     for r in range(rows):
@@ -114,8 +119,8 @@ def test_interleave_blocks(fmt, rows, blocks, seed):
             dst = packed[r, g * 8 * bb:(g + 1) * 8 * bb]
             for h in range(head // 2):  # d (and m): float16 h of blocks 0..7 side by side
                 assert torch.equal(dst[16 * h:16 * h + 16].reshape(8, 2), src[:, 2 * h:2 * h + 2])
-            qs = dst[8 * head:].reshape(P, 8, 4)  # [v, b, c]
-            assert torch.equal(qs.permute(1, 0, 2).reshape(8, 4 * P), src[:, head:])
+            qs = dst[8 * head:].reshape(P, 8, c)  # [v, b, c]
+            assert torch.equal(qs.permute(1, 0, 2).reshape(8, c * P), src[:, head:])
 
 
 def test_interleave_blocks_errors():

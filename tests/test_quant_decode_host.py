@@ -33,8 +33,8 @@ void h_runs(const unsigned char* q, long long rows, long long cols, int n, float
         for (long long k = 0; k < cols; k += n) pqd_q8_0_run(q + r * (cols / 32 * 34), k, n, out + r * cols + k);
 }
 /* x [n_blocks * 32] -> out [n_blocks * 32] */
-void h_round(const float* x, long long n_blocks, float* out) {
-    for (long long b = 0; b < n_blocks; ++b) pqd_round_block(x + 32 * b, out + 32 * b);
+void h_round(const float* x, long long n_blocks, float levels, float* out) {
+    for (long long b = 0; b < n_blocks; ++b) pqd_round_block(x + 32 * b, levels, out + 32 * b);
 }
 void h_f16(const unsigned short* h, long long n, float* out) {
     for (long long i = 0; i < n; ++i) out[i] = pqd_f16(h[i]);
@@ -170,7 +170,7 @@ def test_f16_every_value(lib):
     assert_same_floats(out, h.view(torch.float16).to(torch.float32))
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
 def test_round_activations(lib, fmt):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(64, 32, generator=g) * torch.logspace(-30, 30, 64).unsqueeze(1)
@@ -178,12 +178,13 @@ def test_round_activations(lib, fmt):
     x[6] = -0.0
     x[7, :] = 0.0
     x[7, 0] = 1e-40  # a subnormal amax
-    # Exact ties: amax 127 makes d = 1, so k + 0.5 rounds half to even.
-    x[8] = torch.tensor([127.0] + [k + 0.5 for k in range(-15, 16)])
+    # Exact ties: amax = L (127 or 32767) makes d = 1, so k + 0.5 rounds half to even.
+    L = 2 ** (quant.format_of(fmt).activation_bits - 1) - 1
+    x[8] = torch.tensor([float(L)] + [k + 0.5 for k in range(-15, 16)])
     x[9] = -x[8]
     want = quant.round_activations(x.reshape(2, -1), fmt).reshape(64, 32)
     out = torch.empty_like(x)
-    lib.h_round(_p(x), ctypes.c_longlong(64), _p(out))
+    lib.h_round(_p(x), ctypes.c_longlong(64), ctypes.c_float(L), _p(out))
     assert_same_floats(out, want)
     assert torch.equal(out[8, 1:5], torch.tensor([-14.0, -14.0, -12.0, -12.0]))  # half to even
     assert not torch.equal(out, x)  # it rounds

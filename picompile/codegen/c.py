@@ -16,7 +16,7 @@ blocks the up and down rows of a neuron are only read when its gate fired for so
 
 Weight formats: float32 / float16 / bfloat16 elements (DTYPES), or GGUF's q8_0 / q4_0 / q4_1
 blocks (QFORMATS, picompile/quant.py): uint8 [n_ff, d / 32 * block bytes], each neuron's row its
-blocks of 32 weights along d: gate / up rows dotted in integers with x rounded to int8 blocks
+blocks of 32 weights along d: gate / up rows dotted in integers with x rounded to integer blocks
 (picompile/kernels/qblocks.h, spliced into the source; those rows in its dot layout,
 quant.interleave_blocks: each run of 8 blocks interleaved, the row still contiguous), down rows
 (GGUF's layout) dequantized in registers (F16C for the scales) and FMAed into float32 outputs. The gate

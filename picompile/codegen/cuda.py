@@ -36,7 +36,7 @@ Quantized variants (dtype q8_0 / q4_0 / q4_1, down rows q8_0) read GGUF blocks a
 them in registers (ffn_cuda_q.cuh, with qdecode.h's decoding, which a host test checks against
 picompile.quant bit for bit), fp32 accumulation; x, biases and the predictor are float32. The rows
 are the CPU's SparseFFN rows as they are (gate / up rows in the dot layout, down rows in GGUF's),
-and gate / up rows are dotted with x rounded to int8 blocks (pi_round_x,
+and gate / up rows are dotted with x rounded to integer blocks (pi_round_x,
 quant.round_activations), as the reference and the C kernels do: results match ffn_reference up
 to float summation order.
 
@@ -459,11 +459,13 @@ class CudaKernels:
                       _ptr(count), _f32(threshold), _ptr(h), _ptr(n_active), _i32(T), _i32(d),
                       _i32(cap), _i32(vec)))
 
-    def round_x(self, x, xr) -> None:
-        """x [T, d] fp32 -> xr [T, d] fp32: rounded to int8 blocks (quant.round_activations)."""
+    def round_x(self, x, xr, fmt: str) -> None:
+        """x [T, d] fp32 -> xr [T, d] fp32: rounded to integer blocks as rows of `fmt` read it
+        (quant.round_activations)."""
         n_blocks = x.numel() // 32
+        levels = 2 ** (quant.format_of(fmt).activation_bits - 1) - 1
         blocks = max(1, min(math.ceil(n_blocks / 256), 8 * self._sms(x)))
-        self._launch("round_x", (blocks,), (256,), (_ptr(x), _ptr(xr), _i32(n_blocks)))
+        self._launch("round_x", (blocks,), (256,), (_ptr(x), _ptr(xr), _i32(n_blocks), _f32(levels)))
 
     def n_split(self, cap: int, d: int, device_index: int) -> int:
         """Row ranges per column slice of the down projection (1: no partials / reduction)."""
@@ -534,7 +536,7 @@ class CudaFFN:
     quant.row_bytes(d, qformat)] as SparseFFN holds them (in the dot layout,
     quant.interleave_blocks), w_down_t q8_0 rows in GGUF's layout (`down_qformat` "q8_0", the
     default for uint8 down rows); biases, the predictor and x are float32. Gate / up rows
-    are dotted with x rounded to int8 blocks, as in ffn_reference.
+    are dotted with x rounded to integer blocks, as in ffn_reference.
 
     Calls return (out [T, d] float32, n_active), n_active a 0-d int32 CUDA tensor counting the
     active (token, neuron) pairs (int() of it synchronizes). Nothing here synchronizes."""
@@ -651,9 +653,9 @@ class CudaFFN:
         import torch
 
         T = x.shape[0]
-        if self.variant.dtype in quant.INT8_ACTIVATIONS:  # gate / up rows read x rounded
+        if self.variant.dtype in quant.FORMATS:  # gate / up rows read x rounded
             xr = torch.empty_like(x)
-            self.kernels.round_x(x, xr)
+            self.kernels.round_x(x, xr, self.variant.dtype)
             x = xr
         h = torch.empty(T, max(1, cap), dtype=torch.float32, device=self.device)
         n_active = torch.zeros((), dtype=torch.int32, device=self.device)

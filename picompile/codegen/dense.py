@@ -27,7 +27,7 @@ Weight formats ("variants" of the library) are of two kinds, kept apart here:
     kernel = quant_kernel_for(qweight, "q4_0", K, bias [O] | None)
     out = kernel(x [T, K])                                      # -> [T, O] float32
 
-computes `x @ quant.dequantize(blocks, fmt, K).T + bias` over x rounded to int8 blocks
+computes `x @ quant.dequantize(blocks, fmt, K).T + bias` over x rounded to integer blocks
 (quant.round_activations), the blocks dotted in integers. Rows are read in qblocks.h's dot
 layout (interleave_blocks: each run of 8 blocks of a row interleaved, so their sums and scales
 fill vector lanes).
@@ -84,8 +84,8 @@ def flags(variant: str, avx512: bool = False, tuning: dict[str, int] | None = No
     out = [*c.build_flags(), f"-DPI_WDTYPE={_WDTYPE_CODE[variant]}"]
     if avx512:
         out.append("-mavx512f")
-        if variant in quant.INT8_ACTIVATIONS and {"avx512vl", "avx512bw",
-                                                  "avx512_vnni"} <= c.cpu_flags():
+        if variant in quant.FORMATS and quant.format_of(variant).activation_bits == 8 and {
+                "avx512vl", "avx512bw", "avx512_vnni"} <= c.cpu_flags():
             out += ["-mavx512vl", "-mavx512bw", "-mavx512vnni"]  # integer dots: vpdpbusd
     out += [f"-DPI_{k}={int(v)}" for k, v in sorted((tuning or {}).items())]
     return out

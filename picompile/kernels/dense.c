@@ -26,8 +26,8 @@
  *                 float* out);      [T, O] float32, row-major, contiguous; written fully
  *       out[t][o] = sum_k x[t][k] * W[o][k] (+ b[o]), accumulated in float32 (f16 / bf16
  *       weights convert to float32 exactly). The quantized formats (q8_0: d * q, q4_0:
- *       d * (q - 8), q4_1: d * q + m) take x rounded to 8 bits per block of 32 (qblocks.h) and
- *       dot the integers exactly: out = W . round8(x) (+ b).
+ *       d * (q - 8), q4_1: d * q + m) take x rounded per block of 32 (qblocks.h: to 16 bits for
+ *       q8_0, 8 for the 4-bit ones) and dot the integers exactly: out = W . round(x) (+ b).
  *       Out of memory for that rounded copy of x (T * K bytes): out is all NaN.
  *   void pi_dense_multi(const float* x, int64_t T, int64_t K,   x as pi_dense takes it
  *                       int n,                  1 <= n <= 8 matrices over that same x
@@ -204,7 +204,7 @@ PI_INLINE float v_hsum(vf v) {
 #endif
 
 /* A token's row as the dot products read it: float32 x, or for the quantized formats x rounded
- * to int8 blocks (qblocks.h). */
+ * to integer blocks (qblocks.h: 8 bits for 4-bit rows, 16 for q8_0). */
 #if PI_QUANT
 typedef const pq_act* xin;
 #else
@@ -356,7 +356,7 @@ void pi_dense_multi(const float* x, int64_t T, int64_t K, int n, const wtype* co
     if (nch == 0) return;
     pq_act* acts = NULL;
 #if PI_QUANT
-    acts = pq_quantize_rows(x, T, K); /* once for all the matrices */
+    acts = pq_quantize_rows(x, T, K, PI_WDTYPE == PI_Q8_0); /* once for all the matrices */
     if (!acts) { /* loud, not silently wrong */
         for (int i = 0; i < n; ++i)
             for (int64_t j = 0; j < T * O[i]; ++j) out[i][j] = NAN;
@@ -428,13 +428,14 @@ static void deq_block(const uint8_t* blk, float* out) {
 /* One superblock of a row in the dot layout (qblocks.h) back to GGUF's 8 blocks. */
 static void sb_to_blocks(const uint8_t* sb, uint8_t* blocks) {
     const int head = PI_WDTYPE == PI_Q4_1 ? 4 : 2;     /* scale (and minimum) bytes per block */
-    const int pieces = (PI_BLOCK_BYTES - head) / 4;    /* 4-byte pieces of weights per block */
-    const uint8_t* qs = sb + PQ_SB * head;              /* [pieces][8][4] */
+    const int c = PI_WDTYPE == PI_Q8_0 ? 2 : 4;        /* bytes per piece of weights */
+    const int pieces = (PI_BLOCK_BYTES - head) / c;
+    const uint8_t* qs = sb + PQ_SB * head;              /* [pieces][8][c] */
     for (int b = 0; b < PQ_SB; ++b) {
         uint8_t* blk = blocks + b * PI_BLOCK_BYTES;
         memcpy(blk, sb + 2 * b, 2);                                      /* dw[b] */
         if (head == 4) memcpy(blk + 2, sb + 2 * PQ_SB + 2 * b, 2);       /* m[b] (q4_1) */
-        for (int v = 0; v < pieces; ++v) memcpy(blk + head + 4 * v, qs + 32 * v + 4 * b, 4);
+        for (int v = 0; v < pieces; ++v) memcpy(blk + head + c * v, qs + PQ_SB * c * v + c * b, c);
     }
 }
 

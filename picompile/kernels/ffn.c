@@ -248,8 +248,8 @@ PIC_INLINE void faxpy_n(const int F, const void* w, const float* hs, float* cons
 /* ---- quantized rows: the row operations on GGUF blocks ----
  * A block is 32 weights along d: a float16 scale s (q4_1: and a float16 minimum m) and 32
  * integers q (q8_0: int8; q4_*: nibbles n, weight k in the low nibble of byte k for k < 16, in
- * the high nibble of byte k - 16 above). A row is dotted with x rounded to int8 blocks
- * (qblocks.h: x' = dx * qx, once per call) in integers:
+ * the high nibble of byte k - 16 above). A row is dotted with x rounded to integer blocks
+ * (qblocks.h: x' = dx * qx, once per call; 16 bits for q8_0 rows, 8 for 4-bit ones) in integers:
  *     q8_0: s * dx * (q . qx)    q4_0: s * dx * (n . qx) - 8 s * sx    q4_1: s * dx * (n . qx) + m * sx
  * with sx = dx * sum(qx). axpy dequantizes (s * q, s * (n - 8), s * n + m) and FMAs each weight
  * into the partial outputs. Only gate and up rows are dotted with x, so the rounding of x
@@ -857,7 +857,7 @@ static void ffn_candidates(const float* x, int64_t T, int64_t d, int64_t n_ff,
     if (!part) { *n_active = -1; return; }
     pq_act* acts = NULL; /* [T] x rounded to int8 blocks (PIC_QACT) */
 #if PIC_QACT
-    acts = pq_quantize_rows(x, T, d);
+    acts = pq_quantize_rows(x, T, d, PIC_WDTYPE == PIC_Q8_0); /* q8_0 rows: 16 bits */
     if (!acts) { free(part); *n_active = -1; return; }
 #endif
     int64_t total = 0;

@@ -7,9 +7,9 @@
 // them: gate / up rows in the dot layout (quant.interleave_blocks), q8_0 down rows in GGUF's, so
 // the hybrid runtime copies hot rows to the GPU unchanged.
 //
-// x: gate / up rows are dotted with x rounded to 8 bits per block of 32
-// (quant.round_activations; pi_round_x makes it, as float32), as on the CPU, so the kernels match
-// ffn_reference up to float summation order.
+// x: gate / up rows are dotted with x rounded per block of 32 (to 8 bits for the 4-bit formats,
+// 16 for q8_0: quant.round_activations; pi_round_x makes it, as float32), as on the CPU, so the
+// kernels match ffn_reference up to float summation order.
 #ifndef PICOMPILE_CUDA_Q
 #define PICOMPILE_CUDA_Q
 
@@ -66,15 +66,16 @@ struct PiQRows {
   }
 };
 
-// x [T, d] fp32 -> xr [T, d]: x rounded to 8 bits per block of 32 and back to float32, bit for
-// bit quant.round_activations; one thread per block (grid-stride).
+// x [T, d] fp32 -> xr [T, d]: x rounded per block of 32 to `levels` (127: 8 bits, 32767: 16)
+// and back to float32, bit for bit quant.round_activations; one thread per block (grid-stride).
 extern "C" __global__ void __launch_bounds__(256) pi_round_x(
     const float* __restrict__ x,  // [T, d]  the tokens, fp32, d % 32 == 0
     float* __restrict__ xr,       // [T, d]  out: rounded
-    int n_blocks)                 //         T * d / 32
+    int n_blocks,                 //         T * d / 32
+    float levels)                 //         127 or 32767
 {
   for (int b = blockIdx.x * blockDim.x + threadIdx.x; b < n_blocks; b += gridDim.x * blockDim.x)
-    pqd_round_block(x + (size_t)b * PQD_QK, xr + (size_t)b * PQD_QK);
+    pqd_round_block(x + (size_t)b * PQD_QK, levels, xr + (size_t)b * PQD_QK);
 }
 
 #endif  // PICOMPILE_CUDA_Q

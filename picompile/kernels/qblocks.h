@@ -1,38 +1,43 @@
 /* picompile: GGUF block helpers shared by the CPU kernels (dense.c and the generated FFN source):
- * float16 -> float32, activations rounded to 8 bits per block of 32, and the dot product of a row
- * of blocks (q8_0, q4_0, q4_1) with them in integers.
+ * float16 -> float32, activations rounded to integers per block of 32, and the dot product of a
+ * row of blocks (q8_0, q4_0, q4_1) with them in integers.
  *
  * Spliced into both sources (picompile.codegen.build.package_source inlines `#include "qblocks.h"`),
- * so a kernel's cache key covers it. The int8 activations are llama.cpp's scheme: a quantized
+ * so a kernel's cache key covers it. Integer activations are llama.cpp's scheme: a quantized
  * block dotted with float32 x costs more instructions per weight than two cores can issue at
- * memory speed (BENCHMARKS.md, sessions 6 and 15); with x as int8 it is one integer multiply-add
- * per token and 32 weights. The reference (picompile.quant.round_activations) rounds x the same
- * way, bit for bit, before its float matmul.
+ * memory speed (BENCHMARKS.md, sessions 6 and 15). 4-bit rows take x rounded to 8 bits (one
+ * integer multiply-add per 32 weights and token); q8_0 rows take it rounded to 16 bits (int8 x,
+ * llama.cpp's choice, cost SmolLM2 +0.44% perplexity at q8_0; int8 weights times int16 x are
+ * one multiply-add per 16 weights, as fast as the sign trick int8 x int8 needs). The reference
+ * (picompile.quant.round_activations) rounds x the same way, bit for bit, before its float
+ * matmul.
  *
- * Per block b of 32 values of a token row x [K] (K a multiple of 32):
- *     amax = max |x[i]|,  d[b] = amax / 127,  q[i] = round-half-even(x[i] * (1 / d[b]))
- *     (all zero when amax == 0),  s[b] = d[b] * sum(q[i])
+ * Per block b of 32 values of a token row x [K] (K a multiple of 32), L = 127 (8 bits) or
+ * 32767 (16 bits):
+ *     amax = max |x[i]|,  d[b] = amax / L,  q[i] = round-half-even(x[i] * (1 / d[b]))
+ *     (all zero when amax == 0),  s[b] = d[b] * sum(q[i]) (8 bits)
  * A block (scale dw; q8_0 weight dw * w, q4_0 dw * (n - 8), q4_1 dw * n + m) dotted with it:
  *     q8_0: dw * d[b] * (w . q)     q4_0: dw * d[b] * (n . q) - 8 * dw * s[b]
  *     q4_1: dw * d[b] * (n . q) + m * s[b]
- * w . q and n . q (int8 or nibbles 0..15 times int8) are exact in int32.
+ * w . q (int8 times int16) and n . q (nibbles 0..15 times int8) are exact in int32.
  *
  * The dot layout (picompile.quant.interleave_blocks): a row that is dotted with x (dense
  * weights, FFN gate and up rows) keeps its bytes but each run of PQ_SB = 8 blocks (256 weights)
  * is a superblock: the 8 blocks' float16 scales dw[8], for q4_1 their minimums m[8], then their
- * weights in 4-byte pieces. 4-bit: qs [4][8][4], qs[v][b][c] = block b's GGUF byte qs[4v + c]
- * (its weights 4v + c, low nibble, and 16 + 4v + c, high nibble); q8_0: w [8][8][4],
- * w[i][b][c] = block b's weight 4i + c. The nb % 8 blocks after the last superblock stay as
- * GGUF has them. x's int8 values are stored to match: per superblock, xq [8][8][4] with
- * xq[i][b][c] = x[32b + 4i + c] (for 4-bit rows pieces i < 4 meet the low nibbles, i >= 4 the
- * high ones). Then 32-bit lane b of every vector belongs to block b: one integer multiply-add
- * per 32 bytes and no horizontal sum per block, and the 8 blocks' scales apply as one vector
+ * weights in pieces. 4-bit: qs [4][8][4], qs[v][b][c] = block b's GGUF byte qs[4v + c] (its
+ * weights 4v + c, low nibble, and 16 + 4v + c, high nibble); q8_0: w [16][8][2], w[v][b][c] =
+ * block b's weight 2v + c. The nb % 8 blocks after the last superblock stay as GGUF has them.
+ * x's integers are stored to match (pq_act_index): per superblock [8][8][4] with [i][b][c] =
+ * x[32b + 4i + c] for 4-bit rows (pieces i < 4 meet the low nibbles, i >= 4 the high ones),
+ * [16][8][2] with [v][b][c] = x[32b + 2v + c] for q8_0 rows. Then 32-bit lane b of every vector
+ * belongs to block b: no horizontal sum per block, and the 8 blocks' scales apply as one vector
  * (llama.cpp's repacked Q4_0 rows interleave several rows; this interleaves blocks of one row,
  * which keeps a neuron's row contiguous for the sparse kernels). FFN down rows are added into
  * the output, not dotted: they keep GGUF's layout.
  *
- * SIMD: AVX2 + FMA + F16C (VNNI's vpdpbusd where AVX512_VNNI and AVX512VL are enabled), unless
- * PQ_SCALAR is defined before the #include; the rounding of x is the same either way.
+ * SIMD: AVX2 + FMA + F16C (VNNI's vpdpbusd for 4-bit rows where AVX512_VNNI and AVX512VL are
+ * enabled), unless PQ_SCALAR is defined before the #include; the rounding of x is the same
+ * either way.
  */
 #ifndef PICOMPILE_QBLOCKS_H
 #define PICOMPILE_QBLOCKS_H
@@ -74,28 +79,31 @@ PQ_INLINE float pq_f16(uint16_t h) {
 
 #define PQ_SB 8 /* blocks per superblock of the dot layout */
 
-/* One token's quantized row: q [K] int8 (in the dot layout's order, see above), d [K / 32] block
- * scales, s [K / 32] d * sum(q). */
+/* One token's quantized row, for 4-bit rows: q [K] int8 (in the dot layout's order, see above),
+ * d [K / 32] block scales, s [K / 32] d * sum(q); for q8_0 rows: q16 [K] int16 (the q8_0 dot
+ * layout's order), d. The other pointers NULL. */
 typedef struct {
     const int8_t* q;
+    const int16_t* q16;
     const float* d;
     const float* s;
 } pq_act;
 
-/* Where x's value k of block j sits in pq_act.q (nb blocks in all): the dot layout's order. */
-PQ_INLINE int64_t pq_act_index(int64_t nb, int64_t j, int k) {
+/* Where x's value k of block j sits in pq_act.q (nb blocks in all; wide: q16): the dot
+ * layout's order, pieces of 4 values (4-bit rows) or 2 (q8_0 rows). */
+PQ_INLINE int64_t pq_act_index(int64_t nb, int64_t j, int k, int wide) {
     const int64_t g = j / PQ_SB;
     if (g >= nb / PQ_SB) return j * PQ_QK + k; /* a tail block: natural order */
-    const int i = k / 16 * 4 + k % 16 / 4;     /* the piece: low (k < 16) or high nibbles' */
-    return g * PQ_SB * PQ_QK + 32 * i + 4 * (j % PQ_SB) + k % 4;
+    const int c = wide ? 2 : 4;                /* values per piece: piece k / c */
+    return g * PQ_SB * PQ_QK + PQ_SB * c * (k / c) + c * (j % PQ_SB) + k % c;
 }
 
-/* x's block j of a pq_act in natural order: out [32] */
+/* x's block j of an 8-bit pq_act in natural order: out [32] */
 PQ_INLINE void pq_act_block(const pq_act* a, int64_t nb, int64_t j, int8_t* out) {
-    for (int k = 0; k < PQ_QK; ++k) out[k] = a->q[pq_act_index(nb, j, k)];
+    for (int k = 0; k < PQ_QK; ++k) out[k] = a->q[pq_act_index(nb, j, k, 0)];
 }
 
-/* x [K] float32 -> q [K] (the dot layout's order), d [K / 32], s [K / 32]. The AVX2 path
+/* x [K] float32 -> q [K] int8 (the dot layout's order), d [K / 32], s [K / 32]. The AVX2 path
  * computes exactly what the scalar one does (the same IEEE operations, round half to even). */
 static void pq_quantize(const float* x, int64_t K, int8_t* q, float* d, float* s) {
     const int64_t nb = K / PQ_QK;
@@ -146,33 +154,69 @@ static void pq_quantize(const float* x, int64_t K, int8_t* q, float* d, float* s
 #endif
         d[b] = db;
         s[b] = db * (float)sum;
-        for (int k = 0; k < PQ_QK; k += 4) memcpy(q + pq_act_index(nb, b, k), qb + k, 4);
+        for (int k = 0; k < PQ_QK; k += 4) memcpy(q + pq_act_index(nb, b, k, 0), qb + k, 4);
     }
 }
 
-/* The T rows of x [T, K] quantized: pq_act [T] followed by their data, one allocation (the
- * caller frees the returned pointer); NULL when out of memory. */
-static pq_act* pq_quantize_rows(const float* x, int64_t T, int64_t K) {
+/* x [K] float32 -> q16 [K] int16 (the q8_0 dot layout's order), d [K / 32]: 16 bits per block,
+ * d = amax / 32767. The AVX2 path computes exactly what the scalar one does. */
+static void pq_quantize16(const float* x, int64_t K, int16_t* q16, float* d) {
     const int64_t nb = K / PQ_QK;
-    pq_act* a = (pq_act*)malloc((size_t)T * (sizeof(pq_act) + (size_t)K + 2 * (size_t)nb * sizeof(float)));
+    for (int64_t b = 0; b < nb; ++b) {
+        const float* xb = x + b * PQ_QK;
+        float amax = 0.0f;
+        for (int i = 0; i < PQ_QK; ++i) {
+            const float a = fabsf(xb[i]);
+            amax = a > amax ? a : amax;
+        }
+        const float db = amax / 32767.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
+        int16_t qb[PQ_QK]; /* natural order, then placed */
+#if PQ_SIMD
+        const __m256 iv = _mm256_set1_ps(inv);
+        for (int i = 0; i < 4; i += 2) { /* 16 values: two vectors, packed in order */
+            const __m256i a = _mm256_cvtps_epi32(_mm256_round_ps(
+                _mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            const __m256i c = _mm256_cvtps_epi32(_mm256_round_ps(
+                _mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i + 8), iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            _mm256_storeu_si256((__m256i*)(qb + 8 * i),
+                                _mm256_permute4x64_epi64(_mm256_packs_epi32(a, c), 0xd8));
+        }
+#else
+        for (int i = 0; i < PQ_QK; ++i) qb[i] = (int16_t)nearbyintf(xb[i] * inv);
+#endif
+        d[b] = db;
+        for (int k = 0; k < PQ_QK; k += 2) memcpy(q16 + pq_act_index(nb, b, k, 1), qb + k, 4);
+    }
+}
+
+/* The T rows of x [T, K] quantized, to 8 bits (4-bit rows) or with wide to 16 (q8_0 rows):
+ * pq_act [T] followed by their data, one allocation (the caller frees the returned pointer);
+ * NULL when out of memory. */
+static pq_act* pq_quantize_rows(const float* x, int64_t T, int64_t K, int wide) {
+    const int64_t nb = K / PQ_QK, vb = wide ? 2 : 1; /* bytes per value */
+    pq_act* a = (pq_act*)malloc((size_t)T * (sizeof(pq_act) + (size_t)(vb * K) + 2 * (size_t)nb * sizeof(float)));
     if (!a) return NULL;
     float* ds = (float*)(a + T); /* per row: d [nb], then s [nb] */
-    int8_t* qs = (int8_t*)(ds + 2 * T * nb);
+    char* qs = (char*)(ds + 2 * T * nb); /* then the values */
     for (int64_t t = 0; t < T; ++t) {
         float *d = ds + 2 * t * nb, *s = d + nb;
-        pq_quantize(x + t * K, K, qs + t * K, d, s);
-        a[t].q = qs + t * K;
-        a[t].d = d;
-        a[t].s = s;
+        if (wide) {
+            pq_quantize16(x + t * K, K, (int16_t*)(qs + 2 * t * K), d);
+            a[t] = (pq_act){NULL, (const int16_t*)(qs + 2 * t * K), d, NULL};
+        } else {
+            pq_quantize(x + t * K, K, (int8_t*)(qs + t * K), d, s);
+            a[t] = (pq_act){(const int8_t*)(qs + t * K), NULL, d, s};
+        }
     }
     return a;
 }
 
 #if !PQ_SIMD
-/* w . q over 32 int8 pairs, exact. Not vectorized by the compiler: GCC 12 turns this loop into
- * vpdpbusd (unsigned times signed) where AVX512_VNNI is enabled, which is wrong for w < 0. */
+/* w . q over 32 pairs (int8 weights, int16 x), exact. Not vectorized by the compiler: GCC 12
+ * turns int8 dot loops into vpdpbusd (unsigned times signed) where AVX512_VNNI is enabled,
+ * which is wrong for w < 0 (seen with int8 x). */
 __attribute__((optimize("no-tree-vectorize")))
-static int32_t pq_dot_i8_scalar(const int8_t* w, const int8_t* q) {
+static int32_t pq_dot_w8x16_scalar(const int8_t* w, const int16_t* q) {
     int32_t t = 0;
     for (int i = 0; i < PQ_QK; ++i) t += (int32_t)w[i] * (int32_t)q[i];
     return t;
@@ -326,29 +370,24 @@ PQ_INLINE void pq_q4_dot(const uint8_t* row, const int q4_1, int64_t nb, const p
 #endif
 }
 #if PQ_SIMD
-/* int32 [8]: lane b = block b's w . q over one q8_0 superblock, exact. w: its 256 weights (the
- * dot layout, 8 vectors), xq [256] x's. Signed times signed as maddubs / vpdpbusd take it
- * (unsigned times signed): |w| times x with w's sign (|-128| is 128 unsigned); maddubs pairs
- * stay in int16 (at most 2 * 128 * 127) and are widened per vector. */
-PQ_INLINE __m256i pq_dot_sb8(const __m256i* w, const int8_t* xq) {
+/* int32 [8]: lane b = block b's w . q over one q8_0 superblock, exact. w: its 256 weights in
+ * the dot layout (16 pieces of 8 blocks x 2 weights, 16 bytes each), xq [256] x's int16 in the
+ * same order: one int16 multiply-add per piece (|products| <= 128 * 32767, 32 of them per
+ * lane: within int32). */
+PQ_INLINE __m256i pq_dot_sb16(const uint8_t* w, const int16_t* xq) {
     __m256i s = _mm256_setzero_si256();
-    for (int i = 0; i < 8; ++i) {
-        const __m256i sx = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(xq + 32 * i)), w[i]);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-        s = _mm256_dpbusd_epi32(s, _mm256_sign_epi8(w[i], w[i]), sx);
-#else
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w[i], w[i]), sx),
-                                                  _mm256_set1_epi16(1)));
-#endif
-    }
+    for (int i = 0; i < 16; ++i)
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(
+                                    _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + 16 * i))),
+                                    _mm256_loadu_si256((const __m256i*)(xq + 16 * i))));
     return s;
 }
 #endif
 
 /* res[n] = row . x'[n] for n < N (N <= 8) over one row of nb q8_0 blocks in the dot layout
  * (34-byte blocks: f16 dw, int8 w[32]; each run of 8 in a superblock, see above), x'[n] = xa[n]
- * rounded. Per block dw * dx * (w . q), the integer dot exact. With pf != 0 one prefetch pf
- * bytes away per 64 bytes. */
+ * rounded to 16 bits (pq_quantize16). Per block dw * dx * (w . q), the integer dot exact. With
+ * pf != 0 one prefetch pf bytes away per 64 bytes. */
 PQ_INLINE void pq_q8_dot(const uint8_t* row, int64_t nb, const pq_act* const* xa, float* res,
                          const int N, const int64_t pf) {
     const int64_t bb = 34, sbb = PQ_SB * bb, nsb = nb / PQ_SB;
@@ -361,10 +400,8 @@ PQ_INLINE void pq_q8_dot(const uint8_t* row, int64_t nb, const pq_act* const* xa
             for (int64_t l = 0; l < (sbb + 63) / 64; ++l)
                 _mm_prefetch((const char*)(sb + pf + 64 * l), PQ_PF_HINT);
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)sb));
-        __m256i w[8];
-        for (int i = 0; i < 8; ++i) w[i] = _mm256_loadu_si256((const __m256i*)(sb + 2 * PQ_SB + 32 * i));
         for (int n = 0; n < N; ++n) {
-            const __m256 sf = _mm256_cvtepi32_ps(pq_dot_sb8(w, xa[n]->q + g * PQ_SB * PQ_QK));
+            const __m256 sf = _mm256_cvtepi32_ps(pq_dot_sb16(sb + 2 * PQ_SB, xa[n]->q16 + g * PQ_SB * PQ_QK));
             acc[n] = _mm256_fmadd_ps(sf, _mm256_mul_ps(dw, _mm256_loadu_ps(xa[n]->d + g * PQ_SB)), acc[n]);
         }
     }
@@ -372,10 +409,13 @@ PQ_INLINE void pq_q8_dot(const uint8_t* row, int64_t nb, const pq_act* const* xa
                                                     GGUF has them (x's in natural order) */
         const uint8_t* blk = row + j * bb;
         const float dw = pq_f16((uint16_t)(blk[0] | blk[1] << 8));
-        const __m256i w = _mm256_loadu_si256((const __m256i*)(blk + 2)), aw = _mm256_sign_epi8(w, w);
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 2)));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 18)));
         for (int n = 0; n < N; ++n) {
-            const __m256i sx = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(xa[n]->q + j * PQ_QK)), w);
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1));
+            const int16_t* q = xa[n]->q16 + j * PQ_QK;
+            const __m256i p = _mm256_add_epi32(
+                _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)q)),
+                _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(q + 16))));
             acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xa[n]->d[j]), acc[n]);
         }
     }
@@ -390,16 +430,16 @@ PQ_INLINE void pq_q8_dot(const uint8_t* row, int64_t nb, const pq_act* const* xa
             const uint8_t* sb = row + g * sbb;
             if (pf != 0 && b == 0) __builtin_prefetch(sb + pf, 0, 3);
             dw = pq_f16((uint16_t)(sb[2 * b] | sb[2 * b + 1] << 8));
-            for (int i = 0; i < 8; ++i) memcpy(w + 4 * i, sb + 2 * PQ_SB + 32 * i + 4 * b, 4);
+            for (int i = 0; i < 16; ++i) memcpy(w + 2 * i, sb + 2 * PQ_SB + 16 * i + 2 * b, 2);
         } else {
             const uint8_t* blk = row + j * bb;
             dw = pq_f16((uint16_t)(blk[0] | blk[1] << 8));
             memcpy(w, blk + 2, PQ_QK);
         }
         for (int n = 0; n < N; ++n) {
-            int8_t q[PQ_QK]; /* x's block j in natural order */
-            pq_act_block(xa[n], nb, j, q);
-            r[n] = fmaf((float)pq_dot_i8_scalar(w, q), dw * xa[n]->d[j], r[n]);
+            int16_t q[PQ_QK]; /* x's block j in natural order */
+            for (int k = 0; k < PQ_QK; ++k) q[k] = xa[n]->q16[pq_act_index(nb, j, k, 1)];
+            r[n] = fmaf((float)pq_dot_w8x16_scalar(w, q), dw * xa[n]->d[j], r[n]);
         }
     }
     for (int n = 0; n < N; ++n) res[n] = r[n];

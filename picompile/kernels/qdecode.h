@@ -14,9 +14,10 @@
  *     n[i] = qs[i] & 15 for i < 16, qs[i - 16] >> 4 above
  * Rows are their blocks one after another (GGUF's layout: FFN down rows), or, for the gate / up
  * rows the CPU kernels dot with x, the dot layout (quant.interleave_blocks, qblocks.h): each run
- * of 8 blocks holds their 8 scales, their 8 minimums (q4_1), then their weight bytes in 4-byte
- * pieces, [pieces][8][4] with [v][b][c] = block b's weight byte 4v + c (4 pieces of qs for the
- * 4-bit formats, 8 of q for q8_0); the last nb % 8 blocks stay as GGUF has them. pqd_row_block
+ * of 8 blocks holds their 8 scales, their 8 minimums (q4_1), then their weight bytes in pieces
+ * of C bytes, [pieces][8][C] with [v][b][c] = block b's weight byte Cv + c (4 pieces of 4 qs
+ * bytes for the 4-bit formats, 16 of 2 q bytes for q8_0); the last nb % 8 blocks stay as GGUF
+ * has them. pqd_row_block
  * reads a block of either layout, so the GPU takes the CPU's rows as they are.
  *
  * A weight is exact whether or not a compiler fuses d * n + m: d is a float16 (11 significant
@@ -97,12 +98,12 @@ PQD_FN void pqd_q4_parts(int fmt, const unsigned char* row, long long nb, long l
 PQD_FN void pqd_row_block(int fmt, const unsigned char* row, long long nb, long long j, int dot,
                           float* w) {
     if (fmt == PQD_Q8_0) {
-        if (dot && j < nb / PQD_SB * PQD_SB) { /* in a superblock: w [8][8][4] after 8 scales */
+        if (dot && j < nb / PQD_SB * PQD_SB) { /* in a superblock: q [16][8][2] after 8 scales */
             const unsigned char* sb = row + j / PQD_SB * PQD_SB * 34;
             const int b = (int)(j % PQD_SB);
             const float d = pqd_f16_at(sb + 2 * b);
             for (int i = 0; i < PQD_QK; ++i)
-                w[i] = pqd_w_q8_0(d, (signed char)sb[2 * PQD_SB + 32 * (i / 4) + 4 * b + i % 4]);
+                w[i] = pqd_w_q8_0(d, (signed char)sb[2 * PQD_SB + 16 * (i / 2) + 2 * b + i % 2]);
             return;
         }
         const unsigned char* blk = row + j * 34;
@@ -126,16 +127,16 @@ PQD_FN void pqd_q8_0_run(const unsigned char* row, long long k0, int n, float* w
     for (int k = 0; k < n; ++k) w[k] = pqd_w_q8_0(d, (signed char)blk[2 + i0 + k]);
 }
 
-/* x [32] -> out [32]: x rounded to 8 bits per block as the quantized kernels read it,
- * bit for bit quant.round_activations: d = max|x| / 127, out = round-half-even(x * (1 / d)) * d
- * (all zero when max|x| == 0). */
-PQD_FN void pqd_round_block(const float* x, float* out) {
+/* x [32] -> out [32]: x rounded per block as the quantized kernels read it, bit for bit
+ * quant.round_activations: d = max|x| / levels (127: 8 bits, the 4-bit formats; 32767: 16 bits,
+ * q8_0), out = round-half-even(x * (1 / d)) * d (all zero when max|x| == 0). */
+PQD_FN void pqd_round_block(const float* x, float levels, float* out) {
     float amax = 0.0f;
     for (int i = 0; i < PQD_QK; ++i) {
         const float a = x[i] < 0.0f ? -x[i] : x[i];
         amax = a > amax ? a : amax;
     }
-    const float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+    const float d = amax / levels, inv = d != 0.0f ? 1.0f / d : 0.0f;
     for (int i = 0; i < PQD_QK; ++i) out[i] = rintf(x[i] * inv) * d;
 }
 

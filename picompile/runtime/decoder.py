@@ -57,7 +57,7 @@ VERIFY_TOKENS = 8  # the probe sequence of verify()
 # threshold may fall either way; an architecture the decoder does not reproduce differs by
 # about 1 (an offset norm, scaled embeddings).
 VERIFY_RTOL = {torch.float32: 1e-3, torch.float16: 0.1, torch.bfloat16: 0.15}
-# Where quantized layers round their input to int8 blocks (quant.round_activations), a last-bit
+# Where quantized layers round their input to integer blocks (quant.round_activations), a last-bit
 # difference in an activation (the decoder's fused norms against the model's) can move it by a
 # whole step of its block's 8-bit grid: the tolerance of float16 activations applies.
 VERIFY_RTOL_INT8 = 0.1
@@ -404,12 +404,12 @@ class Stack:
                               f"{str(e)[:120]})") from e
 
     def rounds_activations(self) -> bool:
-        """Some layer's kernel reads its input rounded to int8 blocks (quant.INT8_ACTIVATIONS)."""
+        """Some layer's kernel reads its input rounded to integer blocks (quant.round_activations)."""
         formats = {getattr(self.lm_head, "qformat", None)}
         for layer in self.layers:
             formats |= {getattr(lin, "qformat", None) for lin in layer.linears.values()}
             formats.add(layer.ffn.qformat)
-        return bool(formats & quant.INT8_ACTIVATIONS)
+        return bool(formats & quant.FORMATS.keys())
 
     def reset_counts(self) -> None:
         """Forget the active pairs counted since the last flush_stats (each decoder keeps them

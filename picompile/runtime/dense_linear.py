@@ -194,7 +194,7 @@ class QuantLinear(KernelModule):
 
         y = x' @ dequantize(qweight).T + bias       x [..., K] -> y [..., O], in x's dtype
 
-    x' = quant.round_activations(x, format): x rounded to int8 blocks (the kernel dots integers).
+    x' = quant.round_activations(x, format): x rounded to integer blocks (the kernel dots integers).
 
     `qweight` (a buffer, so state_dict holds it) is uint8 [O, K / 32 * block_bytes], GGUF's
     blocks in the layout the kernel reads (quant.interleave_blocks: each run of 8 blocks of a

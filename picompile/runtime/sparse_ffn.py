@@ -21,7 +21,7 @@ format of the gate and up rows; the down rows may have their own, `down_qformat`
 and up with q8_0 down), or stay float (down_qformat None, w_down_t a float tensor). The math is
 the same over the dequantized weights: the reference functions take `qformat` / `down_qformat`
 and dequantize the rows they use (quant.dequantize), the C kernels dequantize in registers. Quantized
-gate and up rows are dotted with x rounded to int8 blocks (quant.round_activations), in the
+gate and up rows are dotted with x rounded to integer blocks (quant.round_activations), in the
 reference as in the kernels.
 """
 
@@ -75,7 +75,7 @@ def down_input(
 ) -> torch.Tensor:
     """h [T, m]: the down projection's input for the candidate neurons, before thresholding
     (quantized gate / up rows are in the kernels' dot layout, quant.interleave_blocks, and are
-    dotted with x rounded to int8 blocks, quant.round_activations)."""
+    dotted with x rounded to integer blocks, quant.round_activations)."""
     cd = compute_dtype
     x = quant.round_activations(x, qformat).to(cd)
 
@@ -373,7 +373,7 @@ class SparseFFN(KernelModule):
     def _prefill_down_input(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 [T, d] -> h [T, n_ff] for prefill: the gate and up products by the dense kernel
         (float32) where _select_prefill_kernels bound one, else by BLAS in the block's dtype
-        (quantized rows dequantized in C, x rounded to int8 blocks as the kernels do)."""
+        (quantized rows dequantized in C, x rounded to integer blocks as the kernels do)."""
         kernels = self.__dict__.get("_prefill_kernels")
         if kernels is not None:
             def product(role, bias):
