@@ -107,10 +107,11 @@ def methods(O: int, K: int, isa: bool, base: str | None, hot: bool) -> list[tupl
         for label, avx512 in builds:
             kernels = [(dense.quant_kernel_for(c, fmt, K, avx512=avx512), c) for c in copies]
             out.append((fmt, label, q.nbytes, kernels))
-        if base:  # the base revision's kernel, as the selected build
+        if base:  # the base revision's kernel, as the selected build, on copies of its own
+            # (on the same copies it would find in the caches what the kernel before it read)
             wide = "avx512" in out[-len(builds)][3][0][0].library_for(1).pi_dense_variant().decode()
             lib = base_library(fmt, wide, base)
-            out.append((fmt, "base", q.nbytes, [(BaseKernel(lib, c), c) for c in copies]))
+            out.append((fmt, "base", q.nbytes, [(BaseKernel(lib, c), c) for c in copies_of(q.clone())]))
     return out
 
 

@@ -6,7 +6,7 @@ F32 / F16 file made by llama-quantize --allow-requantize, as peers.py does).
     .venv/bin/python benchmarks/interleaved.py [--rounds 8] [--new-tokens 64] [--sparsity 0.5]
     .venv/bin/python benchmarks/interleaved.py --dtype float16
     .venv/bin/python benchmarks/interleaved.py --dtype float16 --depth 2048
-    .venv/bin/python benchmarks/interleaved.py --depth 2048 --kv-cache float16
+    .venv/bin/python benchmarks/interleaved.py --depth 2048 --kv-cache float32 float16
 
 This VM's speed drifts by tens of percent over seconds to minutes (BENCHMARKS.md), so peers.py's
 "best of N, one system after the other" can hand one system a slow stretch. Here each round runs
@@ -15,7 +15,8 @@ number of tokens from a 32-token prompt), and the table gives each system's medi
 the rounds, and the median of the per-round ratios to llama.cpp (both sides of a ratio measured
 within seconds of each other). With --depth D the decode steps follow a D-token prompt (held-out
 text prefilled once into picompile's cache; llama-bench -d D), so attention reads D positions.
---kv-cache float16 keeps picompile's KV cache in float16 (compile(kv_cache=)), as llama.cpp's is.
+--kv-cache float16 keeps picompile's KV cache in float16 (compile(kv_cache=)), as llama.cpp's is;
+several values run picompile once per cache dtype, in the same rounds.
 Needs llama.cpp built by benchmarks/peers.py.
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import statistics
 import time
 
@@ -55,8 +57,8 @@ def main():
     ap.add_argument("--depth", type=int, default=0, help="positions before the decode steps")
     ap.add_argument("--dtype", choices=["gguf", "float32", "float16"], default="gguf",
                     help="gguf: the file's Q4_1 blocks as they are; else its weights in that dtype")
-    ap.add_argument("--kv-cache", choices=["float32", "float16", "bfloat16"], default=None,
-                    help="picompile's KV cache dtype (default: the model's)")
+    ap.add_argument("--kv-cache", nargs="+", choices=["float32", "float16", "bfloat16"],
+                    default=[None], help="picompile's KV cache dtype(s) (default: the model's)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     bins = bench.llama_cpp_bins()
@@ -75,9 +77,10 @@ def main():
     calib = corpus.token_batches(tok, "calibration", 16384)
     systems = {peer: lambda: bench.llama_bench(bins, peer_file, args.threads, args.new_tokens, 1,
                                                depth=args.depth)}
-    for what, kw in (("dense", {}), (f"threshold @{args.sparsity:.0%}",
-                                     dict(sparsity=args.sparsity, calibration=calib))):
-        cm = picompile.compile(copy.deepcopy(model), quiet=True, kv_cache=args.kv_cache, **weights, **kw)
+    for (what, kw), kv in itertools.product(
+            (("dense", {}), (f"threshold @{args.sparsity:.0%}",
+                             dict(sparsity=args.sparsity, calibration=calib))), args.kv_cache):
+        cm = picompile.compile(copy.deepcopy(model), quiet=True, kv_cache=kv, **weights, **kw)
         dec = cm.decoder()
         if dec is None:
             raise SystemExit(f"picompile {what}: no whole-step decoder ({cm.decoder_reason})")

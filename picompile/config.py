@@ -14,10 +14,11 @@ KERNEL_MAX_TOKENS = 8
 
 # Weight formats whose dense kernel runs prefill too (any number of tokens: it reads the weights
 # once per group of 8, from cache for layers that fit there): those where it beat BLAS over a
-# 512-token prompt on the reference machine (BENCHMARKS.md, sessions 11 and 15). The quantized
-# formats dot integers with x rounded to int8, which BLAS over dequantized weights cannot; torch's
-# CPU float16 GEMM has no fast path. float32 and bfloat16 take BLAS.
-PREFILL_KERNEL_FORMATS = frozenset({"q8_0", "q4_0", "q4_1", "float16"})
+# 512-token prompt on the reference machine (BENCHMARKS.md, sessions 11 and 15). The 4-bit
+# formats dot integers with x rounded to 8 bits, which BLAS over dequantized weights cannot;
+# torch's CPU float16 GEMM has no fast path. float32, bfloat16 and q8_0 take BLAS (q8_0's 16-bit
+# x makes its kernel 0.6-1.2x of BLAS there).
+PREFILL_KERNEL_FORMATS = frozenset({"q4_0", "q4_1", "float16"})
 
 
 def reference_forced() -> bool:

@@ -777,7 +777,7 @@ def test_decoder_runs_quantized_blocks(fmt, down, arch, how):
 @pytest.mark.parametrize("kind,act", [("gated", "silu"), ("plain", "relu")])
 def test_prefill_runs_gate_and_up_on_the_dense_kernel_where_it_pays(fmt, kind, act):
     """Prefill (> 8 tokens) computes the gate and up products with the dense kernel over the
-    block's own rows for the formats in PREFILL_KERNEL_FORMATS (quantized, float16), with BLAS for
+    block's own rows for the formats in PREFILL_KERNEL_FORMATS (4-bit, float16), with BLAS for
     the others; either way h, the mask and the output are the reference's, and a copy of the
     block (deepcopy: kernels are bound to raw pointers) binds its own kernels."""
     from picompile.config import PREFILL_KERNEL_FORMATS

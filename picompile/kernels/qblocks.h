@@ -371,15 +371,13 @@ PQ_INLINE void pq_q4_dot(const uint8_t* row, const int q4_1, int64_t nb, const p
 }
 #if PQ_SIMD
 /* int32 [8]: lane b = block b's w . q over one q8_0 superblock, exact. w: its 256 weights in
- * the dot layout (16 pieces of 8 blocks x 2 weights, 16 bytes each), xq [256] x's int16 in the
- * same order: one int16 multiply-add per piece (|products| <= 128 * 32767, 32 of them per
+ * the dot layout (16 pieces of 8 blocks x 2 weights), widened to int16, xq [256] x's int16 in
+ * the same order: one int16 multiply-add per piece (|products| <= 128 * 32767, 32 of them per
  * lane: within int32). */
-PQ_INLINE __m256i pq_dot_sb16(const uint8_t* w, const int16_t* xq) {
+PQ_INLINE __m256i pq_dot_sb16(const __m256i* w, const int16_t* xq) {
     __m256i s = _mm256_setzero_si256();
     for (int i = 0; i < 16; ++i)
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(
-                                    _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + 16 * i))),
-                                    _mm256_loadu_si256((const __m256i*)(xq + 16 * i))));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(w[i], _mm256_loadu_si256((const __m256i*)(xq + 16 * i))));
     return s;
 }
 #endif
@@ -400,8 +398,11 @@ PQ_INLINE void pq_q8_dot(const uint8_t* row, int64_t nb, const pq_act* const* xa
             for (int64_t l = 0; l < (sbb + 63) / 64; ++l)
                 _mm_prefetch((const char*)(sb + pf + 64 * l), PQ_PF_HINT);
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)sb));
+        __m256i w[16]; /* the 256 weights widened to int16 once, for all the tokens */
+        for (int i = 0; i < 16; ++i)
+            w[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(sb + 2 * PQ_SB + 16 * i)));
         for (int n = 0; n < N; ++n) {
-            const __m256 sf = _mm256_cvtepi32_ps(pq_dot_sb16(sb + 2 * PQ_SB, xa[n]->q16 + g * PQ_SB * PQ_QK));
+            const __m256 sf = _mm256_cvtepi32_ps(pq_dot_sb16(w, xa[n]->q16 + g * PQ_SB * PQ_QK));
             acc[n] = _mm256_fmadd_ps(sf, _mm256_mul_ps(dw, _mm256_loadu_ps(xa[n]->d + g * PQ_SB)), acc[n]);
         }
     }

@@ -6,7 +6,7 @@ QuantLinear (below): the same with a block-quantized weight (picompile.quant).
 `forward_native` is F.linear, the reference the kernel is tested against. `forward` runs the
 kernel (picompile/kernels/dense.c through picompile.codegen.dense) when 1 <= T <= 8 tokens
 (leading dimensions flattened) on the CPU, and for prefill too where the weights' format is in
-config.PREFILL_KERNEL_FORMATS (float16, the quantized formats); F.linear for the other prefills, on
+config.PREFILL_KERNEL_FORMATS (float16, the 4-bit formats); F.linear for the other prefills, on
 other devices, and where there is no kernel. The kernel accumulates in float32 and its result is
 cast to x's dtype.
 

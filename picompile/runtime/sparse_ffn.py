@@ -354,7 +354,7 @@ class SparseFFN(KernelModule):
 
     def _select_prefill_kernels(self) -> dict | None:
         """Dense kernels over the gate and up rows for prefill, where their format runs prefill
-        on the kernel (config.PREFILL_KERNEL_FORMATS: the quantized formats, float16), else None
+        on the kernel (config.PREFILL_KERNEL_FORMATS: the 4-bit formats, float16), else None
         (BLAS). Biases are added outside them."""
         from picompile.codegen import dense
 
