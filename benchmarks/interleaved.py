@@ -1,7 +1,8 @@
 """Decode tokens/s of SmolLM2-135M in interleaved rounds: llama.cpp on the shipped Q4_1 file and
 picompile's whole-step decoder on the same file's blocks, dense and at threshold sparsity; with
 --dtype float32 / float16, both on the file's weights dequantized to that dtype (llama.cpp's
-F32 / F16 file made by llama-quantize --allow-requantize, as peers.py does).
+F32 / F16 file made by llama-quantize --allow-requantize, as peers.py does); with --dtype q8_0
+both on them quantized to Q8_0 (compile(quantize="q8_0"), rounded to nearest; llama-quantize).
 
     .venv/bin/python benchmarks/interleaved.py [--rounds 8] [--new-tokens 64] [--sparsity 0.5]
     .venv/bin/python benchmarks/interleaved.py --dtype float16
@@ -55,7 +56,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sparsity", type=float, default=0.5)
     ap.add_argument("--depth", type=int, default=0, help="positions before the decode steps")
-    ap.add_argument("--dtype", choices=["gguf", "float32", "float16"], default="gguf",
+    ap.add_argument("--dtype", choices=["gguf", "q8_0", "float32", "float16"], default="gguf",
                     help="gguf: the file's Q4_1 blocks as they are; else its weights in that dtype")
     ap.add_argument("--kv-cache", nargs="+", choices=["float32", "float16", "bfloat16"],
                     default=[None], help="picompile's KV cache dtype(s) (default: the model's)")
@@ -67,6 +68,9 @@ def main():
     gguf = models.default_gguf()
     if args.dtype == "gguf":
         peer, peer_file, dtype, weights = "llama.cpp Q4_1", gguf, None, dict(gguf=gguf)
+    elif args.dtype == "q8_0":  # both quantize the file's float32 weights again
+        peer, dtype, weights = "llama.cpp Q8_0", None, dict(quantize="q8_0")
+        peer_file = bench.requantized(bins, gguf, "Q8_0", bench.BUILD / f"{gguf.stem}-Q8_0.gguf")
     else:
         dtype = getattr(torch, args.dtype)
         kind = bench.GGUF_KINDS[dtype]
