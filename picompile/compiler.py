@@ -352,7 +352,7 @@ def _lower(captured: Captured, plan: Plan, gguf=None, rounding=None) -> Compiled
 
 def _notes(cm: CompiledModel, opts: Options) -> None:
     """One line each for what the user may not expect: blocks left dense, predictors off, a
-    model on a GPU without a budget."""
+    model on a GPU without a budget, a KV cache dtype the GPU decoder does not take."""
     blocks, ffns = cm.plan.blocks, cm.ffns()
     if not opts.sparsity and any(not b.exact for b in blocks):
         note(f"{sum(not b.exact for b in blocks)} of {len(blocks)} blocks are not ReLU "
@@ -362,6 +362,9 @@ def _notes(cm: CompiledModel, opts: Options) -> None:
         note(f"the model is on {device} and no gpu_budget was given: its FFN blocks run "
              "PyTorch's reference path there, not picompile's kernels; pass gpu_budget= (up to "
              "the GPU's free memory) for the CUDA kernels and the device decoder", opts.quiet)
+    if opts.kv_cache is not None and runs_hybrid(cm.plan):
+        note(f"kv_cache={str(opts.kv_cache).removeprefix('torch.')} applies to the CPU decoder; "
+             "the decoder split across the GPU keeps the model's dtype", opts.quiet)
     used = sum(f.predictor.enabled for f in ffns.values() if f.predictor is not None)
     if opts.mode == Mode.PREDICTED and used < len(ffns):
         note(f"predictors run in {used} of {len(ffns)} blocks; the others decode faster exact "

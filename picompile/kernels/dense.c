@@ -281,7 +281,7 @@ PI_INLINE void dot_n(const wtype* w, const xin* xs, int64_t K, float* res,
 
 /* Rows [lo, hi) of W for one group of N tokens: out[t0 + n][o] for n < N, o in [lo, hi).
  *   x    [T, K] float32 (the group's rows start at x + t0 * K); the quantized formats read
- *   acts [T] instead (x rounded to int8 blocks, qblocks.h)
+ *   acts [T] instead (x rounded to integer blocks, qblocks.h)
  *   W    [O, PI_ROW(K)], b [O] or NULL, out [T, O] float32
  * N and U are compile-time constants in every instance (rows_group dispatches). (Cutting K into
  * blocks that keep the token rows in L1 was measured no faster, up to K = 4096.) */

@@ -249,12 +249,13 @@ PIC_INLINE void faxpy_n(const int F, const void* w, const float* hs, float* cons
  * A block is 32 weights along d: a float16 scale s (q4_1: and a float16 minimum m) and 32
  * integers q (q8_0: int8; q4_*: nibbles n, weight k in the low nibble of byte k for k < 16, in
  * the high nibble of byte k - 16 above). A row is dotted with x rounded to integer blocks
- * (qblocks.h: x' = dx * qx, once per call; 16 bits for q8_0 rows, 8 for 4-bit ones) in integers:
- *     q8_0: s * dx * (q . qx)    q4_0: s * dx * (n . qx) - 8 s * sx    q4_1: s * dx * (n . qx) + m * sx
+ * (qblocks.h: x' = dx * qx, once per call; 16 bits for q8_0 rows, 8 for 4-bit ones), in
+ * integers:  q8_0: s * dx * (q . qx)    q4_0: s * dx * (n . qx) - 8 s * sx
+ *            q4_1: s * dx * (n . qx) + m * sx
  * with sx = dx * sum(qx). axpy dequantizes (s * q, s * (n - 8), s * n + m) and FMAs each weight
  * into the partial outputs. Only gate and up rows are dotted with x, so the rounding of x
  * follows their format. */
-#define PIC_QACT PIC_IS_QUANT(PIC_WDTYPE) /* x rounded to int8 */
+#define PIC_QACT PIC_IS_QUANT(PIC_WDTYPE) /* x rounded to integer blocks */
 #define PIC_QGROUP 4 /* blocks per step of the row loops */
 
 /* Prefetches per step of the row loops: cover its bytes */
@@ -319,7 +320,7 @@ PIC_INLINE void qdeq32(const int F, const uint8_t* blk, float w[32]) {
 #endif
 
 /* res[n] = w . x'[n] for n < N over a quantized row of d weights in the dot layout, x'[n] =
- * xa[n] (token n rounded to int8 blocks): qblocks.h's integer dots. */
+ * xa[n] (token n rounded to integer blocks): qblocks.h's integer dots. */
 PIC_INLINE void qdot_n(const int F, const void* row, const pq_act* const* xa, int64_t d,
                        float* res, const int N, int64_t pf) {
     if (F == PIC_Q8_0) pq_q8_dot((const uint8_t*)row, d / PIC_QK, xa, res, N, pf);
@@ -463,8 +464,8 @@ PIC_INLINE void axpy_rows(const int F, const void* const* rows, const float* h, 
 #endif
 }
 
-/* res[n] = row . xs[n] for n < nt (xa: the tokens rounded to int8, for quantized rows). Dispatches on
- * the token count so that every instance has compile-time N and U. */
+/* res[n] = row . xs[n] for n < nt (xa: the tokens rounded to integer blocks, for quantized
+ * rows). Dispatches on the token count so that every instance has compile-time N and U. */
 PIC_INLINE void row_dot(const int F, const void* w, const float* const* xs,
                         const pq_act* const* xa, int nt, int64_t d, float* res, int64_t pf) {
     switch (nt) {
@@ -855,7 +856,7 @@ static void ffn_candidates(const float* x, int64_t T, int64_t d, int64_t n_ff,
     size_t bytes = (size_t)(nch > 0 ? nch : 1) * (size_t)T * (size_t)dp * sizeof(float);
     float* part = (float*)aligned_alloc(64, (bytes + 63) & ~(size_t)63);
     if (!part) { *n_active = -1; return; }
-    pq_act* acts = NULL; /* [T] x rounded to int8 blocks (PIC_QACT) */
+    pq_act* acts = NULL; /* [T] x rounded to integer blocks (PIC_QACT) */
 #if PIC_QACT
     acts = pq_quantize_rows(x, T, d, PIC_WDTYPE == PIC_Q8_0); /* q8_0 rows: 16 bits */
     if (!acts) { free(part); *n_active = -1; return; }

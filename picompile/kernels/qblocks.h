@@ -173,11 +173,10 @@ static void pq_quantize16(const float* x, int64_t K, int16_t* q16, float* d) {
         int16_t qb[PQ_QK]; /* natural order, then placed */
 #if PQ_SIMD
         const __m256 iv = _mm256_set1_ps(inv);
+        const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
         for (int i = 0; i < 4; i += 2) { /* 16 values: two vectors, packed in order */
-            const __m256i a = _mm256_cvtps_epi32(_mm256_round_ps(
-                _mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            const __m256i c = _mm256_cvtps_epi32(_mm256_round_ps(
-                _mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i + 8), iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            const __m256i a = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), iv), rn));
+            const __m256i c = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i + 8), iv), rn));
             _mm256_storeu_si256((__m256i*)(qb + 8 * i),
                                 _mm256_permute4x64_epi64(_mm256_packs_epi32(a, c), 0xd8));
         }
@@ -194,7 +193,8 @@ static void pq_quantize16(const float* x, int64_t K, int16_t* q16, float* d) {
  * NULL when out of memory. */
 static pq_act* pq_quantize_rows(const float* x, int64_t T, int64_t K, int wide) {
     const int64_t nb = K / PQ_QK, vb = wide ? 2 : 1; /* bytes per value */
-    pq_act* a = (pq_act*)malloc((size_t)T * (sizeof(pq_act) + (size_t)(vb * K) + 2 * (size_t)nb * sizeof(float)));
+    const size_t row = sizeof(pq_act) + (size_t)(vb * K) + 2 * (size_t)nb * sizeof(float);
+    pq_act* a = (pq_act*)malloc((size_t)T * row);
     if (!a) return NULL;
     float* ds = (float*)(a + T); /* per row: d [nb], then s [nb] */
     char* qs = (char*)(ds + 2 * T * nb); /* then the values */
