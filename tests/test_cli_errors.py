@@ -48,6 +48,7 @@ def no_loading(monkeypatch):
     (["run", "--gpu-budget", "24Gb"], ["--gpu-budget", "is not a size"]),
     (["run", "--prompt", ""], ["--prompt", "empty"]),
     (["run", "--prompt", "  "], ["--prompt", "empty"]),
+    (["serve", "--kv-cache", "int8"], ["--kv-cache", "invalid choice", "int8"]),
     (["explain", "--plan", "/nonexistent/plan"],
      ["--plan", "/nonexistent/plan", "no such directory"]),
 ])
@@ -236,3 +237,23 @@ def test_a_model_that_cannot_fit_in_memory_is_refused_before_loading():
         models.check_memory(gguf, torch.bfloat16, copies=2, available=3 * n)
     assert "--dtype" not in str(e.value)
     models.check_memory(gguf, torch.bfloat16, available=3 * n)
+
+
+def test_kv_cache_reaches_compile_and_load(monkeypatch):
+    """--kv-cache is handed to compile (and to load with --plan), as compile(kv_cache=)."""
+    import types
+
+    import picompile
+
+    seen = []
+    loaded = types.SimpleNamespace(plan=types.SimpleNamespace(quantize=None))
+    monkeypatch.setattr(picompile, "compile", lambda model, **kw: seen.append(kw["kv_cache"]))
+    monkeypatch.setattr(picompile, "load",
+                        lambda model, plan, **kw: seen.append(kw["kv_cache"]) or loaded)
+    args = types.SimpleNamespace(model=None, plan=None, save=None, mode="exact", sparsity=0.5,
+                                 gpu_budget=None, calibration_tokens=16, predictors="auto",
+                                 quiet=True, dtype=None, quantize="float", kv_cache="float16")
+    cli._compile(args, model=None, tokenizer=None)
+    args.plan = "some/plan"
+    assert cli._compile(args, model=None, tokenizer=None) is loaded
+    assert seen == ["float16", "float16"]
