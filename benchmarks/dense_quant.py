@@ -34,12 +34,11 @@ import ctypes
 import os
 import pathlib
 import statistics
-import subprocess
 
 import torch
 
 from gemv import cycler, time_calls  # benchmarks/gemv.py, beside this script
-from machine import COLD_BYTES, OtherLoad, cpu_name, stream_probe
+from machine import COLD_BYTES, OtherLoad, cpu_name, kernel_source_at, stream_probe
 from picompile import quant
 from picompile.codegen import c as c_codegen
 from picompile.codegen import dense
@@ -54,17 +53,9 @@ SHAPES = [  # (name, O, K)
 FLOATS = {"float32": torch.float32, "float16": torch.float16}
 
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-
-
 def base_library(fmt: str, avx512: bool, rev: str) -> ctypes.CDLL:
     """The dense kernel of git revision `rev` for `fmt`, built with this tree's flags."""
-    def show(path: str) -> str:
-        return subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{path}"], check=True,
-                              capture_output=True, text=True).stdout
-
-    src = show("picompile/kernels/dense.c").replace('#include "qblocks.h"',
-                                                    show("picompile/kernels/qblocks.h"))
+    src = kernel_source_at(rev, "dense.c")
     lib = ctypes.CDLL(str(c_codegen.build_library(src, dense.flags(fmt, avx512), "bench-base")))
     lib.pi_dense.argtypes = dense._DENSE_ARGTYPES
     lib.pi_dense.restype = None

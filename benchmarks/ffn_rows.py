@@ -43,12 +43,12 @@ import ctypes
 import datetime
 import os
 import statistics
-import subprocess
 import time
 
 import torch
 
-from machine import COLD_BYTES, OtherLoad, cpu_name, stream_probe  # benchmarks/machine.py
+from machine import (COLD_BYTES, REPO, OtherLoad, cpu_name, kernel_source_at,
+                     stream_probe)  # benchmarks/machine.py
 from picompile.codegen import c as c_codegen
 from picompile.plan import BlockPlan
 from picompile.runtime import memory
@@ -56,12 +56,6 @@ from picompile.runtime.sparse_ffn import SparseFFN, down_input
 
 SHAPES = {"llama7b": (4096, 11008), "smollm2": (576, 1536)}  # (d, n_ff)
 D, N_FF = SHAPES["llama7b"]  # the shape measured (--shape)
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _git_show(rev: str, path: str) -> str:
-    return subprocess.run(["git", "-C", REPO, "show", f"{rev}:{path}"], capture_output=True,
-                          text=True, check=True).stdout
 
 
 def kernel_source(v: c_codegen.Variant, spec: str, base: str) -> str:
@@ -71,9 +65,7 @@ def kernel_source(v: c_codegen.Variant, spec: str, base: str) -> str:
     tuning = {k: int(val) for k, val in (kv.split("=") for kv in knobs.split(",") if kv)}
     src = c_codegen.source(v, tuning)
     if name == "base":
-        old = _git_show(base, "picompile/kernels/ffn.c").replace(
-            '#include "qblocks.h"', _git_show(base, "picompile/kernels/qblocks.h"))
-        src = src.replace(c_codegen.package_source("ffn.c"), old)
+        src = src.replace(c_codegen.package_source("ffn.c"), kernel_source_at(base, "ffn.c"))
     elif name != "new":
         raise SystemExit(f"unknown kernel {spec!r}: base or new, with :K=V knobs")
     return src

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import statistics
 import subprocess
 import time
@@ -13,6 +14,19 @@ import time
 import torch
 
 COLD_BYTES = 256 << 20  # weight copies cycled through per timing: well over the 32 MiB L3 here
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def kernel_source_at(rev: str, name: str) -> str:
+    """picompile/kernels/<name> as git revision `rev` had it, with that revision's kernel
+    headers spliced in as codegen.build.splice_headers does (for timing an older kernel
+    against this tree's)."""
+    def show(path: str) -> str:
+        return subprocess.run(["git", "-C", REPO, "show", f"{rev}:{path}"], capture_output=True,
+                              text=True, check=True).stdout
+
+    return re.sub(r'^#include "(\w+\.h)"$', lambda m: show(f"picompile/kernels/{m.group(1)}"),
+                  show(f"picompile/kernels/{name}"), flags=re.MULTILINE)
 
 
 def cpu_name() -> str:

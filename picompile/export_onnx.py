@@ -94,9 +94,9 @@ _ACT_MODULES = {nn.ReLU: "Relu", nn.Sigmoid: "Sigmoid", nn.Tanh: "Tanh",
 
 def _rounding(fmt: str) -> str:
     """How gate and up rows of `fmt` read x (quant.round_activations), for the ONNX metadata."""
-    bits = quant.format_of(fmt).activation_bits
-    return (f"; gate and up rows dotted with x rounded to {bits} bits per block of 32 "
-            f"(d = max|x| / {2 ** (bits - 1) - 1}, round half to even)")
+    f = quant.format_of(fmt)
+    return (f"; gate and up rows dotted with x rounded to {f.activation_bits} bits per block of 32 "
+            f"(d = max|x| / {f.activation_levels}, round half to even)")
 
 
 def require_onnx() -> None:

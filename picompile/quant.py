@@ -44,6 +44,11 @@ class Format:
     activation_bits: int  # x rounded to this many bits per block (round_activations)
     gguf_type: str  # gguf.GGMLQuantizationType member name
 
+    @property
+    def activation_levels(self) -> int:
+        """L of round_activations: x is rounded to integers in [-L, L] per block (127, 32767)."""
+        return 2 ** (self.activation_bits - 1) - 1
+
 
 FORMATS = {
     "q8_0": Format("q8_0", 34, 2, 2, 16, "Q8_0"),
@@ -127,8 +132,7 @@ def round_activations(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
     if K % BLOCK:
         raise ValueError(f"{fmt} kernels take inputs of a multiple of {BLOCK} features, got {K}")
     xb = x.to(torch.float32).reshape(*x.shape[:-1], K // BLOCK, BLOCK)
-    levels = float(2 ** (FORMATS[fmt].activation_bits - 1) - 1)  # 127 or 32767
-    d = xb.abs().amax(dim=-1, keepdim=True) / levels  # [..., K/32, 1]
+    d = xb.abs().amax(dim=-1, keepdim=True) / float(FORMATS[fmt].activation_levels)  # [..., K/32, 1]
     inv = torch.where(d != 0, 1.0 / d, torch.zeros((), dtype=torch.float32))
     r = (torch.round(xb * inv) * d).reshape(x.shape)
     if x.requires_grad and torch.is_grad_enabled():

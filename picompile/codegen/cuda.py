@@ -463,7 +463,7 @@ class CudaKernels:
         """x [T, d] fp32 -> xr [T, d] fp32: rounded to integer blocks as rows of `fmt` read it
         (quant.round_activations)."""
         n_blocks = x.numel() // 32
-        levels = 2 ** (quant.format_of(fmt).activation_bits - 1) - 1
+        levels = quant.format_of(fmt).activation_levels
         blocks = max(1, min(math.ceil(n_blocks / 256), 8 * self._sms(x)))
         self._launch("round_x", (blocks,), (256,), (_ptr(x), _ptr(xr), _i32(n_blocks), _f32(levels)))
 

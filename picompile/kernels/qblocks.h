@@ -103,6 +103,37 @@ PQ_INLINE void pq_act_block(const pq_act* a, int64_t nb, int64_t j, int8_t* out)
     for (int k = 0; k < PQ_QK; ++k) out[k] = a->q[pq_act_index(nb, j, k, 0)];
 }
 
+/* max |x[i]| over one block xb [32] (the same value on both paths) */
+PQ_INLINE float pq_block_amax(const float* xb) {
+#if PQ_SIMD
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 mx = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * i)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    return _mm_cvtss_f32(m4);
+#else
+    float amax = 0.0f;
+    for (int i = 0; i < PQ_QK; ++i) {
+        const float a = fabsf(xb[i]);
+        amax = a > amax ? a : amax;
+    }
+    return amax;
+#endif
+}
+
+#if PQ_SIMD
+/* qi [4] (8 int32 each) = round-half-even(xb[i] * inv) for the block xb [32], in order: what
+ * the scalar paths' nearbyintf computes */
+PQ_INLINE void pq_block_round(const float* xb, float inv, __m256i* qi) {
+    const __m256 iv = _mm256_set1_ps(inv);
+    for (int i = 0; i < 4; ++i)
+        qi[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), iv),
+                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#endif
+
 /* x [K] float32 -> q [K] int8 (the dot layout's order), d [K / 32], s [K / 32]. The AVX2 path
  * computes exactly what the scalar one does (the same IEEE operations, round half to even). */
 static void pq_quantize(const float* x, int64_t K, int8_t* q, float* d, float* s) {
@@ -110,32 +141,11 @@ static void pq_quantize(const float* x, int64_t K, int8_t* q, float* d, float* s
     for (int64_t b = 0; b < nb; ++b) {
         const float* xb = x + b * PQ_QK;
         int8_t qb[PQ_QK]; /* natural order, then placed */
-#if PQ_SIMD
-        const __m256 sign = _mm256_set1_ps(-0.0f);
-        __m256 v[4], mx = _mm256_setzero_ps();
-        for (int i = 0; i < 4; ++i) {
-            v[i] = _mm256_loadu_ps(xb + 8 * i);
-            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
-        }
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float amax = _mm_cvtss_f32(m4);
-#else
-        float amax = 0.0f;
-        for (int i = 0; i < PQ_QK; ++i) {
-            const float a = fabsf(xb[i]);
-            amax = a > amax ? a : amax;
-        }
-#endif
-        const float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
+        const float db = pq_block_amax(xb) / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
         int32_t sum = 0;
 #if PQ_SIMD
-        const __m256 iv = _mm256_set1_ps(inv);
         __m256i qi[4];
-        for (int i = 0; i < 4; ++i)
-            qi[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], iv),
-                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        pq_block_round(xb, inv, qi);
         /* int32 -> int8 in order: packs interleave the 128-bit lanes, the permute restores them */
         const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]), p16b = _mm256_packs_epi32(qi[2], qi[3]);
         const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b),
@@ -164,22 +174,14 @@ static void pq_quantize16(const float* x, int64_t K, int16_t* q16, float* d) {
     const int64_t nb = K / PQ_QK;
     for (int64_t b = 0; b < nb; ++b) {
         const float* xb = x + b * PQ_QK;
-        float amax = 0.0f;
-        for (int i = 0; i < PQ_QK; ++i) {
-            const float a = fabsf(xb[i]);
-            amax = a > amax ? a : amax;
-        }
-        const float db = amax / 32767.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
         int16_t qb[PQ_QK]; /* natural order, then placed */
+        const float db = pq_block_amax(xb) / 32767.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
 #if PQ_SIMD
-        const __m256 iv = _mm256_set1_ps(inv);
-        const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-        for (int i = 0; i < 4; i += 2) { /* 16 values: two vectors, packed in order */
-            const __m256i a = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), iv), rn));
-            const __m256i c = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i + 8), iv), rn));
+        __m256i qi[4];
+        pq_block_round(xb, inv, qi);
+        for (int i = 0; i < 4; i += 2) /* int32 -> int16 in order, 16 values at a time */
             _mm256_storeu_si256((__m256i*)(qb + 8 * i),
-                                _mm256_permute4x64_epi64(_mm256_packs_epi32(a, c), 0xd8));
-        }
+                                _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[i], qi[i + 1]), 0xd8));
 #else
         for (int i = 0; i < PQ_QK; ++i) qb[i] = (int16_t)nearbyintf(xb[i] * inv);
 #endif
