@@ -82,7 +82,6 @@ HYBRID_SHAPE = {"llama-7b": "llama-7b", "tiny": "tiny-llama"}  # --shape -> hybr
 SHAPES = tuple(HYBRID_SHAPE)
 PLANTED_RATE = 0.1  # what hybrid.build plants
 PROMPT_TOKENS = 32
-NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 
 
 # ---------------------------------------------------------------- the model
@@ -128,17 +127,17 @@ def gguf_names(hidden, ffn, layers, heads, vocab):
             yield from (f"{blk}.ffn_gate.bias", f"{blk}.ffn_up.bias", f"{blk}.ffn_down.bias")
 
 
-def hf_name(name: str) -> str:
-    """The Hugging Face parameter a GGUF tensor holds
-    ("blk.0.ffn_up.bias" -> "model.layers.0.mlp.up_proj.bias")."""
-    if name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    if name == "output_norm.weight":
-        return "model.norm.weight"
-    part, kind = name.rsplit(".", 2)[-2:]
-    if part in NORMS:
-        return f"model.layers.{name.split('.')[1]}.{NORMS[part]}.weight"
-    return gguf_weights.module_name(name.rsplit(".", 1)[0] + ".weight") + "." + kind
+def hf_names(params, layers: int) -> dict[str, str]:
+    """{GGUF tensor name: the Hugging Face parameter it holds} ("blk.0.ffn_up.bias" ->
+    "model.layers.0.mlp.up_proj.bias"), by the gguf package's name map as gguf_weights reads
+    files."""
+    to_tensor = gguf_weights.tensor_name("llama", layers)
+    out = {}
+    for param in params:
+        module, kind = param.rsplit(".", 1)
+        if (tensor := to_tensor(module)) is not None:
+            out[tensor.rsplit(".", 1)[0] + "." + kind] = param
+    return out
 
 
 def gguf_array(name: str, t: torch.Tensor, config) -> np.ndarray:
@@ -160,6 +159,7 @@ def write_gguf(model, path: pathlib.Path) -> None:
     fields = llama_offload.tokenizer_fields(llama_offload.vocab_source())
     n_vocab = llama_offload.vocab_size(fields)
     params = dict(model.named_parameters())
+    hf_name = hf_names(params, c.num_hidden_layers).__getitem__
     names = list(gguf_names(c.hidden_size, c.intermediate_size, c.num_hidden_layers,
                             c.num_attention_heads, n_vocab))
     head_dim = c.hidden_size // c.num_attention_heads

@@ -4,21 +4,30 @@ transformers loads a GGUF model by dequantizing every tensor to float; this modu
 file again with the `gguf` package (memory-mapped, one tensor at a time) so that the quantize pass
 can put each tensor's own blocks back instead of quantizing the float copy a second time:
 
-    blocks = read(path, config)   # {"model.layers.0.mlp.up_proj": Blocks("q4_1", uint8 [rows, row_bytes]), ...}
+    tensors, notes = read(path, config)
+    tensors.get("model.layers.0.mlp.up_proj")   # Blocks("q4_1", uint8 [rows, row_bytes]) or None
 
-Q8_0, Q4_0 and Q4_1 tensors are kept as they are (picompile/quant.py uses GGUF's block layout;
-q and k of Llama models get the same row permutation transformers applies, whole rows so whole
-blocks). Other quantized types (K-quants, Q5_x, ...) map to the nearest supported format
-(`nearest_format`), re-quantized from the float weights by the caller, with a note. Float
-tensors (F32, F16, BF16) are not listed: they stay float.
+Which module a tensor belongs to comes from the `gguf` package's own name map
+(gguf.TensorNameMap, the table llama.cpp's converter writes by and transformers' loader reads
+by), so every architecture both know maps the same way; the LM head of a file without an
+`output` tensor is the token embedding (tied).
 
-Only the Llama architecture family's tensor names are mapped here (what picompile's decoder runs:
-Llama, SmolLM, Mistral, Qwen2 files all say "llama" or use its names); for other files `read`
-returns {} and a note, and compile quantizes from the float weights instead.
+Q8_0, Q4_0 and Q4_1 tensors are kept as they are (picompile/quant.py uses GGUF's block layout)
+for the architectures whose weights transformers loads unchanged (KEEPS_BLOCKS; q and k of
+"llama" files get the same whole-row permutation transformers applies). Other quantized types
+(K-quants, Q5_x, ...) map to the nearest supported format (NEAREST), and the tensors of other
+architectures keep their file's format: both are re-quantized from the float weights by the
+caller, with a note. A file whose architecture the name map does not know is re-quantized to
+its most common format. Float tensors (F32, F16, BF16) stay float.
+
+Kept blocks are checked against the model's float weights before they replace them (`check_fits`:
+a few rows dequantized must be close), so a file of another model, or a mapping this module gets
+wrong, is a clear error rather than a silently different model.
 """
 
 from __future__ import annotations
 
+import collections
 import pathlib
 import re
 from dataclasses import dataclass
@@ -35,13 +44,12 @@ NEAREST = {"Q4_K": "q4_1", "IQ4_NL": "q4_1", "IQ4_XS": "q4_1", "Q2_K": "q4_0", "
            "IQ1_S": "q4_0", "IQ1_M": "q4_0", "Q5_0": "q8_0", "Q5_1": "q8_0", "Q5_K": "q8_0",
            "Q6_K": "q8_0", "Q8_1": "q8_0", "Q8_K": "q8_0"}
 FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
-ARCHITECTURES = ("llama", "mistral", "qwen2")
-
-_LAYER_TENSORS = {  # GGUF blk.N.<name> -> the HF module under model.layers.N
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
+# Architectures (general.architecture) whose linear weights transformers loads as the file holds
+# them ("llama": q and k rows permuted back, _unpermute_rows): their blocks can be kept. Others
+# transform some weights on loading (or are not loaded by transformers at all): re-quantized.
+KEEPS_BLOCKS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+_PERMUTED = {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}  # "llama" only
+MATCH_TOLERANCE = 0.3  # check_fits: largest relative L2 distance of a kept row from the weight's
 
 
 @dataclass
@@ -54,15 +62,39 @@ class Blocks:
     gguf_type: str
 
 
-def module_name(gguf_name: str) -> str | None:
-    """The HF module a GGUF weight belongs to ("blk.3.ffn_up.weight" -> "model.layers.3.mlp.up_proj"),
-    or None for a tensor picompile does not quantize (embeddings, norms)."""
-    if gguf_name == "output.weight":
-        return "lm_head"
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
-    if m is None or m.group(2) not in _LAYER_TENSORS:
+class FileTensors:
+    """The quantized tensors of one GGUF file, looked up by the Hugging Face module they belong
+    to (`get`, as a dict of Blocks would be)."""
+
+    def __init__(self, by_tensor: dict[str, Blocks], to_tensor, fallback: str | None = None):
+        self._by_tensor = by_tensor  # GGUF tensor name ("blk.3.ffn_up.weight") -> Blocks
+        self._to_tensor = to_tensor  # HF module name -> GGUF tensor name, or None
+        self._fallback = fallback  # an unmapped architecture: modules not found re-quantized to it
+
+    def get(self, module: str, default=None) -> Blocks | None:
+        name = self._to_tensor(module)
+        if name in self._by_tensor:
+            return self._by_tensor[name]
+        return Blocks(self._fallback, None, "unmapped") if self._fallback else default
+
+
+def tensor_name(arch: str, n_blocks: int):
+    """HF module name -> the GGUF tensor holding its weight, for files of architecture `arch`
+    with n_blocks layers ("model.layers.3.mlp.up_proj" -> "blk.3.ffn_up.weight"; "lm_head" ->
+    "output.weight"), from gguf's name map; None when `arch` is unknown to it."""
+    import gguf
+
+    key = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), None)
+    if key is None:
         return None
-    return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}"
+    names = gguf.get_tensor_name_map(key, n_blocks)
+
+    def to_tensor(module: str) -> str | None:
+        if module == "lm_head":
+            return "output.weight"
+        base = names.get_name(module)
+        return None if base is None else f"{base}.weight"
+    return to_tensor
 
 
 def _unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
@@ -72,70 +104,89 @@ def _unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
     return rows.reshape(n_head, half, 2, -1).swapaxes(1, 2).reshape(rows.shape[0], -1)
 
 
-def _architecture(reader) -> str:
-    field = reader.fields.get("general.architecture")
-    return bytes(field.parts[field.data[0]]).decode() if field is not None else "?"
+def _field(reader, key: str):
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    value = field.parts[field.data[0]]
+    return bytes(value).decode() if field.types and field.types[0].name == "STRING" else value[0]
 
 
-def read(path, config) -> tuple[dict[str, Blocks], list[str]]:
-    """{HF module name: Blocks} for the quantized weights in the GGUF file at `path`, and notes.
-    `config`: the model's (head counts, for q / k of Llama models)."""
+def read(path, config=None, with_data: bool = True) -> tuple[FileTensors, list[str]]:
+    """The quantized weights in the GGUF file at `path` (FileTensors: Blocks by HF module name),
+    and notes. `config`: the model's (head counts, for q / k of "llama" files). with_data=False:
+    formats only (no block is read)."""
     import gguf
 
     reader = gguf.GGUFReader(pathlib.Path(path))
-    arch = _architecture(reader)
-    if arch not in ARCHITECTURES:
-        return {}, [f"{path}: architecture {arch!r}: its tensors are not mapped (only "
-                    f"{', '.join(ARCHITECTURES)}); quantized from the float weights instead"]
-    heads = {"attn_q": config.num_attention_heads,
-             "attn_k": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
-    out: dict[str, Blocks] = {}
-    notes: list[str] = []
-    for name, module, kind, t in _module_tensors(reader):
-        if kind in FLOAT_TYPES:
-            continue
-        if kind in KEPT:
-            rows = np.asarray(t.data)  # uint8 [rows, row_bytes], GGUF's own blocks
-            part = name.split(".")[-2]
-            if arch == "llama" and part in heads:
-                rows = _unpermute_rows(rows, heads[part])
-            out[module] = Blocks(KEPT[kind], torch.from_numpy(np.array(rows, copy=True)), kind)
-        elif kind in NEAREST:
-            out[module] = Blocks(NEAREST[kind], None, kind)
-            notes.append(f"{name}: {kind} has no kernel here: re-quantized to {NEAREST[kind]}")
-        else:
-            notes.append(f"{name}: {kind} is not supported: stays float")
-    return out, notes
-
-
-def formats(path) -> dict[str, str]:
-    """{HF module name: picompile format} of the file's quantized weights, as `read` would give
-    them, without reading their data (the tensors' types only)."""
-    import gguf
-
-    reader = gguf.GGUFReader(pathlib.Path(path))
-    if _architecture(reader) not in ARCHITECTURES:
-        return {}
-    return {module: KEPT.get(kind) or NEAREST[kind] for _, module, kind, _ in _module_tensors(reader)
-            if kind in KEPT or kind in NEAREST}
-
-
-def _module_tensors(reader):
-    """(GGUF name, HF module name, tensor type name, tensor) of each of the file's tensors that
-    maps to a module, the LM head included where it is tied to the embedding."""
+    arch = _field(reader, "general.architecture") or "?"
     tensors = {t.name: t for t in reader.tensors}
     if "output.weight" not in tensors and "token_embd.weight" in tensors:
         tensors["output.weight"] = tensors["token_embd.weight"]  # tied LM head
-    for name, t in tensors.items():
-        module = module_name(name)
-        if module is not None:
-            yield name, module, t.tensor_type.name, t
+    types = {name: t.tensor_type.name for name, t in tensors.items()  # what picompile quantizes
+             if name.endswith(".weight") and name != "token_embd.weight"
+             and t.tensor_type.name not in FLOAT_TYPES}
+    n_blocks = _field(reader, f"{arch}.block_count") or len(
+        {m.group(1) for n in tensors if (m := re.match(r"blk\.(\d+)\.", n))})
+    to_tensor = tensor_name(arch, int(n_blocks))
+    keep = to_tensor is not None and arch in KEEPS_BLOCKS
+    notes: list[str] = []
+    fallback = None
+    if to_tensor is None:  # only the LM head's name is known: the rest takes the common format
+        counts = collections.Counter(KEPT.get(k) or NEAREST.get(k) for k in types.values())
+        counts.pop(None, None)
+        fallback = counts.most_common(1)[0][0] if counts else None
+        to_tensor = {"lm_head": "output.weight"}.get
+        how = f"quantized from the float weights to {fallback}, the file's most common format" \
+            if fallback else "float, as the file's tensors are"
+        notes.append(f"{path}: architecture {arch!r} has no tensor name map in the gguf "
+                     f"package: its linears {how}")
+    elif not keep and any(k in KEPT for k in types.values()):
+        notes.append(f"{path}: architecture {arch!r}: transformers transforms some weights on "
+                     "loading, so its blocks are not kept: each tensor re-quantized from the float "
+                     "weights to its own format")
+    out: dict[str, Blocks] = {}
+    for name, kind in types.items():
+        if kind in KEPT:
+            data = None
+            if keep and with_data:
+                rows = np.asarray(tensors[name].data)  # uint8 [rows, row_bytes], GGUF's own blocks
+                part = name.split(".")[-2]
+                if arch == "llama" and part in _PERMUTED and config is not None:
+                    heads = getattr(config, _PERMUTED[part], None) or config.num_attention_heads
+                    rows = _unpermute_rows(rows, heads)
+                data = torch.from_numpy(np.array(rows, copy=True))
+            out[name] = Blocks(KEPT[kind], data, kind)
+        elif kind in NEAREST:
+            out[name] = Blocks(NEAREST[kind], None, kind)
+            notes.append(f"{name}: {kind} has no kernel here: re-quantized to {NEAREST[kind]}")
+        else:
+            notes.append(f"{name}: {kind} is not supported: stays float")
+    return FileTensors(out, to_tensor, fallback), notes
 
 
-def check_fits(blocks: Blocks, rows: int, cols: int, where: str) -> None:
-    """The file's tensor must be the module's weight: a clear error otherwise (a GGUF file of
-    another model)."""
-    if blocks.data is not None and tuple(blocks.data.shape) != (rows, quant.row_bytes(cols, blocks.fmt)):
+def formats(path) -> FileTensors:
+    """The file's quantized weights' formats, as `read` would give them (Blocks without data)."""
+    return read(path, with_data=False)[0]
+
+
+def check_fits(blocks: Blocks, weight: torch.Tensor, where: str) -> None:
+    """The file's blocks must be the module's weight [rows, cols] (float, the rows in the same
+    order): the same shape, and a few rows dequantized within MATCH_TOLERANCE (relative L2) of
+    the weight's (exactly equal when the model was loaded from the file; a GGUF file of another
+    model, or rows in another order, are far off). A clear error otherwise."""
+    if blocks.data is None:
+        return
+    rows, cols = weight.shape
+    hint = "is this the file the model was loaded from?"
+    if tuple(blocks.data.shape) != (rows, quant.row_bytes(cols, blocks.fmt)):
         raise ValueError(f"{where}: the GGUF tensor holds {tuple(blocks.data.shape)} bytes of "
-                         f"{blocks.gguf_type} blocks, the model's weight is [{rows}, {cols}]: is "
-                         "this the file the model was loaded from?")
+                         f"{blocks.gguf_type} blocks, the model's weight is [{rows}, {cols}]: {hint}")
+    sample = torch.linspace(0, rows - 1, min(rows, 8)).long()
+    w = weight.detach()[sample].to("cpu", torch.float32)
+    deq = quant.dequantize(blocks.data[sample], blocks.fmt, cols)
+    far = float(((deq - w).norm(dim=1) / w.norm(dim=1).clamp_min(1e-12)).max())
+    if far > MATCH_TOLERANCE:
+        raise ValueError(f"{where}: the GGUF file's {blocks.gguf_type} blocks are not this "
+                         f"module's weight (rows differ by {far:.2f} of their norm, more than "
+                         f"{blocks.fmt} rounding): {hint}")

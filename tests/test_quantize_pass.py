@@ -186,6 +186,114 @@ def test_widths_off_the_block_size_stay_float_with_a_note():
     assert "stays float" in text and "not a multiple of 32" in text
 
 
+GGUF_ARCH = {"llama_silu": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+             "gemma3": "gemma3", "phi3": "phi3"}  # zoo arch -> the file's general.architecture
+
+
+def _llama_cpp_rows(rows: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's converter's q / k row order for "llama" files (each head's rotary halves
+    interleaved; whole rows)."""
+    return rows.reshape(n_head, 2, rows.shape[0] // n_head // 2, -1).transpose(1, 2).reshape(rows.shape)
+
+
+def _write_gguf(model: nn.Module, arch: str, fmt: str, path) -> dict[str, torch.Tensor]:
+    """Write the model's linears as a GGUF file of `arch` the way llama.cpp's converter names
+    them (gguf's name map; the LM head q8_0 under a 4-bit format, and where it is tied to the
+    embedding only token_embd), every weight in `fmt` blocks. The model's weights become those
+    blocks dequantized (what transformers loads from the file). -> {module name: its blocks, in
+    the model's row order}."""
+    import gguf
+
+    from picompile import gguf_weights
+
+    c = model.config
+    names = gguf_weights.tensor_name  # an architecture gguf does not know: Llama's names
+    to_tensor = names(arch, c.num_hidden_layers) or names("llama", c.num_hidden_layers)
+    head = model.get_output_embeddings()
+    tied = head.weight is model.get_input_embeddings().weight
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(c.num_hidden_layers)
+    blocks = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear):
+            continue
+        m_fmt = "q8_0" if m is head and fmt in FOUR_BIT else fmt
+        with torch.no_grad():
+            q = quant.quantize(m.weight.detach(), m_fmt)
+            m.weight.copy_(quant.dequantize(q, m_fmt, m.in_features))
+        blocks[name] = q
+        rows = q
+        if arch == "llama" and name.endswith(("q_proj", "k_proj")):
+            heads = c.num_attention_heads if name.endswith("q_proj") else c.num_key_value_heads
+            rows = _llama_cpp_rows(q, heads)
+        tensor = "token_embd.weight" if m is head and tied else to_tensor(name)
+        writer.add_tensor(tensor, rows.numpy(),
+                          raw_dtype=gguf.GGMLQuantizationType[m_fmt.upper()])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return blocks
+
+
+@pytest.mark.parametrize("arch", list(GGUF_ARCH))
+def test_gguf_files_of_each_architecture_keep_their_blocks(arch, tmp_path):
+    """compile(model, gguf=file) for every architecture whose file keeps its blocks: each linear
+    and each FFN block's gate and up rows are the file's blocks (Phi-3's fused gate_up split in
+    halves, Llama's q and k in transformers' row order), the tied LM head the token embedding's;
+    the model equals the fake-quantized reference."""
+    fmt = "q4_0"
+    dense = zoo.make(arch, hidden=64, n_ff=96)
+    blocks = _write_gguf(dense, GGUF_ARCH[arch], fmt, tmp_path / "model.gguf")
+    ref = _fake_quant_model(dense, fmt, gguf=True)
+    cm = picompile.compile(copy.deepcopy(dense), gguf=tmp_path / "model.gguf", quiet=True)
+    assert cm.plan.quantize == "gguf"
+    mods = dict(cm._orig_mod.named_modules())
+    kept = [name for name in blocks if isinstance(mods.get(name), QuantLinear)]
+    assert "lm_head" in kept and any("self_attn" in name for name in kept)
+    for name in kept:
+        assert torch.equal(mods[name].row_blocks(), blocks[name]), name
+    for name, ffn in cm.ffns().items():
+        module = name.removesuffix(".sparse_ffn")
+        if "gate_up" in ffn.block.linears:
+            gate, up = blocks[f"{module}.gate_up_proj"].chunk(2)
+        else:
+            gate, up = blocks[f"{module}.gate_proj"], blocks[f"{module}.up_proj"]
+        order = slice(None) if ffn.order is None else ffn.order
+        assert ffn.qformat == fmt and ffn.down_qformat == "q8_0"
+        assert torch.equal(ffn.row_blocks("w_up"), up[order])
+        assert torch.equal(ffn.row_blocks("w_gate"), gate[order])
+    _assert_same_outputs(cm, ref)
+
+
+def test_gguf_blocks_of_another_model_are_refused(tmp_path):
+    """A file whose blocks are not the model's weights (another model's, here another seed)
+    is a clear error, not a silently different model."""
+    _write_gguf(zoo.make("qwen2", hidden=64, n_ff=96, seed=1), "qwen2", "q8_0", tmp_path / "m.gguf")
+    with pytest.raises(ValueError, match="not this module's weight.*loaded from"):
+        picompile.compile(zoo.make("qwen2", hidden=64, n_ff=96), gguf=tmp_path / "m.gguf",
+                          quiet=True)
+
+
+@pytest.mark.parametrize("arch, why", [("stablelm", "transforms some weights"),
+                                       ("no-such-arch", "no tensor name map")])
+def test_gguf_files_whose_blocks_cannot_be_kept_are_quantized_to_their_formats(arch, why, tmp_path):
+    """Architectures whose weights transformers changes on loading (or which gguf's name map
+    does not know): every linear is quantized from the float weights to its tensor's format in
+    the file (unmapped: the file's most common one; the LM head is `output` in every file), with
+    a note, never left float."""
+    dense = zoo.make("llama_silu", hidden=64, n_ff=96)
+    _write_gguf(dense, arch, "q4_1", tmp_path / "m.gguf")
+    cm = picompile.compile(copy.deepcopy(dense), gguf=tmp_path / "m.gguf", quiet=True)
+    text = picompile.explain(cm)
+    assert why in text
+    assert all(ffn.qformat == "q4_1" for ffn in cm.ffns().values())
+    linears = {n: m for n, m in cm._orig_mod.named_modules() if isinstance(m, QuantLinear)}
+    assert len(linears) == 9  # 2 layers of q, k, v, o and the LM head (output.weight: q8_0)
+    assert {n: m.qformat for n, m in linears.items()} == {
+        n: "q8_0" if n == "lm_head" else "q4_1" for n in linears}
+
+
 @pytest.mark.slow
 def test_gguf_file_tensors_are_kept_as_they_are():
     """SmolLM2's Q4_1 file: q/k/v/o, gate and up keep the file's blocks (q and k in the row
@@ -213,7 +321,7 @@ def test_gguf_file_tensors_are_kept_as_they_are():
     assert ffn.qformat == "q4_1" and ffn.down_qformat == "q8_0"
     torch.testing.assert_close(quant.dequantize(ffn.row_blocks("w_up"), "q4_1", 576),
                                dense.model.layers[3].mlp.up_proj.weight, atol=0, rtol=0)
-    assert gguf_weights.module_name("blk.3.ffn_up.weight") == "model.layers.3.mlp.up_proj"
+    assert gguf_weights.tensor_name("llama", 30)("model.layers.3.mlp.up_proj") == "blk.3.ffn_up.weight"
     ids = torch.randint(0, 49152, (1, 12), generator=torch.Generator().manual_seed(0))
     ref = _fake_quant_model(dense, "q4_1", gguf=True)
     with torch.no_grad():

@@ -2,7 +2,7 @@
 
     notes = quantize_ffns(ffns, "q4_0")                    # before the blocks pick kernels
     paths, notes = quantize_linears(model, "q4_0")         # after the lowering pass
-    blocks, notes = gguf_weights.read(path, model.config)  # fmt "gguf": the file's own blocks
+    tensors, notes = gguf_weights.read(path, model.config)  # fmt "gguf": the file's own blocks
 
 Runs last, after calibration, profiling, predictor training and placement (they measure the
 float model), just before kernels are picked: every FFN block (SparseFFN.quantize_: its gate,
@@ -60,26 +60,27 @@ def planned_ffn_formats(ffns: dict, fmt: str | None, gguf_path=None) -> dict[str
     projection's format in the file at `gguf_path`."""
     if fmt is None:
         return {}
-    file_format = gguf_weights.formats(gguf_path).get if fmt == "gguf" else None
+    file_tensors = gguf_weights.formats(gguf_path) if fmt == "gguf" else None
     out = {}
     for name, ffn in ffns.items():
-        block_fmt, _ = _block_format(ffn, fmt, file_format)
+        block_fmt, _ = _block_format(ffn, fmt, file_tensors)
         if block_fmt is not None:
             out[name] = ffn_formats(block_fmt)
     return out
 
 
-def _block_format(ffn, fmt: str, file_format=None) -> tuple[str | None, str | None]:
+def _block_format(ffn, fmt: str, file_tensors=None) -> tuple[str | None, str | None]:
     """(the format `fmt` stores the block's gate / up rows in, None) or (None, why it stays
-    float): the one rule for planned_ffn_formats and quantize_ffns. file_format(module name) ->
-    the GGUF file's format of that tensor or None (fmt "gguf": the block's up projection's)."""
+    float): the one rule for planned_ffn_formats and quantize_ffns. file_tensors (fmt "gguf":
+    gguf_weights.read's, by module name): the block takes its up projection's format there."""
     why = quant.why_not_quantizable((ffn.n_ff, ffn.d_model))
     if why is not None:
         return None, why
-    if file_format is None:
+    if file_tensors is None:
         return fmt, None
-    block_fmt = file_format(_module_names(ffn).get("up", ""))
-    return (block_fmt, None) if block_fmt is not None else (None, "float in the GGUF file")
+    modules = _module_names(ffn)
+    blocks = file_tensors.get(modules.get("up") or modules.get("gate_up", ""))
+    return (blocks.fmt, None) if blocks is not None else (None, "float in the GGUF file")
 
 
 def _module_names(ffn) -> dict[str, str]:
@@ -233,13 +234,8 @@ def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None,
     notes = []
     requantized_down = 0  # blocks whose 4-bit down rows went to q8_0
 
-    def file_format(module: str) -> str | None:  # the file's blocks hold its quantized tensors
-        blocks = file_blocks.get(module)
-        return None if blocks is None else blocks.fmt
-
     for name, ffn in ffns.items():
-        modules = _module_names(ffn)
-        block_fmt, why = _block_format(ffn, fmt, file_format if file_blocks is not None else None)
+        block_fmt, why = _block_format(ffn, fmt, file_blocks)
         if why is not None:
             notes.append(f"{name}: stays {str(ffn.w_up.dtype).removeprefix('torch.')}: {why}")
             continue
@@ -253,12 +249,8 @@ def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None,
                     f"{name}.{role}", w, role_fmt, transposed=role == "w_down_t")
                 if blocks is not None:
                     given[role] = blocks
-        for role in ("gate", "up"):  # the file's rows (its down rows lie along the other axis)
-            blocks = (file_blocks or {}).get(modules.get(role, ""))
-            if blocks is None or blocks.data is None or blocks.fmt != block_fmt:
-                continue  # quantized from the float weights
-            gguf_weights.check_fits(blocks, ffn.n_ff, ffn.d_model, modules[role])
-            given[f"w_{role}"] = blocks.data if ffn.order is None else blocks.data[ffn.order]
+        if file_blocks is not None:
+            given.update(_file_rows(ffn, file_blocks, block_fmt))
         ffn.quantize_(block_fmt, down_fmt, blocks=given)
     if requantized_down:
         how = ("re-quantized to", " (the file blocks them along n_ff)") if file_blocks is not None \
@@ -266,6 +258,34 @@ def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None,
         notes.append(f"FFN down rows of {requantized_down} 4-bit blocks {how[0]} "
                      f"{HIGH_PRECISION} along d{how[1]}")
     return notes
+
+
+def _file_rows(ffn, file_blocks, block_fmt: str) -> dict[str, torch.Tensor]:
+    """{"w_gate" | "w_up": the GGUF file's blocks of those rows, in the block's neuron order}
+    where the file keeps them in block_fmt (its down rows lie along the other axis: quantized
+    again). A fused gate_up tensor [2 n_ff, d] gives both halves."""
+    modules = _module_names(ffn)
+    if "gate_up" in modules:
+        blocks = file_blocks.get(modules["gate_up"])
+        parts = {}
+        if blocks is not None and blocks.data is not None and blocks.data.shape[0] == 2 * ffn.n_ff:
+            halves = blocks.data.chunk(2)
+            g = ffn.block.fused_gate_half
+            parts = {"w_gate": (blocks, halves[g]), "w_up": (blocks, halves[1 - g])}
+    else:
+        parts = {f"w_{role}": (blocks, blocks.data) for role in ("gate", "up")
+                 if (blocks := file_blocks.get(modules.get(role, ""))) is not None
+                 and blocks.data is not None}
+    out = {}
+    for role, (blocks, rows) in parts.items():
+        if blocks.fmt != block_fmt:
+            continue  # quantized from the float weights
+        if ffn.order is not None:
+            rows = rows[ffn.order]
+        gguf_weights.check_fits(gguf_weights.Blocks(blocks.fmt, rows, blocks.gguf_type),
+                                getattr(ffn, role), f"{ffn.block.module}: {role}")
+        out[role] = rows
+    return out
 
 
 def quantize_linears(model: nn.Module, fmt: str, file_blocks: dict | None = None,
@@ -306,7 +326,7 @@ def quantize_linears(model: nn.Module, fmt: str, file_blocks: dict | None = None
                 if given is not None:
                     replaced[id(child)].load_row_blocks(given)
                 if blocks is not None and blocks.data is not None:
-                    gguf_weights.check_fits(blocks, child.out_features, child.in_features, qual)
+                    gguf_weights.check_fits(blocks, child.weight, qual)
                     replaced[id(child)].load_row_blocks(blocks.data)
             setattr(parent, name, replaced[id(child)])
             paths[qual] = replaced[id(child)].path
