@@ -144,6 +144,26 @@ def test_sliding_windows_past_their_size_match_hugging_face(arch):
     assert torch.equal(cm.generate(ids, **kw), want)
 
 
+@pytest.mark.parametrize("arch, kv_cache", [("llama_silu", None), ("gemma2", None),
+                                           ("gemma3", None), ("qwen3", "float16")])
+def test_long_contexts_split_attention_into_chunks(arch, kv_cache):
+    """Steps at 700 positions: attention runs in several chunks of positions per KV head, on
+    both threads, merged (kernels/decoder.c attention); Gemma 2's capped scores, Gemma 3's
+    64-position windows (their chunks start past 0) and a float16 cache among them. The steps
+    equal the per-module path's."""
+    config = zoo.hf_config(arch, hidden=64)
+    config.max_position_embeddings = 1024
+    torch.manual_seed(0)
+    model = _randomized(AutoModelForCausalLM.from_config(config).eval())
+    cm = picompile.compile(model, kv_cache=kv_cache, max_context=1024, quiet=True)
+    dec = cm.decoder()
+    assert dec is not None, cm.decoder_reason
+    ids = torch.randint(3, zoo.VOCAB, (1, 704), generator=torch.Generator().manual_seed(4))
+    want, got = _step_logits(cm, dec, ids, prompt=700)
+    tol = 1e-4 if kv_cache is None else 0.05
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
 def test_post_norm_opt_is_refused_with_a_reason():
     model = zoo.make("opt")
     model.config.do_layer_norm_before = False

@@ -137,9 +137,34 @@ static int pi_threads = 0;
 
 void pi_decoder_set_num_threads(int n) { pi_threads = n; }
 
+/* Attention of one token over the cache, split like flash-decoding: the positions t0..pos of
+ * each KV head are cut into chunks (of PI_ATT_CHUNK positions, and at least PI_ATT_UNITS pieces
+ * of work in all where there are positions enough; counts that depend on the position alone, so
+ * the result does not depend on the thread count), and one piece of work is a KV head's chunk
+ * for all the query heads that share that head (GQA): each cached key and value row comes from
+ * memory once per token, and long contexts keep every thread busy. A piece keeps, per query
+ * head, the largest score m, the sum l of e^(s - m) and o = sum of e^(s - m) v over its
+ * positions; the pieces merge in chunk order:
+ *     out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c,   M = max_c m_c. */
+#ifndef PI_ATT_CHUNK
+#define PI_ATT_CHUNK 256
+#endif
+#ifndef PI_ATT_UNITS
+#define PI_ATT_UNITS 8
+#endif
+
+/* chunks per KV head for n positions */
+static int64_t att_chunks(const pi_decoder* m, int64_t n) {
+    int64_t c = (n + PI_ATT_CHUNK - 1) / PI_ATT_CHUNK;
+    const int64_t want = (PI_ATT_UNITS + m->n_kv_heads - 1) / m->n_kv_heads;
+    if (c < want) c = want < (n + 15) / 16 ? want : (n + 15) / 16; /* chunks of >= 16 positions */
+    return c > 0 ? c : 1;
+}
+
 int64_t pi_decoder_work_floats(const pi_decoder* m) {
     const int64_t qd = m->n_heads * m->head_dim, kvd = m->n_kv_heads * m->head_dim;
-    return 2 * m->d + 2 * qd + 2 * kvd + m->n_heads * m->max_len;
+    return 2 * m->d + 2 * qd + 2 * kvd + m->n_heads * m->max_len
+           + m->n_heads * att_chunks(m, m->max_len) * (m->head_dim + 2);
 }
 
 /* out [d] = x / sqrt(mean(x^2) + eps) * w, as HF's RMSNorm computes it in float32; with
@@ -222,13 +247,6 @@ static float dot_kv16(const float* a, const uint16_t* b, int64_t n, int bf) {
     return _mm_cvtss_f32(s);
 }
 
-/* o [n] += p * v [n] of 16-bit values */
-static void axpy_kv16(float* o, float p, const uint16_t* v, int64_t n, int bf) {
-    const __m256 pv = _mm256_set1_ps(p);
-    for (int64_t i = 0; i < n; i += 8)
-        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(pv, kv_load8(v + i, bf), _mm256_loadu_ps(o + i)));
-}
-
 /* x [n] float32 -> 16-bit values at out, rounded to nearest even */
 static void store_kv16(uint16_t* out, const float* x, int64_t n, int bf) {
     for (int64_t i = 0; i < n; i += 8) {
@@ -249,51 +267,185 @@ static void store_kv16(uint16_t* out, const float* x, int64_t n, int bf) {
 }
 #endif
 
-/* out [n_heads, hd]: attention of q [n_heads, hd] over cache positions 0..pos */
-static void attention(const pi_decoder* m, const pi_layer* L, const float* q, int64_t pos,
-                      float* scores, float* out) {
-    const int64_t H = m->n_heads, hd = m->head_dim, group = m->n_heads / m->n_kv_heads;
-    const int64_t t0 = L->window > 0 && pos >= L->window ? pos - L->window + 1 : 0;
-    const int64_t n = pos + 1;
-    const float cap = m->attn_softcap;
-#ifdef _OPENMP
-    const int nt = pi_threads > 0 ? pi_threads : omp_get_max_threads();
-#pragma omp parallel for num_threads(nt) schedule(static) if (n * H * hd >= 32768)
-#endif
-    for (int64_t h = 0; h < H; ++h) {
-        const int64_t g = h / group, head = g * m->max_len * hd;  /* the kv head's first */
-        const float* K = (const float*)L->k_cache + head;
-        const float* V = (const float*)L->v_cache + head;
 #if PI_KV16
-        const uint16_t* K16 = (const uint16_t*)L->k_cache + head;
-        const uint16_t* V16 = (const uint16_t*)L->v_cache + head;
-        const int bf = m->kv_dtype == 2;
+/* e^x for x <= 0 (scores less their maximum), 8 lanes: Cephes' expf (x - n ln 2 in two parts,
+ * a degree-5 polynomial, times 2^n): within 1 ulp of e^x rounded, for every float32 x in
+ * [-87.3, 0] (checked exhaustively); 0 below, where float32's e^x leaves the normal range. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
 #endif
+
+/* s [n] = e^(s - mx) in place; their sum */
+static float exp_shifted(float* s, int64_t n, float mx) {
+    int64_t t = 0;
+    float sum = 0.0f;
+#if PI_KV16
+    __m256 acc = _mm256_setzero_ps();
+    for (; t + 8 <= n; t += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(mx)));
+        _mm256_storeu_ps(s + t, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    for (int i = 0; i < 8; ++i) sum += lanes[i];
+#endif
+    for (; t < n; ++t) { s[t] = expf(s[t] - mx); sum += s[t]; }
+    return sum;
+}
+
+/* q [hd] . the cache row at `at` (float32, or 16-bit where kv_dtype) */
+static float key_dot(const pi_decoder* m, const void* cache, int64_t at, const float* q) {
+#if PI_KV16
+    if (m->kv_dtype) return dot_kv16(q, (const uint16_t*)cache + at, m->head_dim, m->kv_dtype == 2);
+#endif
+    return dot(q, (const float*)cache + at, m->head_dim);
+}
+
+#if PI_KV16
+/* 8 values of a cache row from i on, as float32 */
+static inline __m256 cache8(const void* row, int64_t i, int64_t kv_dtype) {
+    return kv_dtype ? kv_load8((const uint16_t*)row + i, kv_dtype == 2)
+                    : _mm256_loadu_ps((const float*)row + i);
+}
+
+/* q [hd] . the 8 cache rows at `at`, at + hd, ... (hd a multiple of 8): 8 dots at once, summed
+ * across lanes together (a tree of hadd) instead of one horizontal sum each */
+static inline __m256 key_dot8(const pi_decoder* m, const void* cache, int64_t at, const float* q) {
+    const int64_t hd = m->head_dim;
+    const size_t es = m->kv_dtype ? 2 : 4;
+    const char* rows = (const char*)cache + (size_t)at * es;
+    __m256 acc[8];
+    for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < hd; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        for (int r = 0; r < 8; ++r)
+            acc[r] = _mm256_fmadd_ps(qv, cache8(rows + (size_t)(r * hd) * es, i, m->kv_dtype), acc[r]);
+    }
+    const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+    /* s0: rows 0..3 over the low lanes, then rows 0..3 over the high ones; s1 rows 4..7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+#endif
+
+/* o [hd] = sum over t in a..b-1 of w[t] * the value rows t (at base + t * hd) */
+static void value_sum(const pi_decoder* m, const void* cache, int64_t base, const float* w,
+                      int64_t a, int64_t b, float* o) {
+    const int64_t hd = m->head_dim;
+#if PI_KV16
+  if (m->kv_dtype || hd % 8 == 0) { /* (a 16-bit cache's head_dim is a multiple of 8: checked) */
+    const size_t es = m->kv_dtype ? 2 : 4;
+    const char* rows = (const char*)cache + (size_t)base * es;
+    int64_t i = 0;
+    for (; i + 64 <= hd; i += 64) { /* 64 outputs in registers over all the rows */
+        __m256 acc[8];
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+        for (int64_t t = a; t < b; ++t) {
+            const __m256 wt = _mm256_set1_ps(w[t]);
+            const void* row = rows + (size_t)(t * hd) * es;
+            for (int j = 0; j < 8; ++j)
+                acc[j] = _mm256_fmadd_ps(wt, cache8(row, i + 8 * j, m->kv_dtype), acc[j]);
+        }
+        for (int j = 0; j < 8; ++j) _mm256_storeu_ps(o + i + 8 * j, acc[j]);
+    }
+    for (; i < hd; i += 8) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t t = a; t < b; ++t)
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(w[t]),
+                                  cache8(rows + (size_t)(t * hd) * es, i, m->kv_dtype), acc);
+        _mm256_storeu_ps(o + i, acc);
+    }
+    return;
+  }
+#endif
+    memset(o, 0, (size_t)hd * sizeof(float));
+    for (int64_t t = a; t < b; ++t) {
+        const float* v = (const float*)cache + base + t * hd;
+        for (int64_t i2 = 0; i2 < hd; ++i2) o[i2] += w[t] * v[i2];
+    }
+}
+
+/* One piece of work: KV head g's positions a..b-1 for its G query heads q [G, hd] (scores
+ * [G][max_len] at those positions; part [G][hd + 2]: o, then m and l). Head after head, so
+ * that a head's 64 outputs at a time stay in registers; the chunk's rows are read from memory
+ * by the first head, from the cache by the others. */
+static void attend_chunk(const pi_decoder* m, const pi_layer* L, int64_t g, int64_t a, int64_t b,
+                         const float* q, float* scores, float* part) {
+    const int64_t hd = m->head_dim, G = m->n_heads / m->n_kv_heads, base = g * m->max_len * hd;
+    const float cap = m->attn_softcap;
+    for (int64_t h = 0; h < G; ++h) {
         const float* qh = q + h * hd;
         float* s = scores + h * m->max_len;
         float mx = -INFINITY;
-        for (int64_t t = t0; t < n; ++t) {
+        int64_t t = a;
 #if PI_KV16
-            if (m->kv_dtype) s[t] = dot_kv16(qh, K16 + t * hd, hd, bf) * m->scale;
-            else
+        if (m->kv_dtype || hd % 8 == 0)
+            for (; t + 8 <= b; t += 8)
+                _mm256_storeu_ps(s + t, _mm256_mul_ps(key_dot8(m, L->k_cache, base + t * hd, qh),
+                                                      _mm256_set1_ps(m->scale)));
 #endif
-            s[t] = dot(qh, K + t * hd, hd) * m->scale;
+        for (; t < b; ++t) s[t] = key_dot(m, L->k_cache, base + t * hd, qh) * m->scale;
+        for (t = a; t < b; ++t) {
             if (cap > 0.0f) s[t] = cap * tanhf(s[t] / cap);
-            if (s[t] > mx) mx = s[t];
+            mx = s[t] > mx ? s[t] : mx;
         }
-        float sum = 0.0f;
-        for (int64_t t = t0; t < n; ++t) { s[t] = expf(s[t] - mx); sum += s[t]; }
-        const float inv = 1.0f / sum;
+        float* p = part + h * (hd + 2);
+        p[hd] = mx;
+        p[hd + 1] = exp_shifted(s + a, b - a, mx);
+        value_sum(m, L->v_cache, base, s, a, b, p);
+    }
+}
+
+/* out [n_heads, hd]: attention of q [n_heads, hd] over cache positions 0..pos (t0..pos in a
+ * sliding-window layer); scores [n_heads, max_len] and parts [n_heads, chunks, hd + 2] scratch */
+static void attention(const pi_decoder* m, const pi_layer* L, const float* q, int64_t pos,
+                      float* scores, float* parts, float* out) {
+    const int64_t H = m->n_heads, hd = m->head_dim, G = H / m->n_kv_heads;
+    const int64_t t0 = L->window > 0 && pos >= L->window ? pos - L->window + 1 : 0;
+    const int64_t n = pos + 1 - t0, C = att_chunks(m, n), units = m->n_kv_heads * C;
+    const int64_t stride = G * (hd + 2); /* one piece's parts */
+#ifdef _OPENMP
+    const int nt = pi_threads > 0 ? pi_threads : omp_get_max_threads();
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (n * H * hd >= 32768)
+#endif
+    for (int64_t u = 0; u < units; ++u) {
+        const int64_t g = u / C, c = u % C;
+        attend_chunk(m, L, g, t0 + n * c / C, t0 + n * (c + 1) / C, q + g * G * hd,
+                     scores + g * G * m->max_len, parts + u * stride);
+    }
+    for (int64_t h = 0; h < H; ++h) { /* merge the chunks of each query head */
+        const int64_t g = h / G;
+        const float* p0 = parts + g * C * stride + (h % G) * (hd + 2);
+        float M = -INFINITY, l = 0.0f;
+        for (int64_t c = 0; c < C; ++c) M = p0[c * stride + hd] > M ? p0[c * stride + hd] : M;
         float* o = out + h * hd;
         memset(o, 0, (size_t)hd * sizeof(float));
-        for (int64_t t = t0; t < n; ++t) {
-            const float p = s[t] * inv;
-#if PI_KV16
-            if (m->kv_dtype) { axpy_kv16(o, p, V16 + t * hd, hd, bf); continue; }
-#endif
-            const float* vt = V + t * hd;
-            for (int64_t i = 0; i < hd; ++i) o[i] += p * vt[i];
+        for (int64_t c = 0; c < C; ++c) {
+            const float* p = p0 + c * stride;
+            const float w = expf(p[hd] - M);
+            l += w * p[hd + 1];
+            for (int64_t i = 0; i < hd; ++i) o[i] += w * p[i];
         }
+        const float inv = 1.0f / l;
+        for (int64_t i = 0; i < hd; ++i) o[i] *= inv;
     }
 }
 
@@ -318,6 +470,7 @@ int pi_decoder_step(const pi_decoder* m, int64_t pos, float* x, float* logits) {
     float* v = k + kvd;            /* [kvd] */
     float* att = v + kvd;          /* [qd] */
     float* scores = att + qd;      /* [n_heads, max_len] */
+    float* parts = scores + m->n_heads * m->max_len; /* [n_heads, chunks, head_dim + 2] */
     if (m->embed_scale != 1.0f)
         for (int64_t i = 0; i < d; ++i) x[i] *= m->embed_scale;
     if (m->pos_embed) add(x, m->pos_embed + pos * d, d);
@@ -356,7 +509,7 @@ int pi_decoder_step(const pi_decoder* m, int64_t pos, float* x, float* logits) {
             memcpy((float*)L->k_cache + at, k + g * hd, (size_t)hd * sizeof(float));
             memcpy((float*)L->v_cache + at, v + g * hd, (size_t)hd * sizeof(float));
         }
-        attention(m, L, q, pos, scores, att);
+        attention(m, L, q, pos, scores, parts, att);
         linear(&L->o, att, qd, y);
         if (L->post_attn_norm) norm(m, y, L->post_attn_norm, NULL, y);
         add_scaled(x, y, m->residual_scale, d);
