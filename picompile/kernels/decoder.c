@@ -51,6 +51,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#define PI_INLINE static inline __attribute__((always_inline))
 
 typedef void (*pi_dense_fn)(const float* x, int64_t T, int64_t K, const void* W, int64_t O,
                             const void* b, float* out);
@@ -321,23 +322,24 @@ static float key_dot(const pi_decoder* m, const void* cache, int64_t at, const f
 
 #if PI_KV16
 /* 8 values of a cache row from i on, as float32 */
-static inline __m256 cache8(const void* row, int64_t i, int64_t kv_dtype) {
-    return kv_dtype ? kv_load8((const uint16_t*)row + i, kv_dtype == 2)
+PI_INLINE __m256 cache8(const void* row, int64_t i, const int kv) {
+    return kv ? kv_load8((const uint16_t*)row + i, kv == 2)
                     : _mm256_loadu_ps((const float*)row + i);
 }
 
 /* q [hd] . the 8 cache rows at `at`, at + hd, ... (hd a multiple of 8): 8 dots at once, summed
  * across lanes together (a tree of hadd) instead of one horizontal sum each */
-static inline __m256 key_dot8(const pi_decoder* m, const void* cache, int64_t at, const float* q) {
+PI_INLINE __m256 key_dot8(const pi_decoder* m, const void* cache, int64_t at, const float* q,
+                          const int kv) {
     const int64_t hd = m->head_dim;
-    const size_t es = m->kv_dtype ? 2 : 4;
+    const size_t es = kv ? 2 : 4;
     const char* rows = (const char*)cache + (size_t)at * es;
     __m256 acc[8];
     for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < hd; i += 8) {
         const __m256 qv = _mm256_loadu_ps(q + i);
         for (int r = 0; r < 8; ++r)
-            acc[r] = _mm256_fmadd_ps(qv, cache8(rows + (size_t)(r * hd) * es, i, m->kv_dtype), acc[r]);
+            acc[r] = _mm256_fmadd_ps(qv, cache8(rows + (size_t)(r * hd) * es, i, kv), acc[r]);
     }
     const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
     const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
@@ -346,40 +348,80 @@ static inline __m256 key_dot8(const pi_decoder* m, const void* cache, int64_t at
 }
 #endif
 
-/* o [hd] = sum over t in a..b-1 of w[t] * the value rows t (at base + t * hd) */
-static void value_sum(const pi_decoder* m, const void* cache, int64_t base, const float* w,
-                      int64_t a, int64_t b, float* o) {
-    const int64_t hd = m->head_dim;
 #if PI_KV16
-  if (m->kv_dtype || hd % 8 == 0) { /* (a 16-bit cache's head_dim is a multiple of 8: checked) */
-    const size_t es = m->kv_dtype ? 2 : 4;
+/* s[t] = q . key row t for t = a, a + 8, ... while 8 rows remain, 8 at a time (cache kind kv,
+ * a constant in each instance: 0 float32, 1 float16, 2 bfloat16); the first t not done */
+PI_INLINE int64_t key_dots8(const pi_decoder* m, const void* cache, int64_t base, const float* q,
+                            int64_t a, int64_t b, float* s, const int kv) {
+    int64_t t = a;
+    for (; t + 8 <= b; t += 8)
+        _mm256_storeu_ps(s + t, key_dot8(m, cache, base + t * m->head_dim, q, kv));
+    return t;
+}
+
+/* value_sum in SIMD (head_dim a multiple of 8): 64 outputs at a time in registers over all the
+ * rows, then 8 at a time */
+PI_INLINE void value_sum8(const pi_decoder* m, const void* cache, int64_t base, const float* w,
+                          int64_t a, int64_t b, float* o, const int kv) {
+    const int64_t hd = m->head_dim;
+    const size_t es = kv ? 2 : 4;
     const char* rows = (const char*)cache + (size_t)base * es;
     int64_t i = 0;
-    for (; i + 64 <= hd; i += 64) { /* 64 outputs in registers over all the rows */
+    for (; i + 64 <= hd; i += 64) {
         __m256 acc[8];
         for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
         for (int64_t t = a; t < b; ++t) {
             const __m256 wt = _mm256_set1_ps(w[t]);
             const void* row = rows + (size_t)(t * hd) * es;
-            for (int j = 0; j < 8; ++j)
-                acc[j] = _mm256_fmadd_ps(wt, cache8(row, i + 8 * j, m->kv_dtype), acc[j]);
+            for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(wt, cache8(row, i + 8 * j, kv), acc[j]);
         }
         for (int j = 0; j < 8; ++j) _mm256_storeu_ps(o + i + 8 * j, acc[j]);
     }
     for (; i < hd; i += 8) {
         __m256 acc = _mm256_setzero_ps();
         for (int64_t t = a; t < b; ++t)
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(w[t]),
-                                  cache8(rows + (size_t)(t * hd) * es, i, m->kv_dtype), acc);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(w[t]), cache8(rows + (size_t)(t * hd) * es, i, kv), acc);
         _mm256_storeu_ps(o + i, acc);
     }
-    return;
-  }
+}
+#endif
+
+/* The SIMD instance for the cache's kind, or -1: float32 rows whose head_dim is not a
+ * multiple of 8 (a 16-bit cache's always is: runtime/decoder.py checks) */
+static int simd_kind(const pi_decoder* m) {
+    return PI_KV16 && (m->kv_dtype || m->head_dim % 8 == 0) ? (int)m->kv_dtype : -1;
+}
+
+/* s[t] = q . key row t (at base + t * hd) * scale for t in a..b-1 */
+static void key_dots(const pi_decoder* m, const void* cache, int64_t base, const float* q,
+                     int64_t a, int64_t b, float* s) {
+    int64_t t = a;
+#if PI_KV16
+    switch (simd_kind(m)) {
+    case 0: t = key_dots8(m, cache, base, q, a, b, s, 0); break;
+    case 1: t = key_dots8(m, cache, base, q, a, b, s, 1); break;
+    case 2: t = key_dots8(m, cache, base, q, a, b, s, 2); break;
+    }
+#endif
+    for (; t < b; ++t) s[t] = key_dot(m, cache, base + t * m->head_dim, q);
+    for (t = a; t < b; ++t) s[t] *= m->scale;
+}
+
+/* o [hd] = sum over t in a..b-1 of w[t] * the value rows t (at base + t * hd) */
+static void value_sum(const pi_decoder* m, const void* cache, int64_t base, const float* w,
+                      int64_t a, int64_t b, float* o) {
+    const int64_t hd = m->head_dim;
+#if PI_KV16
+    switch (simd_kind(m)) {
+    case 0: value_sum8(m, cache, base, w, a, b, o, 0); return;
+    case 1: value_sum8(m, cache, base, w, a, b, o, 1); return;
+    case 2: value_sum8(m, cache, base, w, a, b, o, 2); return;
+    }
 #endif
     memset(o, 0, (size_t)hd * sizeof(float));
     for (int64_t t = a; t < b; ++t) {
         const float* v = (const float*)cache + base + t * hd;
-        for (int64_t i2 = 0; i2 < hd; ++i2) o[i2] += w[t] * v[i2];
+        for (int64_t i = 0; i < hd; ++i) o[i] += w[t] * v[i];
     }
 }
 
@@ -395,15 +437,8 @@ static void attend_chunk(const pi_decoder* m, const pi_layer* L, int64_t g, int6
         const float* qh = q + h * hd;
         float* s = scores + h * m->max_len;
         float mx = -INFINITY;
-        int64_t t = a;
-#if PI_KV16
-        if (m->kv_dtype || hd % 8 == 0)
-            for (; t + 8 <= b; t += 8)
-                _mm256_storeu_ps(s + t, _mm256_mul_ps(key_dot8(m, L->k_cache, base + t * hd, qh),
-                                                      _mm256_set1_ps(m->scale)));
-#endif
-        for (; t < b; ++t) s[t] = key_dot(m, L->k_cache, base + t * hd, qh) * m->scale;
-        for (t = a; t < b; ++t) {
+        key_dots(m, L->k_cache, base, qh, a, b, s);
+        for (int64_t t = a; t < b; ++t) {
             if (cap > 0.0f) s[t] = cap * tanhf(s[t] / cap);
             mx = s[t] > mx ? s[t] : mx;
         }
