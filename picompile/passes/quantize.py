@@ -268,7 +268,7 @@ def _file_rows(ffn, file_blocks, block_fmt: str) -> dict[str, torch.Tensor]:
     if "gate_up" in modules:
         blocks = file_blocks.get(modules["gate_up"])
         parts = {}
-        if blocks is not None and blocks.data is not None and blocks.data.shape[0] == 2 * ffn.n_ff:
+        if blocks is not None and blocks.data is not None:  # (halves of another size: check_fits)
             halves = blocks.data.chunk(2)
             g = ffn.block.fused_gate_half
             parts = {"w_gate": (blocks, halves[g]), "w_up": (blocks, halves[1 - g])}
