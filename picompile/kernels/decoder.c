@@ -323,8 +323,7 @@ static float key_dot(const pi_decoder* m, const void* cache, int64_t at, const f
 #if PI_KV16
 /* 8 values of a cache row from i on, as float32 */
 PI_INLINE __m256 cache8(const void* row, int64_t i, const int kv) {
-    return kv ? kv_load8((const uint16_t*)row + i, kv == 2)
-                    : _mm256_loadu_ps((const float*)row + i);
+    return kv ? kv_load8((const uint16_t*)row + i, kv == 2) : _mm256_loadu_ps((const float*)row + i);
 }
 
 /* q [hd] . the 8 cache rows at `at`, at + hd, ... (hd a multiple of 8): 8 dots at once, summed
@@ -346,9 +345,7 @@ PI_INLINE __m256 key_dot8(const pi_decoder* m, const void* cache, int64_t at, co
     /* s0: rows 0..3 over the low lanes, then rows 0..3 over the high ones; s1 rows 4..7 */
     return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
 }
-#endif
 
-#if PI_KV16
 /* s[t] = q . key row t for t = a, a + 8, ... while 8 rows remain, 8 at a time (cache kind kv,
  * a constant in each instance: 0 float32, 1 float16, 2 bfloat16); the first t not done */
 PI_INLINE int64_t key_dots8(const pi_decoder* m, const void* cache, int64_t base, const float* q,
