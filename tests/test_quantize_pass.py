@@ -15,6 +15,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 import picompile
 from picompile import quant
@@ -186,6 +187,19 @@ def test_widths_off_the_block_size_stay_float_with_a_note():
     assert "stays float" in text and "not a multiple of 32" in text
 
 
+def _file_blocks_of(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Blocks of w's shape in `fmt` as a file might hold them but round-to-nearest of their own
+    values would not give again: w's scales (and minimums), random integers. A block kept from
+    the file is then told apart from one quantized again from the float weights."""
+    q = quant.quantize(w.detach(), fmt)
+    head = quant.format_of(fmt).head_bytes
+    blocks = q.reshape(q.shape[0], -1, quant.format_of(fmt).block_bytes)
+    gen = torch.Generator().manual_seed(q.shape[0] * 31 + q.shape[1])
+    blocks[..., head:] = torch.randint(0, 256, blocks[..., head:].shape, generator=gen,
+                                       dtype=torch.uint8)
+    return q
+
+
 GGUF_ARCH = {"llama_silu": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
              "gemma3": "gemma3", "phi3": "phi3"}  # zoo arch -> the file's general.architecture
 
@@ -219,7 +233,7 @@ def _write_gguf(model: nn.Module, arch: str, fmt: str, path) -> dict[str, torch.
             continue
         m_fmt = "q8_0" if m is head and fmt in FOUR_BIT else fmt
         with torch.no_grad():
-            q = quant.quantize(m.weight.detach(), m_fmt)
+            q = _file_blocks_of(m.weight, m_fmt)
             m.weight.copy_(quant.dequantize(q, m_fmt, m.in_features))
         blocks[name] = q
         rows = q
@@ -264,6 +278,105 @@ def test_gguf_files_of_each_architecture_keep_their_blocks(arch, tmp_path):
         assert torch.equal(ffn.row_blocks("w_up"), up[order])
         assert torch.equal(ffn.row_blocks("w_gate"), gate[order])
     _assert_same_outputs(cm, ref)
+
+
+def _loadable_gguf(config, arch: str, path) -> dict[str, torch.Tensor]:
+    """A GGUF file of `arch` as llama.cpp writes one, that transformers loads: a random model of
+    `config`, the shipped file's tokenizer, the config keys transformers reads, every linear in
+    q4_0 blocks but the LM head and the embedding (q8_0), norms float32 (Gemma's stored as
+    1 + weight). -> {HF module name: the blocks written} (all rows in HF order: no Llama
+    permutation for these architectures)."""
+    import gguf
+
+    from picompile import gguf_weights, models
+
+    torch.manual_seed(0)
+    model = _randomize_norms(AutoModelForCausalLM.from_config(config))
+    to_tensor = gguf_weights.tensor_name(arch, config.num_hidden_layers)
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    reader = gguf.GGUFReader(models.default_gguf())
+    for key, field in reader.fields.items():  # the tokenizer, as the shipped file has it
+        if key.startswith("tokenizer."):
+            vtype, sub = field.types[0], field.types[-1]
+            strings = [bytes(field.parts[i]) for i in field.data]
+            value = (strings if vtype == gguf.GGUFValueType.ARRAY else strings[0]) \
+                if gguf.GGUFValueType.STRING in (vtype, sub) else field.contents()
+            writer.add_key_value(key, value, vtype, sub_type=sub if vtype == gguf.GGUFValueType.ARRAY else None)
+    blocks = {}
+    head = model.get_output_embeddings()
+    for name, p in model.named_parameters():
+        module = name.rsplit(".", 1)[0]
+        if p.dim() == 1:  # a norm
+            shift = 1.0 if arch.startswith("gemma") else 0.0
+            writer.add_tensor(to_tensor(module), (p.detach() + shift).numpy())
+            continue
+        fmt = "q8_0" if module in ("model.embed_tokens", "lm_head") else "q4_0"
+        q = _file_blocks_of(p, fmt)
+        blocks[module] = q
+        writer.add_tensor(to_tensor(module) if module != "lm_head" else "output.weight", q.numpy(),
+                          raw_dtype=gguf.GGMLQuantizationType[fmt.upper()])
+    assert (head.weight is model.get_input_embeddings().weight) == ("lm_head" not in blocks)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return blocks
+
+
+def _randomize_norms(model):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.normal_(0.0 if "gemma" in type(model).__name__.lower() else 1.0, 0.1)
+    return model.eval()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+def test_a_gguf_file_transformers_loads_keeps_its_blocks(arch, tmp_path):
+    """A Qwen3 / Gemma 2 file (tiny, the shipped tokenizer) loaded by picompile's loader
+    (transformers), then compiled with gguf=: every linear keeps the file's blocks (Gemma's
+    tied LM head its embedding's), the gate and up rows too; the compiled model equals the
+    fake-quantized float model transformers made."""
+    import transformers as T
+
+    from picompile import models
+
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    config = T.Qwen3Config(**common) if arch == "qwen3" else T.Gemma2Config(**common, head_dim=32)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    blocks = _loadable_gguf(config, arch, path)
+    model, _ = models.load(str(path))
+    ref = _fake_quant_model(model, "q4_0", gguf=True)
+    cm = picompile.compile(copy.deepcopy(model), gguf=path, quiet=True)
+    mods = dict(cm._orig_mod.named_modules())
+    linears = [n for n, m in mods.items() if isinstance(m, QuantLinear)]
+    assert len(linears) == 2 * 4 + 1, linears
+    for name in linears:
+        want = blocks["model.embed_tokens" if name == "lm_head" and "lm_head" not in blocks else name]
+        assert torch.equal(mods[name].row_blocks(), want), name
+    for name, ffn in cm.ffns().items():
+        module = name.removesuffix(".sparse_ffn")
+        order = slice(None) if ffn.order is None else ffn.order
+        assert torch.equal(ffn.row_blocks("w_up"), blocks[f"{module}.up_proj"][order])
+        assert torch.equal(ffn.row_blocks("w_gate"), blocks[f"{module}.gate_proj"][order])
+    ids = torch.randint(0, 49152, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want, dense = zoo.logits(cm, ids), zoo.logits(ref, ids), zoo.logits(model, ids)
+    # The kernels' integer sums against the reference's float ones, through the next layer's
+    # rounding of its input (see test_gguf_file_tensors_are_kept_as_they_are): well within the
+    # reference's own distance from the float model, the same greedy tokens.
+    assert (got - want).abs().max() < 0.5 * (want - dense).abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 def test_gguf_blocks_of_another_model_are_refused(tmp_path):
