@@ -210,12 +210,15 @@ def _llama_cpp_rows(rows: torch.Tensor, n_head: int) -> torch.Tensor:
     return rows.reshape(n_head, 2, rows.shape[0] // n_head // 2, -1).transpose(1, 2).reshape(rows.shape)
 
 
-def _write_gguf(model: nn.Module, arch: str, fmt: str, path) -> dict[str, torch.Tensor]:
+def _write_gguf(model: nn.Module, arch: str, fmt: str, path, loadable: bool = False
+                ) -> dict[str, torch.Tensor]:
     """Write the model's linears as a GGUF file of `arch` the way llama.cpp's converter names
     them (gguf's name map; the LM head q8_0 under a 4-bit format, and where it is tied to the
-    embedding only token_embd), every weight in `fmt` blocks. The model's weights become those
-    blocks dequantized (what transformers loads from the file). -> {module name: its blocks, in
-    the model's row order}."""
+    embedding only token_embd), every weight in `fmt` blocks (_file_blocks_of). The model's
+    weights become those blocks dequantized (what transformers loads from the file).
+    loadable: also what transformers needs to load the file: the config keys it reads, the
+    shipped file's tokenizer, an untied embedding (q8_0), norms in float32 (Gemma's stored as
+    1 + weight). -> {module name: its blocks, in the model's row order}."""
     import gguf
 
     from picompile import gguf_weights
@@ -223,31 +226,64 @@ def _write_gguf(model: nn.Module, arch: str, fmt: str, path) -> dict[str, torch.
     c = model.config
     names = gguf_weights.tensor_name  # an architecture gguf does not know: Llama's names
     to_tensor = names(arch, c.num_hidden_layers) or names("llama", c.num_hidden_layers)
-    head = model.get_output_embeddings()
-    tied = head.weight is model.get_input_embeddings().weight
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = head.weight is embed.weight
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(c.num_hidden_layers)
-    blocks = {}
-    for name, m in model.named_modules():
-        if not isinstance(m, nn.Linear):
-            continue
-        m_fmt = "q8_0" if m is head and fmt in FOUR_BIT else fmt
+    if loadable:
+        _add_config_and_tokenizer(writer, c)
+
+    def write(name: str, m: nn.Module, m_fmt: str, tensor: str) -> None:
         with torch.no_grad():
             q = _file_blocks_of(m.weight, m_fmt)
-            m.weight.copy_(quant.dequantize(q, m_fmt, m.in_features))
+            m.weight.copy_(quant.dequantize(q, m_fmt, m.weight.shape[1]))
         blocks[name] = q
         rows = q
         if arch == "llama" and name.endswith(("q_proj", "k_proj")):
             heads = c.num_attention_heads if name.endswith("q_proj") else c.num_key_value_heads
             rows = _llama_cpp_rows(q, heads)
-        tensor = "token_embd.weight" if m is head and tied else to_tensor(name)
-        writer.add_tensor(tensor, rows.numpy(),
-                          raw_dtype=gguf.GGMLQuantizationType[m_fmt.upper()])
+        writer.add_tensor(tensor, rows.numpy(), raw_dtype=gguf.GGMLQuantizationType[m_fmt.upper()])
+
+    blocks = {}
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            write(name, m, "q8_0" if m is head and fmt in FOUR_BIT else fmt,
+                  "token_embd.weight" if m is head and tied else to_tensor(name))
+    if loadable:
+        if not tied:
+            write("model.embed_tokens", embed, "q8_0", "token_embd.weight")
+        for name, p in model.named_parameters():
+            if p.dim() == 1:  # norms
+                shift = 1.0 if arch.startswith("gemma") else 0.0
+                writer.add_tensor(to_tensor(name.rsplit(".", 1)[0]), (p.detach() + shift).numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return blocks
+
+
+def _add_config_and_tokenizer(writer, config) -> None:
+    """The config keys transformers reads from a GGUF file, and the shipped file's tokenizer."""
+    import gguf
+
+    from picompile import models
+
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    for key, field in gguf.GGUFReader(models.default_gguf()).fields.items():
+        if key.startswith("tokenizer."):
+            vtype, sub = field.types[0], field.types[-1]
+            array = vtype == gguf.GGUFValueType.ARRAY
+            strings = [bytes(field.parts[i]) for i in field.data]
+            value = ((strings if array else strings[0]) if gguf.GGUFValueType.STRING in (vtype, sub)
+                     else field.contents())
+            writer.add_key_value(key, value, vtype, sub_type=sub if array else None)
 
 
 @pytest.mark.parametrize("arch", list(GGUF_ARCH))
@@ -280,65 +316,6 @@ def test_gguf_files_of_each_architecture_keep_their_blocks(arch, tmp_path):
     _assert_same_outputs(cm, ref)
 
 
-def _loadable_gguf(config, arch: str, path) -> dict[str, torch.Tensor]:
-    """A GGUF file of `arch` as llama.cpp writes one, that transformers loads: a random model of
-    `config`, the shipped file's tokenizer, the config keys transformers reads, every linear in
-    q4_0 blocks but the LM head and the embedding (q8_0), norms float32 (Gemma's stored as
-    1 + weight). -> {HF module name: the blocks written} (all rows in HF order: no Llama
-    permutation for these architectures)."""
-    import gguf
-
-    from picompile import gguf_weights, models
-
-    torch.manual_seed(0)
-    model = _randomize_norms(AutoModelForCausalLM.from_config(config))
-    to_tensor = gguf_weights.tensor_name(arch, config.num_hidden_layers)
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    reader = gguf.GGUFReader(models.default_gguf())
-    for key, field in reader.fields.items():  # the tokenizer, as the shipped file has it
-        if key.startswith("tokenizer."):
-            vtype, sub = field.types[0], field.types[-1]
-            strings = [bytes(field.parts[i]) for i in field.data]
-            value = (strings if vtype == gguf.GGUFValueType.ARRAY else strings[0]) \
-                if gguf.GGUFValueType.STRING in (vtype, sub) else field.contents()
-            writer.add_key_value(key, value, vtype, sub_type=sub if vtype == gguf.GGUFValueType.ARRAY else None)
-    blocks = {}
-    head = model.get_output_embeddings()
-    for name, p in model.named_parameters():
-        module = name.rsplit(".", 1)[0]
-        if p.dim() == 1:  # a norm
-            shift = 1.0 if arch.startswith("gemma") else 0.0
-            writer.add_tensor(to_tensor(module), (p.detach() + shift).numpy())
-            continue
-        fmt = "q8_0" if module in ("model.embed_tokens", "lm_head") else "q4_0"
-        q = _file_blocks_of(p, fmt)
-        blocks[module] = q
-        writer.add_tensor(to_tensor(module) if module != "lm_head" else "output.weight", q.numpy(),
-                          raw_dtype=gguf.GGMLQuantizationType[fmt.upper()])
-    assert (head.weight is model.get_input_embeddings().weight) == ("lm_head" not in blocks)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return blocks
-
-
-def _randomize_norms(model):
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.normal_(0.0 if "gemma" in type(model).__name__.lower() else 1.0, 0.1)
-    return model.eval()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
 def test_a_gguf_file_transformers_loads_keeps_its_blocks(arch, tmp_path):
@@ -354,7 +331,13 @@ def test_a_gguf_file_transformers_loads_keeps_its_blocks(arch, tmp_path):
                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
     config = T.Qwen3Config(**common) if arch == "qwen3" else T.Gemma2Config(**common, head_dim=32)
     path = tmp_path / f"tiny-{arch}.gguf"
-    blocks = _loadable_gguf(config, arch, path)
+    torch.manual_seed(0)
+    written = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # norms off their defaults (Gemma's weights are stored as 1 + w)
+        for p in written.parameters():
+            if p.dim() == 1:
+                p.normal_(0.0 if arch.startswith("gemma") else 1.0, 0.1)
+    blocks = _write_gguf(written, arch, "q4_0", path, loadable=True)
     model, _ = models.load(str(path))
     ref = _fake_quant_model(model, "q4_0", gguf=True)
     cm = picompile.compile(copy.deepcopy(model), gguf=path, quiet=True)
@@ -362,8 +345,7 @@ def test_a_gguf_file_transformers_loads_keeps_its_blocks(arch, tmp_path):
     linears = [n for n, m in mods.items() if isinstance(m, QuantLinear)]
     assert len(linears) == 2 * 4 + 1, linears
     for name in linears:
-        want = blocks["model.embed_tokens" if name == "lm_head" and "lm_head" not in blocks else name]
-        assert torch.equal(mods[name].row_blocks(), want), name
+        assert torch.equal(mods[name].row_blocks(), blocks[name]), name
     for name, ffn in cm.ffns().items():
         module = name.removesuffix(".sparse_ffn")
         order = slice(None) if ffn.order is None else ffn.order
