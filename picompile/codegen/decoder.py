@@ -63,6 +63,7 @@ def load() -> ctypes.CDLL:
         "pi_decoder_work_floats": ([ctypes.POINTER(Decoder)], _i64),
         "pi_decoder_set_num_threads": ([ctypes.c_int], None),
         "pi_decoder_kv_16bit": ([], ctypes.c_int),
+        "pi_decoder_softmax_exp": ([_vp, _i64, _f32], _f32),
     })
 
 

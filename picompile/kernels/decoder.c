@@ -38,6 +38,8 @@
  *         Returns 0, -1 for pos outside [0, max_len), -2 when an FFN kernel ran out of memory.
  *     void pi_decoder_set_num_threads(int n);  OpenMP threads for attention (<= 0: default)
  *     int pi_decoder_kv_16bit(void);  1 where the cache may hold float16 / bfloat16 (kv_dtype)
+ *     float pi_decoder_softmax_exp(float* s, int64_t n, float mx);  attention's exponentials:
+ *         s [n] = e^(s - mx) in place, their sum returned (for tests against torch.exp)
  */
 #include <math.h>
 #include <stdint.h>
@@ -270,10 +272,10 @@ static void store_kv16(uint16_t* out, const float* x, int64_t n, int bf) {
 
 #if PI_KV16
 /* e^x for x <= 0 (scores less their maximum), 8 lanes: Cephes' expf (x - n ln 2 in two parts,
- * a degree-5 polynomial, times 2^n): within 1 ulp of e^x rounded, for every float32 x in
- * [-87.3, 0] (checked exhaustively); 0 below, where float32's e^x leaves the normal range. */
+ * a degree-5 polynomial, times 2^n): within 1 ulp of e^x rounded for every float32 x whose e^x
+ * is a normal float32 (checked exhaustively over [-88, 0]); 0 below, where it is not. */
 static inline __m256 exp8(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.3f);
+    const __m256 lo = _mm256_set1_ps(-87.336544f); /* ln of float32's smallest normal */
     const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
     x = _mm256_max_ps(x, lo);
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
@@ -311,6 +313,8 @@ static float exp_shifted(float* s, int64_t n, float mx) {
     for (; t < n; ++t) { s[t] = expf(s[t] - mx); sum += s[t]; }
     return sum;
 }
+
+float pi_decoder_softmax_exp(float* s, int64_t n, float mx) { return exp_shifted(s, n, mx); }
 
 /* q [hd] . the cache row at `at` (float32, or 16-bit where kv_dtype) */
 static float key_dot(const pi_decoder* m, const void* cache, int64_t at, const float* q) {
