@@ -50,12 +50,13 @@ def main() -> None:
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {cpu_name()}, "
           f"torch {torch.__version__}, threads {torch.get_num_threads()}, KV cache "
           f"{args.kv_cache or 'the model dtype'}, base {args.base}")
+    room = max(args.depths) + args.steps + 1  # positions the deepest run reaches
     model, _ = models.load()
     cm = picompile.compile(model, gguf=models.default_gguf(), kv_cache=args.kv_cache, quiet=True,
-                           max_context=max(args.depths) + args.steps + 1)
+                           max_context=room)
     dec = cm.decoder()
     assert dec is not None, cm.decoder_reason
-    assert dec.reserve(max(args.depths) + args.steps + 1)  # built by this tree's library
+    assert dec.reserve(room)  # built by this tree's library
     new, base = dec.lib, base_library(args.base)
     print("| depth | base tok/s | new tok/s | new / base (median, min-max of rounds) |")
     print("|---:|---:|---:|---|")

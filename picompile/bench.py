@@ -145,8 +145,12 @@ def llama_cpp_rows(gguf: pathlib.Path | None, dtype: torch.dtype, threads: int, 
     if bins is None:
         return [Row("llama.cpp", None, not_built(build))]
     runs = [(f"llama.cpp {gguf.name}", lambda: gguf)]
-    kind = None if weights == "gguf" else \
-        quant.format_of(weights).gguf_type if weights else GGUF_KINDS.get(dtype)
+    if weights == "gguf":  # picompile runs the file's own blocks: the file is like for like
+        kind = None
+    elif weights is not None:  # a block format: the file requantized to it
+        kind = quant.format_of(weights).gguf_type
+    else:  # float weights
+        kind = GGUF_KINDS.get(dtype)
     if kind is not None:
         out = build / f"{gguf.stem}-{kind}.gguf"
         runs.append((f"llama.cpp {kind}", lambda: requantized(bins, gguf, kind, out)))

@@ -30,6 +30,8 @@ keeps the GPTQ blocks themselves (Rounding(saved=...)), so load does not calibra
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -266,24 +268,21 @@ def _file_rows(ffn, file_blocks, block_fmt: str) -> dict[str, torch.Tensor]:
     again). A fused gate_up tensor [2 n_ff, d] gives both halves."""
     modules = _module_names(ffn)
     if "gate_up" in modules:
-        blocks = file_blocks.get(modules["gate_up"])
-        parts = {}
-        if blocks is not None and blocks.data is not None:  # (halves of another size: check_fits)
-            halves = blocks.data.chunk(2)
-            g = ffn.block.fused_gate_half
-            parts = {"w_gate": (blocks, halves[g]), "w_up": (blocks, halves[1 - g])}
+        fused = file_blocks.get(modules["gate_up"])
+        if fused is None or fused.data is None:
+            return {}
+        halves = fused.data.chunk(2)  # (halves of another size: check_fits says so)
+        g = ffn.block.fused_gate_half
+        found = {"w_gate": replace(fused, data=halves[g]), "w_up": replace(fused, data=halves[1 - g])}
     else:
-        parts = {f"w_{role}": (blocks, blocks.data) for role in ("gate", "up")
-                 if (blocks := file_blocks.get(modules.get(role, ""))) is not None
-                 and blocks.data is not None}
+        found = {f"w_{role}": file_blocks.get(modules.get(role, "")) for role in ("gate", "up")}
     out = {}
-    for role, (blocks, rows) in parts.items():
-        if blocks.fmt != block_fmt:
+    for role, blocks in found.items():
+        if blocks is None or blocks.data is None or blocks.fmt != block_fmt:
             continue  # quantized from the float weights
-        if ffn.order is not None:
-            rows = rows[ffn.order]
-        gguf_weights.check_fits(gguf_weights.Blocks(blocks.fmt, rows, blocks.gguf_type),
-                                getattr(ffn, role), f"{ffn.block.module}: {role}")
+        rows = blocks.data if ffn.order is None else blocks.data[ffn.order]
+        gguf_weights.check_fits(replace(blocks, data=rows), getattr(ffn, role),
+                                f"{ffn.block.module}: {role}")
         out[role] = rows
     return out
 
