@@ -568,8 +568,9 @@ class CudaFFN:
              if qformat is not None else w_up.shape[1])
         self.n_rows, self.d = n_rows, d
         want = _torch_dtype(_x_format(self.variant))  # x, biases, predictor
-        rows = (n_rows, self.variant.row_bytes(d))  # gate / up rows (uint8 when quantized)
-        down_rows = (n_rows, self.variant.row_bytes(d, down))
+        # gate / up and down rows, in elements of their tensors (bytes when quantized: uint8)
+        rows = (n_rows, self.variant.row_bytes(d) // w_up.element_size())
+        down_rows = (n_rows, self.variant.row_bytes(d, down) // w_down_t.element_size())
 
         def check(t, name, shape, required=False, dtype=None):
             if t is None:
