@@ -113,12 +113,18 @@ class CompiledModel(nn.Module):
         there; device="cpu" lets the CPU stand in for the GPU (tests, debugging)."""
         from picompile.runtime.hybrid import distribute
 
-        ffns = self.ffns()
-        distribute(self._orig_mod, ffns, device, move_non_ffn=self.plan.placement.fixed_on_gpu)
+        ffns, placement = self.ffns(), self.plan.placement
+        distribute(self._orig_mod, ffns, device, move_non_ffn=placement.fixed_on_gpu,
+                   host_layers=placement.host_layers)
         for module in self._orig_mod.modules():  # their weights may have moved: pick again
             if isinstance(module, DenseLinear):
                 module.select_kernel()
         for name, ffn in ffns.items():
+            if ffn.hybrid is None:  # in a layer left on the CPU: its kernels stay bound
+                where = ", on the CPU with its decoder layer (placement)"
+                if not self.paths[name].endswith(where):
+                    self.paths[name] += where
+                continue
             if ffn.predictor is not None:
                 ffn.predictor.kernel = None  # the C kernel's weights were the CPU copies
             self.paths[name] = (f"hybrid: {ffn.block.decided.hot_neurons} hot on {device}, "
@@ -135,7 +141,15 @@ class CompiledModel(nn.Module):
             if ffn.predictor is not None:
                 b = ffn.block
                 ffn.predictor.enabled = policy == PredictorPolicy.ALL or policy == PredictorPolicy.AUTO and (
-                    ffn.hybrid is not None or b.measured.decode_us_predicted < b.measured.decode_us_exact)
+                    ffn.hybrid is not None or b.measured.decode_us_predicted < b.measured.decode_us_exact
+                    or self._on_host(b))
+
+    def _on_host(self, block) -> bool:
+        """Whether the block sits in a decoder layer placement left on the CPU. Its predictor
+        runs under "auto": in the hybrid runtime no autotune timed it (and at the sizes that
+        need host layers, predicting spares the CPU most of the gate rows)."""
+        return any(block.module.startswith(layer + ".") or block.module == layer
+                   for layer in self.plan.placement.host_layers)
 
     def __getattr__(self, name: str):
         try:

@@ -148,6 +148,8 @@ def compile(
         for gm in captured.graphs.values():
             gm.meta.pop("picompile_original", None)
         _collect(model)  # modules and their graphs hold each other: freed by the collector only
+    if plan.placement.budget_bytes is not None and not plan.placement.fixed_on_gpu:
+        _onto_cpu(model)
     cm = _lower(captured, plan, opts.gguf, rounding)
     cm.kv_cache_dtype = opts.kv_cache
     del rounding  # GPTQ blocks no layer took (a weight under two names is quantized once)
@@ -164,6 +166,17 @@ def compile(
     _notes(cm, opts)
     _collect(model)  # the float weights the lowering replaced, held in cycles
     return cm
+
+
+def _onto_cpu(model: nn.Module) -> None:
+    """The plan puts nothing on the GPU (the parts outside the FFN blocks alone exceed the
+    budget): a model given on a GPU moves to the CPU, where the plan runs it, so that it neither
+    holds more GPU memory than the budget nor runs PyTorch's path on the GPU unplanned."""
+    if all(p.device.type == "cpu" for p in model.parameters()):
+        return
+    model.to("cpu")
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _collect(model: nn.Module, min_bytes: int = 1 << 28) -> None:
@@ -438,10 +451,13 @@ def _place(model, ffns, placement, profiles, budget: int, max_context: int,
     demands = [place_pass.BlockDemand(name, f.n_ff, place_pass.neuron_bytes(f, formats.get(name)),
                                       profiles[name].freq)
                for name, f in ffns.items()]
-    result = place_pass.place(budget_bytes=budget, fixed_bytes=fixed, blocks=demands)
+    layers = place_pass.layer_demands(model, ffns, fixed)
+    result, host_layers, fixed = place_pass.place_layers(budget_bytes=budget, fixed_bytes=fixed,
+                                                         blocks=demands, layers=layers)
     for name, ffn in ffns.items():
         apply_order(ffn, result.order[name])
         ffn.block.decided.hot_neurons = result.hot[name]
+    placement.host_layers = host_layers
     placement.gpu_bytes = result.gpu_bytes
     placement.fixed_bytes = dict(fixed)
     placement.fixed_on_gpu = result.fixed_on_gpu

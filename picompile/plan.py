@@ -145,6 +145,9 @@ class Placement:
     fixed_on_gpu: bool = False  # False: even the non-FFN parts did not fit; all on the CPU
     expected_gpu_share: float = 0.0  # expected share of firing neurons served by the GPU
     notes: list[str] = field(default_factory=list)
+    # Decoder layers (module names) that run wholly on the CPU, attention and FFN: the last ones,
+    # where the parts outside the FFN blocks of every layer do not fit the budget.
+    host_layers: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -332,6 +335,7 @@ PLACEMENT_FIELDS = {
     "fixed_on_gpu": _BOOL,
     "expected_gpu_share": _num(0.0, 1.0),
     "notes": _list_of(_str()),
+    "host_layers": _list_of(_str(nonempty=True)),
 }
 
 

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 import picompile
 from picompile.compiler import apply_order
+from picompile.passes import place
 from picompile.runtime import generate as fast
 from picompile.runtime.device_decoder import DeviceDecoder
 from tests import zoo
@@ -190,3 +191,46 @@ def test_a_failing_device_decoder_falls_back_to_the_modules(monkeypatch):
     ids = _ids(seed=9)
     assert torch.equal(cm.generate(ids, max_new_tokens=6, do_sample=False),
                        dense.generate(ids, max_new_tokens=6, do_sample=False))
+
+
+@pytest.mark.filterwarnings("ignore:picompile. no CUDA GPU found")
+@pytest.mark.parametrize("arch", ["llama_relu", "opt", "gemma2"])
+def test_layers_the_budget_leaves_on_the_cpu_run_between_segments_as_dense(arch, tmp_path):
+    """A budget that holds the parts outside the FFN blocks of all layers but the last: that
+    layer runs wholly on the host, between the device's segments (the stand-in), and through
+    hooks on the per-module path."""
+    dense = zoo.make(arch, layers=3)
+    kw = dict(max_context=64, quiet=True, mode="predicted",
+              calibration=torch.randint(0, zoo.VOCAB, (4, 16)))
+    probe = picompile.compile(copy.deepcopy(dense), gpu_budget=2**40, **kw)
+    fixed = dict(probe.plan.placement.fixed_bytes)
+    fixed.pop("allocator_reserve")
+    budget = int((sum(fixed.values()) - 1) / (1 - place.ALLOCATOR_RESERVE_SHARE))
+    cm = picompile.compile(copy.deepcopy(dense), gpu_budget=budget, **kw)
+    placement = cm.plan.placement
+    (last,) = placement.host_layers
+    assert last.endswith("layers.2") and placement.fixed_on_gpu
+    assert placement.gpu_bytes <= budget and sum(placement.fixed_bytes.values()) <= budget
+    assert "run wholly on the CPU" in picompile.explain(cm)
+    cm.distribute("cpu")
+    dec = cm.decoder()
+    assert isinstance(dec, DeviceDecoder), cm.decoder_reason
+    assert dec.on_host == [False, False, True] and "1 decoder layers on the CPU" in dec.describe()
+    assert [host for _, _, host in dec.segments if host] == [[2]]
+    host_ffn = list(cm.ffns().values())[2]
+    assert host_ffn.hybrid is None and host_ffn.predictor.enabled
+    for f in cm.ffns().values():
+        f.predictor.tau = float("-inf")  # predict every neuron: must equal dense
+    ids = _ids(seed=7)
+    want = dense.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(cm.generate(ids, max_new_tokens=8, do_sample=False), want)
+    cm.reset_stats()
+    split = list(cm.ffns().values())[0]
+    split.hybrid.timeline = []  # the per-module path: the host layer through its hooks
+    assert cm.decoder() is None
+    assert torch.equal(cm.generate(ids, max_new_tokens=8, do_sample=False), want)
+    assert host_ffn.total_pairs > 0
+    split.hybrid.timeline = None
+    cm.save(tmp_path)
+    loaded = picompile.load(copy.deepcopy(dense), tmp_path)
+    assert loaded.plan.placement.host_layers == [last]

@@ -55,10 +55,11 @@ def _peak_bytes() -> int:
     return torch.cuda.max_memory_reserved() + pool + outside
 
 
-def _compile(dense, ffn_share: float, **kw):
+def _compile(dense, ffn_share: float, less: int = 0, **kw):
     """compile(dense, gpu_budget=B, **kw) with B such that `ffn_share` of the FFN neurons' bytes
-    fit after the fixed parts, as a first compile with room for everything accounts them (the
-    CUDA context measured, so the same in both: _warm_gpu loaded every module first)."""
+    fit after the fixed parts, less `less` bytes, as a first compile with room for everything
+    accounts them (the CUDA context measured, so the same in both: _warm_gpu loaded every
+    module first)."""
     kw = dict(max_context=64, quiet=True, **kw)
     probe = picompile.compile(copy.deepcopy(dense), gpu_budget=64 * 2**30, **kw)
     fixed = dict(probe.plan.placement.fixed_bytes)
@@ -67,7 +68,8 @@ def _compile(dense, ffn_share: float, **kw):
     del probe
     gc.collect()
     torch.cuda.empty_cache()
-    budget = int((sum(fixed.values()) + ffn_share * ffn_bytes) / (1 - place.ALLOCATOR_RESERVE_SHARE))
+    budget = int((sum(fixed.values()) + ffn_share * ffn_bytes - less)
+                 / (1 - place.ALLOCATOR_RESERVE_SHARE))
     return picompile.compile(copy.deepcopy(dense), gpu_budget=budget, **kw), budget
 
 
@@ -207,3 +209,42 @@ def test_a_model_on_the_gpu_without_a_budget_says_how_to_run_the_kernels(capsys,
     cm = picompile.compile(_model(torch.float16, "llama_relu").cuda())
     assert "no gpu_budget was given" in capsys.readouterr().err
     assert cm.generate(torch.randint(0, zoo.VOCAB, (1, 4)).cuda(), max_new_tokens=3).shape == (1, 7)
+
+
+def test_a_model_on_the_gpu_whose_first_layer_does_not_fit_runs_on_the_cpu():
+    """Nothing fits the budget: the model, given on the GPU, moves to the CPU (the budget holds;
+    the CPU kernels run it), and decodes as the dense model."""
+    dense = _model(torch.float32)
+    ids = torch.randint(0, zoo.VOCAB, (1, 8))
+    want = dense.generate(ids, max_new_tokens=6, do_sample=False)
+    cm = picompile.compile(copy.deepcopy(dense).cuda(), gpu_budget=2**20, max_context=64,
+                           quiet=True)
+    assert not cm.plan.placement.fixed_on_gpu
+    assert all(p.device.type == "cpu" for p in cm._orig_mod.parameters())
+    assert torch.equal(cm.generate(ids, max_new_tokens=6, do_sample=False), want)
+
+
+@pytest.mark.parametrize("arch", ["llama_relu", "opt"])
+def test_a_layer_left_on_the_cpu_runs_between_replayed_graphs_within_the_budget(arch):
+    """A budget one byte short of every layer's non-FFN parts: the last layer runs wholly on the
+    CPU between the device decoder's CUDA graphs, the tokens the dense model's (every neuron
+    predicted), peak memory within the budget."""
+    from picompile.runtime.device_decoder import DeviceDecoder
+
+    dense = _model(torch.float32, arch)
+    cm, budget = _compile(dense.cuda(), 0.0, less=1, mode="predicted",
+                          calibration=torch.randint(0, zoo.VOCAB, (4, 32)))
+    assert len(cm.plan.placement.host_layers) == 1, picompile.explain(cm)
+    host = cm._orig_mod.get_submodule(cm.plan.placement.host_layers[0])
+    assert all(p.device.type == "cpu" for p in host.parameters())
+    for f in cm.ffns().values():
+        f.predictor.tau = float("-inf")
+    dec = cm.decoder()
+    assert isinstance(dec, DeviceDecoder) and sum(dec.on_host) == 1, cm.decoder_reason
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    ids = torch.randint(0, zoo.VOCAB, (1, 8))
+    got = cm.generate(ids, max_new_tokens=10, do_sample=False)
+    assert dec.graphs is not None, dec.graph_reason
+    assert _peak_bytes() <= budget, (_peak_bytes(), budget, picompile.explain(cm))
+    assert torch.equal(got.cpu(), dense.cpu().generate(ids, max_new_tokens=10, do_sample=False))

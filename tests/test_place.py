@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import picompile
-from picompile.passes.place import (ALLOCATOR_RESERVE_SHARE, BlockDemand, account, apply_order,
-                                    neuron_bytes, place)
+from picompile.passes.place import (ALLOCATOR_RESERVE_SHARE, BlockDemand, LayerDemand, account,
+                                    apply_order, layer_demands, neuron_bytes, place, place_layers)
 from picompile.runtime.predictor import Predictor
 from picompile.runtime.sparse_ffn import SparseFFN
 from tests import zoo
@@ -205,6 +205,65 @@ def test_fixed_parts_not_fitting_means_everything_on_the_cpu():
     assert r.expected_gpu_share == 0.0
     assert any("1,100 bytes" in n and "1,000 bytes" in n and "CPU" in n for n in r.notes), r.notes
     assert torch.equal(torch.sort(r.order["a"]).values, torch.arange(100))
+
+
+def _layered(n_layers=4, n_ff=100, per_layer=200):
+    """(fixed bytes, blocks, layers) of a model whose layers each hold `per_layer` bytes of
+    attention and 25 of KV cache, and one block of n_ff 4-byte neurons."""
+    gen = torch.Generator().manual_seed(0)
+    blocks = [BlockDemand(f"l{i}.mlp", n_ff, 4, torch.rand(n_ff, generator=gen))
+              for i in range(n_layers)]
+    layers = [LayerDemand(f"l{i}", {"non_ffn_weights": per_layer, "kv_cache": 25}, [f"l{i}.mlp"])
+              for i in range(n_layers)]
+    fixed = {"non_ffn_weights": 100 + n_layers * per_layer, "kv_cache": n_layers * 25,
+             "cuda_context": 50}
+    return fixed, blocks, layers
+
+
+def test_layers_that_do_not_fit_run_on_the_cpu_from_the_last():
+    fixed, blocks, layers = _layered()  # 1050 bytes fixed, 225 per layer
+    r, host, gpu_fixed = place_layers(budget_bytes=700, fixed_bytes=fixed, blocks=blocks,
+                                      layers=layers, min_slice=8)
+    assert host == ["l2", "l3"]  # 1050 - 225 = 825 > 700, 1050 - 450 = 600 fits
+    assert gpu_fixed == {"non_ffn_weights": 500, "kv_cache": 50, "cuda_context": 50}
+    assert r.fixed_on_gpu and r.hot["l2.mlp"] == r.hot["l3.mlp"] == 0
+    assert r.gpu_bytes <= 700 and r.gpu_bytes == 600 + 4 * (r.hot["l0.mlp"] + r.hot["l1.mlp"])
+    assert r.hot["l0.mlp"] + r.hot["l1.mlp"] == 25  # the 100 bytes left, 4 per neuron
+    served = sum(float(b.freq.sort(descending=True).values[: r.hot[b.name]].sum()) for b in blocks)
+    assert r.expected_gpu_share == pytest.approx(served / sum(float(b.freq.sum()) for b in blocks))
+    for b in blocks:  # every block ordered hot-first, the host layers' too
+        assert torch.equal(b.freq[r.order[b.name]], b.freq.sort(descending=True, stable=True).values)
+    assert "the last 2 decoder layers (l2 on) run wholly on the CPU" in r.notes[0]
+
+
+def test_layers_all_on_the_gpu_where_they_fit_and_none_where_one_does_not():
+    fixed, blocks, layers = _layered()
+    r, host, gpu_fixed = place_layers(budget_bytes=1100, fixed_bytes=fixed, blocks=blocks,
+                                      layers=layers, min_slice=8)
+    assert host == [] and r.fixed_on_gpu and gpu_fixed == fixed and sum(r.hot.values()) == 12
+    r, host, gpu_fixed = place_layers(budget_bytes=374, fixed_bytes=fixed, blocks=blocks,
+                                      layers=layers)  # layer 0 alone needs 150 + 225 = 375
+    assert host == [] and not r.fixed_on_gpu and r.gpu_bytes == 0
+
+
+def test_layer_demands_of_a_compiled_model():
+    dense = zoo.make("llama_relu", layers=3)
+    cm = picompile.compile(dense, mode="predicted", quiet=True,
+                           calibration=torch.randint(0, zoo.VOCAB, (2, 16)))
+    ffns = cm.ffns()
+    fixed = account(cm._orig_mod, ffns, max_context=64)
+    demands = layer_demands(cm._orig_mod, ffns, fixed)
+    assert [d.name for d in demands] == [f"model.layers.{i}" for i in range(3)]
+    for d in demands:
+        layer = cm._orig_mod.get_submodule(d.name)
+        (block,) = d.blocks
+        attn = sum(p.numel() * p.element_size() for n, p in layer.named_parameters()
+                   if ".sparse_ffn." not in f".{n}")
+        assert d.fixed_bytes["non_ffn_weights"] == attn > 0
+        assert d.fixed_bytes["kv_cache"] * 3 == fixed["kv_cache"]
+        assert d.fixed_bytes["predictors"] > 0 and d.fixed_bytes["ffn_biases_down"] == 0
+    assert sum(d.fixed_bytes["predictors"] for d in demands) == fixed["predictors"]
+    assert layer_demands(zoo.make("tiny_relu"), {}, fixed) == []  # no list of decoder layers
 
 
 def test_budget_zero_places_nothing():

@@ -35,8 +35,10 @@ PREDICTOR_ROW_TENSORS = ("p2", "pb2")  # permuted with the neurons
 # compile time). Stated, not measured: a CUDA 12/13 context with cuBLAS and the loaded kernel
 # modules takes a few hundred MB on an H100.
 DEFAULT_CUDA_CONTEXT_BYTES = 512 * 2**20
-# cuBLAS and cuBLASLt workspaces (PyTorch allocates them in its pool: 32 MiB each on Hopper).
-CUBLAS_WORKSPACE_BYTES = 64 * 2**20
+# cuBLAS and cuBLASLt workspaces: PyTorch allocates them in its pool per stream (32 MiB each on
+# Hopper), and two streams run cuBLAS: the default one (prefill, the eager step) and the one the
+# device decoder warms up and captures its CUDA graphs on.
+CUBLAS_WORKSPACE_BYTES = 2 * 64 * 2**20
 # The caching allocator rounds blocks up and fragments: this share of the budget stays free.
 # 3% was measured too little: OPT-13B on an H100 peaked 2% over its budget (BENCHMARKS.md).
 ALLOCATOR_RESERVE_SHARE = 0.06
@@ -450,6 +452,98 @@ def place(
                      f"{min_slice} was not worth its bytes there): {', '.join(skipped[:4])}"
                      + (", ..." if len(skipped) > 4 else ""))
     return res
+
+
+# -- decoder layers on the CPU, when the parts outside the FFN blocks do not fit ------------------
+
+@dataclass
+class LayerDemand:
+    """One decoder layer as placement sees it: its share of the fixed items (the weights outside
+    its FFN blocks, its KV cache, its predictors, its blocks' b_down) and its blocks' names."""
+
+    name: str  # the layer's module name, e.g. "model.layers.39"
+    fixed_bytes: dict[str, int]
+    blocks: list[str]
+
+
+def layer_demands(model: nn.Module, ffns: dict[str, SparseFFN], fixed: dict[str, int]
+                  ) -> list[LayerDemand]:
+    """Each decoder layer's part of `fixed` (account's items), in the model's layer order; [] for
+    a model without a list of decoder layers (it then runs wholly on the GPU or the CPU)."""
+    from picompile.passes.calibrate import LayerwiseUnsupported, decoder_layers
+
+    try:
+        layers = decoder_layers(model)
+    except LayerwiseUnsupported:
+        return []
+    module_names = {id(m): n for n, m in model.named_modules()}
+    kv = fixed.get("kv_cache", 0) // len(layers)
+    demands = []
+    for layer in layers:
+        inside = {id(m) for m in layer.modules()}
+        blocks = [n for n, f in ffns.items() if id(f) in inside]
+        ffn_ids = {id(t) for n in blocks for t in _tensors_of(ffns[n])}
+        intervals: dict[tuple, list[tuple[int, int]]] = {}
+        for t in [*layer.parameters(), *layer.buffers()]:
+            if id(t) not in ffn_ids:
+                key, a, b = _extent(t)
+                intervals.setdefault(key, []).append((a, b))
+        predictors = sum(2 * t.numel() for n in blocks if ffns[n].predictor is not None
+                         for t in _tensors_of(ffns[n].predictor))
+        demands.append(LayerDemand(
+            name=module_names[id(layer)], blocks=blocks,
+            fixed_bytes={"non_ffn_weights": sum(_union_bytes(v) for v in intervals.values()),
+                         "predictors": predictors, "kv_cache": kv,
+                         "ffn_biases_down": sum(_nbytes(ffns[n].b_down) for n in blocks)}))
+    return demands
+
+
+def place_layers(*, budget_bytes: int, fixed_bytes: dict[str, int], blocks: list[BlockDemand],
+                 layers: list[LayerDemand], min_slice: int = DEFAULT_MIN_SLICE
+                 ) -> tuple[PlacementResult, list[str], dict[str, int]]:
+    """`place`, and where the fixed parts exceed the budget, with the last decoder layers wholly
+    on the CPU (attention and FFN, as llama.cpp's -ngl leaves layers): as few as it takes for the
+    rest to fit. -> (result, the layers left on the CPU by module name, the fixed items the GPU
+    holds: fixed_bytes less those layers' parts).
+
+    Why whole layers, and as few as possible: a byte of a layer's attention on the GPU spares the
+    CPU a byte read at every token, a byte of hot neurons only at the tokens they fire (freq <
+    1), so the attention of a layer goes to the GPU before any neuron. At least one layer stays
+    on the GPU; when even that does not fit, everything runs on the CPU (place's result)."""
+    result = place(budget_bytes=budget_bytes, fixed_bytes=fixed_bytes, blocks=blocks,
+                   min_slice=min_slice)
+    if result.fixed_on_gpu or budget_bytes == 0 or len(layers) < 2:
+        return result, [], dict(fixed_bytes)
+    fixed = dict(fixed_bytes)
+    host: list[LayerDemand] = []
+    for layer in reversed(layers[1:]):
+        host.insert(0, layer)
+        for item, n in layer.fixed_bytes.items():
+            fixed[item] = fixed.get(item, 0) - n
+        if sum(fixed.values()) <= budget_bytes:
+            break
+    else:
+        return result, [], dict(fixed_bytes)
+    on_host = {name for layer in host for name in layer.blocks}
+    inner = place(budget_bytes=budget_bytes, fixed_bytes=fixed, min_slice=min_slice,
+                  blocks=[b for b in blocks if b.name not in on_host])
+    # The share of firings over every block: the host layers' blocks serve none on the GPU.
+    freq = {b.name: float(b.freq.sum()) for b in blocks}
+    total = sum(freq.values())
+    scale = sum(v for n, v in freq.items() if n not in on_host) / total if total > 0 else 0.0
+    for b in blocks:
+        if b.name in on_host:
+            inner.hot[b.name] = 0
+            inner.order[b.name] = torch.from_numpy(
+                np.argsort(-b.freq.detach().to("cpu", torch.float64).numpy(), kind="stable"))
+    inner.expected_gpu_share *= scale
+    inner.share_bound *= scale
+    parts = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in fixed_bytes.items() if v)
+    inner.notes.insert(0, (
+        f"the non-FFN parts of all {len(layers)} layers need {sum(fixed_bytes.values()):,} bytes "
+        f"({parts}) > the budget {budget_bytes:,}: the last {len(host)} decoder layers "
+        f"({host[0].name} on) run wholly on the CPU, the other {len(layers) - len(host)} on the GPU"))
+    return inner, [layer.name for layer in host], fixed
 
 
 # Local search: rounds of "flip one block's on/off decision, re-solve the rest", and how many

@@ -61,8 +61,8 @@ def _linear_of(mod: nn.Module | None, where: str) -> nn.Module:
 def _hybrid_ffn_of(mlp: nn.Module, where: str) -> SparseFFN:
     ffn = ffn_block(mlp, where)
     hy = ffn.hybrid
-    if hy is None:
-        raise Unsupported(f"{where} is not split across a device and the CPU")
+    if hy is None:  # a block of a decoder layer placement left on the CPU: runs on the host
+        return ffn
     if hy.timeline is not None:
         raise Unsupported(f"{where} times its hand-offs (hybrid timeline): the per-module path "
                           "runs, which records them")
@@ -96,40 +96,62 @@ class DeviceDecoder(Stack):
     def __init__(self, model: nn.Module):
         super().__init__(model, _linear_of, _hybrid_ffn_of)
         self.device, self.dtype = self.embedding.device, self.embedding.dtype
-        inside = {id(p) for layer in self.layers for p in layer.ffn.parameters()}
-        stray = [n for n, p in model.named_parameters()
-                 if id(p) not in inside and p.device != self.device]
-        if stray:
-            raise Unsupported(f"{stray[0]} is on another device than the embedding "
-                              f"({self.device})")
         self.ffns = [layer.ffn for layer in self.layers]
+        # Decoder layers placement left wholly on the CPU (their blocks unsplit): they run on
+        # the host between two segments, over a KV cache of their own there.
+        self.on_host = [f.hybrid is None for f in self.ffns]
+        if all(self.on_host):
+            raise Unsupported("no FFN block is split across a device and the CPU")
+        inside = {id(p) for layer in self.layers for p in layer.ffn.parameters()}
+        host = {id(p) for layer, on_host in zip(self.base.layers, self.on_host) if on_host
+                for p in layer.parameters()}
+        for n, p in model.named_parameters():
+            if id(p) in host and p.device.type != "cpu":
+                raise Unsupported(f"{n} is in a decoder layer that runs on the CPU but lies on "
+                                  f"{p.device}")
+            if id(p) not in inside and id(p) not in host and p.device != self.device:
+                raise Unsupported(f"{n} is on another device than the embedding ({self.device})")
         self.predicted = [f.predictor is not None and f.predictor.enabled for f in self.ffns]
-        self.stages = [f.hybrid.staging() if f.hybrid.cold is not None else None for f in self.ffns]
+        self.stages = [None if f.hybrid is None or f.hybrid.cold is None else f.hybrid.staging()
+                       for f in self.ffns]
         L = len(self.layers)
         self.n_active = torch.zeros(L, dtype=torch.int64, device=self.device)  # hot side, [L]
         self.tok = torch.zeros(1, dtype=torch.long, device=self.device)  # the step's token
         self.pos = torch.zeros(1, dtype=torch.long, device=self.device)  # and its position
+        self.pos_host = torch.zeros(1, dtype=torch.long)  # the same, for the host layers
+        pinned = self.device.type == "cuda"
+        self.x_host = torch.empty(1, self.d, dtype=self.dtype, pin_memory=pinned)  # [1, d]
+        self.x_back = torch.empty(1, self.d, dtype=self.dtype, device=self.device)  # [1, d]
         self.cold_out = [None if s is None else torch.empty(1, self.d, device=self.device)
                          for s in self.stages]  # [1, d] float32: a cold part's output, landed
         self.max_len = 0
         self.graphs = None
         self.graph_reason = "not captured (no reserve yet)"
-        # The step's device work, cut where a layer's cold part goes to the CPU:
-        # [(functions to run in order, the layer whose cold part follows, or None)].
+        # The step's device work, cut where a layer's cold part goes to the CPU and where the
+        # residual stream goes to the host layers: [(functions to run in order, the layer whose
+        # cold part follows or None, the host layers that run after it)].
         self.segments, fns = [], [self._embed]
         for i, stage in enumerate(self.stages):
+            if self.on_host[i]:
+                if i == 0 or not self.on_host[i - 1]:  # a run of host layers starts
+                    self.segments.append((fns + [self._to_host], None, []))
+                    fns = [self._from_host]
+                self.segments[-1][2].append(i)
+                continue
             fns += [functools.partial(self._attention, i), functools.partial(self._ffn_begin, i)]
             if stage is not None:
-                self.segments.append((fns, i))
+                self.segments.append((fns, i, []))
                 fns = []
             fns.append(functools.partial(self._ffn_end, i))
-        self.segments.append((fns + [self._head], None))
+        self.segments.append((fns + [self._head], None, []))
 
     def describe(self) -> str:
         graphs = ("each a CUDA graph" if self.graphs is not None else
                   f"eager: {self.graph_reason}")
+        host = sum(self.on_host)
+        host = f", {host} decoder layers on the CPU between them" if host else ""
         return (f"picompile device decoder (runtime/device_decoder.py, {len(self.segments)} "
-                f"segments per token, {graphs})")
+                f"segments per token{host}, {graphs})")
 
     # ---- the step's pieces (device work only: capturable) --------------------------------
     def _embed(self) -> None:
@@ -147,6 +169,29 @@ class DeviceDecoder(Stack):
 
     def _attention(self, i: int) -> None:
         self.x = self.x + self._attend(i, self.x, self.pos)
+
+    def _to_host(self) -> None:
+        copy_async(self.x_host, self.x)  # lands before the host layers run (_run waits)
+
+    def _from_host(self) -> None:
+        copy_async(self.x_back, self.x_host)
+        self.x = self.x_back
+
+    def _host_layers(self, layers: list[int]) -> None:
+        """Layers that placement left on the CPU, over the residual stream in x_host, in the
+        model's dtype: attention over their KV cache on the CPU, the FFN through the block's
+        own module (its CPU kernels, its predictor)."""
+        x = self.x_host.clone()  # [1, d]
+        for i in layers:
+            x = x + self._attend(i, x, self.pos_host)
+            x = x + self._ffn_module(i, x)
+        self.x_host.copy_(x)
+
+    def _ffn_module(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer i's FFN sublayer through its own module, for x [T, d] -> [T, d]."""
+        layer = self.layers[i]
+        out = layer.mlp(layer.ffn_norm.module(x).unsqueeze(0))[0].to(self.dtype)
+        return self._residual(_post(layer.post_norms[1], out))
 
     def _attend(self, i: int, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Layer i's attention sublayer for x [T, d] at positions pos [T] (device): their keys
@@ -166,14 +211,15 @@ class DeviceDecoder(Stack):
         q = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, hd]
         k = k.transpose(0, 1).unsqueeze(0)  # [1, KV, T, hd]
         v = v.reshape(T, KV, hd).transpose(0, 1).unsqueeze(0)
+        rope, positions = self.tables[x.device.type]  # the device's, or the host layers'
         if self.learned_positions is None:  # RoPE, as HF's apply_rotary_pos_emb, model's dtype
-            cos, sin = (t.index_select(0, pos) for t in self.rope[layer.rope])  # [T, rot]
+            cos, sin = (t.index_select(0, pos) for t in rope[layer.rope])  # [T, rot]
             q, k = _rotated(q, cos, sin), _rotated(k, cos, sin)
         self.k_cache[i].index_copy_(2, pos, k)  # [1, KV, max_len, hd]
         self.v_cache[i].index_copy_(2, pos, v)
-        visible = self.positions.view(1, -1) <= pos.view(-1, 1)  # [T, max_len]
+        visible = positions.view(1, -1) <= pos.view(-1, 1)  # [T, max_len]
         if layer.window:  # a sliding-window layer: the last `window` positions
-            visible &= self.positions.view(1, -1) > pos.view(-1, 1) - layer.window
+            visible &= positions.view(1, -1) > pos.view(-1, 1) - layer.window
         visible = visible.view(1, 1, T, -1)
         k, v = self.k_cache[i], self.v_cache[i]  # [1, KV, max_len, hd]
         if self.attn_softcap:  # scores capped by tanh (Gemma 2): not in SDPA
@@ -232,7 +278,7 @@ class DeviceDecoder(Stack):
     def _run(self) -> None:
         """One step over the inputs in self.tok, self.pos: each segment (a graph replay where
         captured), its cold part armed before and received after."""
-        for k, (fns, cold) in enumerate(self.segments):
+        for k, (fns, cold, host) in enumerate(self.segments):
             stage = None
             if cold is not None:
                 stage = self.ffns[cold].hybrid.arm(1, self.predicted[cold])
@@ -249,6 +295,10 @@ class DeviceDecoder(Stack):
             finally:
                 if stage is not None:
                     self.ffns[cold].hybrid.receive(stage, 1)
+            if host:
+                if self.device.type == "cuda":  # x_host has landed
+                    torch.cuda.current_stream(self.device).synchronize()
+                self._host_layers(host)
 
     def step(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
         """tokens [1] (long) at position pos -> logits [1, vocab] float32 (a buffer reused by
@@ -257,6 +307,7 @@ class DeviceDecoder(Stack):
             raise IndexError(f"position {pos} outside the reserved {self.max_len}")
         self.tok.copy_(tokens.reshape(1))
         self.pos.fill_(pos)
+        self.pos_host.fill_(pos)
         self._run()
         return self.logits
 
@@ -271,11 +322,12 @@ class DeviceDecoder(Stack):
             raise IndexError(f"{S} prompt positions, room for {self.max_len} (reserve first)")
         pos = torch.arange(S, device=self.device)
         x = self._embedded(input_ids.reshape(S), pos)  # [S, d]
-        for i, layer in enumerate(self.layers):
-            x = x + self._attend(i, x, pos)
-            out = layer.mlp(layer.ffn_norm.module(x).unsqueeze(0))[0].to(self.dtype)
-            x = x + self._residual(_post(layer.post_norms[1], out))
-        return self._logits(x[-1:])
+        for i in range(len(self.layers)):
+            where = "cpu" if self.on_host[i] else self.device
+            x = x.to(where)
+            x = x + self._attend(i, x, pos.to(where))
+            x = x + self._ffn_module(i, x)
+        return self._logits(x[-1:].to(self.device))
 
     def set_threads(self) -> None:
         """The cold worker sets its own OpenMP threads (hybrid.cold_threads)."""
@@ -291,13 +343,19 @@ class DeviceDecoder(Stack):
         # Up to a multiple of 64, not geometrically: on a GPU the cache is counted in the budget
         # (placement's max_context), and each growth captures the graphs again.
         max_len = self.room(-(-max_len // 64) * 64)
-        shape = (len(self.layers), 1, self.n_kv_heads, max_len, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        if self.learned_positions is None:  # {kind: cos, sin [max_len, rot]}, the model's dtype
-            self.rope = {kind: (cos.to(self.dtype), sin.to(self.dtype))
-                         for kind, (cos, sin) in self.rope_tables(max_len).items()}
-        self.positions = torch.arange(max_len, device=self.device)
+        shape = (1, self.n_kv_heads, max_len, self.head_dim)  # per layer, where it runs
+        where = ["cpu" if h else self.device for h in self.on_host]
+        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=w) for w in where]
+        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=w) for w in where]
+        rope = {}  # {kind: cos, sin [max_len, rot]}, the model's dtype
+        if self.learned_positions is None:
+            rope = {kind: (cos.to(self.dtype), sin.to(self.dtype))
+                    for kind, (cos, sin) in self.rope_tables(max_len).items()}
+        positions = torch.arange(max_len, device=self.device)
+        # {device type: (RoPE tables, positions)} for the layers that run there
+        self.tables = {t.type: ({k: (c.to(t), s.to(t)) for k, (c, s) in rope.items()},
+                                positions.to(t))
+                       for t in {self.device, torch.device("cpu")}}
         self.hot_out = [None] * len(self.layers)
         self.max_len = max_len
         self.graphs = None
@@ -317,9 +375,12 @@ class DeviceDecoder(Stack):
                                          for f, s in zip(self.ffns, self.stages)]
         try:
             # A scratch step at the last position (rewritten when decoding reaches it), eager
-            # on a side stream first: cuBLAS, cupy's modules and the allocator warm up there.
+            # on a side stream first: cuBLAS, cupy's modules and the allocator warm up there,
+            # and the graphs are captured on the same stream (cuBLAS keeps a workspace per
+            # stream: place.CUBLAS_WORKSPACE_BYTES counts this one and the default stream's).
             self.tok.zero_()
             self.pos.fill_(self.max_len - 1)
+            self.pos_host.fill_(self.max_len - 1)
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
@@ -328,9 +389,10 @@ class DeviceDecoder(Stack):
             torch.cuda.current_stream(self.device).wait_stream(side)
             want = self.logits.clone()
             pool, graphs = torch.cuda.graph_pool_handle(), []
-            for fns, _ in self.segments:
+            for fns, _, _ in self.segments:
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                with torch.cuda.graph(graph, pool=pool, stream=side,
+                                      capture_error_mode="thread_local"):
                     for fn in fns:
                         fn()
                 graphs.append(graph)
@@ -358,6 +420,8 @@ class DeviceDecoder(Stack):
         active pairs (counted on the device) to its hot rows, n_ff pairs per token to the block.
         The cold side counted its own (hybrid.receive)."""
         for ffn, n in zip(self.ffns, self.n_active.tolist()):
+            if ffn.hybrid is None:  # a host layer's block counted its own, as it ran
+                continue
             if ffn.hybrid.hot is not None:
                 ffn.hybrid.hot.active_pairs += n
             ffn.total_pairs += steps * ffn.n_ff

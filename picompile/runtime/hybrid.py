@@ -328,23 +328,39 @@ def _check_quantized(ffn: SparseFFN, device: torch.device) -> None:
 
 
 def distribute(model: nn.Module, ffns: dict[str, SparseFFN], device: torch.device | str,
-               move_non_ffn: bool = True) -> None:
+               move_non_ffn: bool = True, host_layers: list[str] = ()) -> None:
     """Put the model on `device` as planned: every non-FFN parameter and buffer, each block's
     predictor (float16 on a GPU) and its hot rows (block.decided.hot_neurons of them, hot-first order
-    already applied); cold rows stay on the CPU."""
+    already applied); cold rows stay on the CPU. The decoder layers named in `host_layers`
+    (placement's) stay wholly on the CPU, their blocks unsplit (`hybrid` None); hooks move a
+    layer's inputs to the CPU and its output back, for the per-module path (the device decoder
+    hands them over itself)."""
     device = torch.device(device)
-    for ffn in ffns.values():  # before anything moves
+    host = [model.get_submodule(name) for name in host_layers]
+    on_host = {id(m) for layer in host for m in layer.modules()}
+    split = {name: f for name, f in ffns.items() if id(f) not in on_host}
+    for ffn in split.values():  # before anything moves
         _check_quantized(ffn, device)
     inside = {id(m) for f in ffns.values() for m in f.modules()}
     if move_non_ffn:
         for module in model.modules():
             if id(module) in inside:
                 continue
+            to = torch.device("cpu") if id(module) in on_host else device
             for name, p in list(module.named_parameters(recurse=False)):
-                p.data = p.data.to(device)
+                p.data = p.data.to(to)
             for name, b in list(module.named_buffers(recurse=False)):
-                module._buffers[name] = b.to(device)
+                module._buffers[name] = b.to(to)
+    for layer in host:
+        _run_on_host(layer, device)
     for ffn in ffns.values():
+        if id(ffn) in on_host:  # whole, on the CPU, with its CPU kernels and predictor
+            ffn.hybrid = None
+            ffn.to("cpu")
+            ffn.select_kernel()
+            if ffn.predictor is not None:
+                ffn.predictor.select_kernel()
+    for ffn in split.values():
         if ffn.predictor is not None:  # float16 on a GPU: half the bytes the budget counts
             ffn.predictor.to(device=device, dtype=torch.float16 if device.type == "cuda" else None)
         ffn.hybrid = HybridFFN(ffn, device, ffn.block.decided.hot_neurons)
@@ -353,3 +369,28 @@ def distribute(model: nn.Module, ffns: dict[str, SparseFFN], device: torch.devic
             p = getattr(ffn, name)
             if p is not None:
                 p.data = p.data.to("cpu")
+
+
+def _to(value, device: torch.device):
+    """Every tensor in value (nested tuples, lists, dicts) on `device`; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    return value
+
+
+def _run_on_host(layer: nn.Module, device: torch.device) -> None:
+    """Hooks on a decoder layer left on the CPU: its inputs (hidden states, position embeddings,
+    mask) moved to the CPU, its output to `device`, where the next layer is. A KV cache
+    object passes as it is: the layer's own entries are made on the CPU."""
+    for handle in getattr(layer, "_picompile_host_hooks", ()):
+        handle.remove()
+    cpu = torch.device("cpu")
+    layer._picompile_host_hooks = (
+        layer.register_forward_pre_hook(lambda m, args, kwargs: (_to(args, cpu), _to(kwargs, cpu)),
+                                        with_kwargs=True),
+        layer.register_forward_hook(lambda m, args, output: _to(output, device)),
+    )
