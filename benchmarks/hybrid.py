@@ -16,7 +16,9 @@ Each run starts from a fresh copy of the same weights (same seed). picompile run
 mode (PowerInfer's), calibrated on random token ids; the all-CPU run loads the hybrid run's plan
 (no second profile). Reports decode tokens/s per run (picompile's decode step with its CUDA graphs, without them,
 and the per-module path that times each block), compile (profile + training) time, peak GPU
-memory against the budget (PyTorch's reserved pool + CuPy's pool + the CUDA context), and per
+memory against the budget (PyTorch's reserved pool + CuPy's pool + the CUDA context); through
+the device decoder, per segment that hands a cold part to the CPU: device time (CUDA events),
+the cold worker's time, wall time against max(device, cold); and on the per-module path, per
 block and decode step: GPU time of the hot part and its bytes read / s (CUDA events), CPU time of
 the cold part, wall time against max(hot, cold).
 """
@@ -152,6 +154,27 @@ def gpu_peak_bytes() -> int:
     return torch.cuda.max_memory_reserved() + cupy_pool + outside
 
 
+def decoder_overlap(cm, ids) -> list[str]:
+    """Per segment with a cold part, through the decode step that runs (the device decoder, its
+    graphs replayed), 8 tokens timed: device time (CUDA events), the cold worker's kernel time,
+    wall time (timing waits for each segment's device work); medians."""
+    dec = cm.decoder()
+    if getattr(dec, "timings", None) is None:
+        return []
+    dec.timeline = []
+    timed_generate(cm, ids, 8)
+    segments = [s for s in dec.timings() if s["layer"] is not None]
+    dec.timeline = None
+    if not segments:
+        return ["device decoder: no segment hands off to the CPU"]
+    med = lambda key: statistics.median(s[key] for s in segments)  # noqa: E731
+    ratio = statistics.median(s["wall_s"] / max(s["device_s"], s["cold_s"], 1e-9) for s in segments)
+    return [f"device decoder, per segment with a hand-off (median of {len(segments)}): device "
+            f"{med('device_s') * 1e6:.0f} us (CUDA events: attention, predictor, hot rows), cold "
+            f"{med('cold_s') * 1e6:.0f} us (its wait for the input {med('cold_wait_s') * 1e6:.0f}"
+            f" us), wall {med('wall_s') * 1e6:.0f} us; wall / max(device, cold) = {ratio:.2f}"]
+
+
 def overlap_report(cm) -> list[str]:
     """Per block and decode step (one token): hot GPU time, bytes the hot kernels read per
     second, cold CPU time, wall time against max(hot, cold); medians."""
@@ -242,6 +265,7 @@ def main():
         peak = gpu_peak_bytes()
     dec = cm.decoder()
     print(f"decode step: {decode_step_line(cm)}", flush=True)
+    overlap = decoder_overlap(cm, ids)
     if getattr(dec, "graphs", None) is not None:  # the same decoder, its segments run eagerly
         os.environ[CUDA_GRAPHS_ENV] = "0"
         results[f"{label}, no CUDA graphs"] = decode_tps(cm, ids, args.new_tokens)
@@ -252,7 +276,7 @@ def main():
             f.hybrid.timeline = []
     _, tps = timed_generate(cm, ids, 8)
     results[f"{label}, per-module path timed per block"] = tps
-    overlap = overlap_report(cm)
+    overlap += overlap_report(cm)
     if args.profile:
         for f in cm.ffns().values():
             if f.hybrid is not None:

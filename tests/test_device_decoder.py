@@ -234,3 +234,20 @@ def test_layers_the_budget_leaves_on_the_cpu_run_between_segments_as_dense(arch,
     cm.save(tmp_path)
     loaded = picompile.load(copy.deepcopy(dense), tmp_path)
     assert loaded.plan.placement.host_layers == [last]
+
+
+def test_a_timeline_times_each_segment_of_each_step():
+    dense, cm = _split("llama_relu", (0.5, 1.0), mode="predicted")
+    dec = cm.decoder()
+    assert isinstance(dec, DeviceDecoder), cm.decoder_reason
+    ids = _ids(seed=8)
+    want = cm.generate(ids, max_new_tokens=6, do_sample=False)
+    dec.timeline = []
+    assert torch.equal(cm.generate(ids, max_new_tokens=6, do_sample=False), want)
+    steps = dec.timings()
+    assert len(steps) == 5 * len(dec.segments)  # the decode steps after the prompt's token
+    assert [s["segment"] for s in steps[: len(dec.segments)]] == list(range(len(dec.segments)))
+    for s in steps:
+        assert 0 < s["device_s"] <= s["wall_s"]
+        cold = s["layer"] is not None
+        assert (s["cold_s"] > 0) == cold and (s["layer"] == 0) == cold  # layer 1 is all hot

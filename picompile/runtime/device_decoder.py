@@ -36,6 +36,7 @@ eagerly: every hand-off, copy and merge of the GPU path runs, with no graph.
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +44,7 @@ from torch import nn
 
 from picompile.config import cuda_graphs_enabled
 from picompile.runtime.decoder import Stack, Unsupported, ffn_block
-from picompile.runtime.hybrid import copy_async
+from picompile.runtime.hybrid import HybridFFN, copy_async
 from picompile.runtime.sparse_ffn import SparseFFN
 
 # Largest difference between a graph replay's logits and the eager step's, relative to the
@@ -125,6 +126,9 @@ class DeviceDecoder(Stack):
         self.cold_out = [None if s is None else torch.empty(1, self.d, device=self.device)
                          for s in self.stages]  # [1, d] float32: a cold part's output, landed
         self.max_len = 0
+        # [] to time each segment of the steps that follow (timings() resolves them); None: off.
+        # Timing waits for each segment's device work before the next is launched.
+        self.timeline: list[dict] | None = None
         self.graphs = None
         self.graph_reason = "not captured (no reserve yet)"
         # The step's device work, cut where a layer's cold part goes to the CPU and where the
@@ -279,6 +283,10 @@ class DeviceDecoder(Stack):
         """One step over the inputs in self.tok, self.pos: each segment (a graph replay where
         captured), its cold part armed before and received after."""
         for k, (fns, cold, host) in enumerate(self.segments):
+            timing = self.timeline is not None
+            if timing:
+                t0 = time.perf_counter()
+                marks = self._marks()
             stage = None
             if cold is not None:
                 stage = self.ffns[cold].hybrid.arm(1, self.predicted[cold])
@@ -288,6 +296,7 @@ class DeviceDecoder(Stack):
                 else:
                     for fn in fns:
                         fn()
+                launched = time.perf_counter()
             except BaseException:
                 if stage is not None:  # release the worker before waiting for it
                     stage.ready.fill_(1)
@@ -295,10 +304,45 @@ class DeviceDecoder(Stack):
             finally:
                 if stage is not None:
                     self.ffns[cold].hybrid.receive(stage, 1)
+            if timing:
+                self._timed(k, cold, t0, launched, marks)
             if host:
                 if self.device.type == "cuda":  # x_host has landed
                     torch.cuda.current_stream(self.device).synchronize()
                 self._host_layers(host)
+
+    # ---- timing -------------------------------------------------------------------------
+    def _marks(self):
+        """(start, end) CUDA events, the start recorded now; None off a GPU."""
+        if self.device.type != "cuda":
+            return None
+        marks = tuple(torch.cuda.Event(enable_timing=True) for _ in range(2))
+        marks[0].record()
+        return marks
+
+    def _timed(self, k: int, cold: int | None, t0: float, launched: float, marks) -> None:
+        """Segment k's entry: its device work waited for, then wall time from before its cold
+        part was armed; the cold worker's own times."""
+        if marks is not None:
+            marks[1].record()
+            marks[1].synchronize()
+        entry = dict(segment=k, layer=cold, wall_s=time.perf_counter() - t0, events=marks,
+                     cold_s=0.0, cold_wait_s=0.0)
+        if marks is None:  # on the stand-in the segment ran on this thread, eagerly
+            entry["device_s"] = launched - t0
+        if cold is not None:
+            entry["cold_wait_s"], entry["cold_s"] = HybridFFN._cold_seconds()
+        self.timeline.append(entry)
+
+    def timings(self) -> list[dict]:
+        """The timeline, each segment's device time resolved from its events: per segment
+        wall_s, device_s (its device work, CUDA events), cold_s and cold_wait_s (the cold
+        worker's kernel time and its wait for the input; 0 where no cold part follows)."""
+        for entry in self.timeline or []:
+            marks = entry.pop("events", None)
+            if marks is not None:
+                entry["device_s"] = marks[0].elapsed_time(marks[1]) / 1e3
+        return self.timeline or []
 
     def step(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
         """tokens [1] (long) at position pos -> logits [1, vocab] float32 (a buffer reused by
