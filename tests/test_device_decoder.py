@@ -215,7 +215,7 @@ def test_layers_the_budget_leaves_on_the_cpu_run_between_segments_as_dense(arch,
     cm.distribute("cpu")
     dec = cm.decoder()
     assert isinstance(dec, DeviceDecoder), cm.decoder_reason
-    assert dec.on_host == [False, False, True] and "1 decoder layers on the CPU" in dec.describe()
+    assert dec.on_host == [False, False, True] and "1 decoder layer on the CPU" in dec.describe()
     assert [host for _, _, host in dec.segments if host] == [[2]]
     host_ffn = list(cm.ffns().values())[2]
     assert host_ffn.hybrid is None and host_ffn.predictor.enabled

@@ -498,6 +498,10 @@ def layer_demands(model: nn.Module, ffns: dict[str, SparseFFN], fixed: dict[str,
     return demands
 
 
+def _layers(n: int) -> str:
+    return f"{n} decoder layer{'s' if n != 1 else ''}"
+
+
 def place_layers(*, budget_bytes: int, fixed_bytes: dict[str, int], blocks: list[BlockDemand],
                  layers: list[LayerDemand], min_slice: int = DEFAULT_MIN_SLICE
                  ) -> tuple[PlacementResult, list[str], dict[str, int]]:
@@ -541,7 +545,7 @@ def place_layers(*, budget_bytes: int, fixed_bytes: dict[str, int], blocks: list
     parts = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in fixed_bytes.items() if v)
     inner.notes.insert(0, (
         f"the non-FFN parts of all {len(layers)} layers need {sum(fixed_bytes.values()):,} bytes "
-        f"({parts}) > the budget {budget_bytes:,}: the last {len(host)} decoder layers "
+        f"({parts}) > the budget {budget_bytes:,}: the last {_layers(len(host))} "
         f"({host[0].name} on) run wholly on the CPU, the other {len(layers) - len(host)} on the GPU"))
     return inner, [layer.name for layer in host], fixed
 

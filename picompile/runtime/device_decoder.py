@@ -153,7 +153,7 @@ class DeviceDecoder(Stack):
         graphs = ("each a CUDA graph" if self.graphs is not None else
                   f"eager: {self.graph_reason}")
         host = sum(self.on_host)
-        host = f", {host} decoder layers on the CPU between them" if host else ""
+        host = f", {host} decoder layer{'s' if host > 1 else ''} on the CPU between them" if host else ""
         return (f"picompile device decoder (runtime/device_decoder.py, {len(self.segments)} "
                 f"segments per token{host}, {graphs})")
 
