@@ -25,7 +25,11 @@ work between two hand-offs is one CUDA graph, replayed per step:
     segment L: layer L-1 merged, final norm, LM head
 
 A layer whose rows are all hot has no hand-off, so its work joins the next segment (a model
-entirely on the GPU is one graph per step). Before a segment is replayed the host arms its cold
+entirely on the GPU is one graph per step). Decoder layers that placement left wholly on the CPU
+(their attention did not fit the budget: Placement.host_layers) run on the host between two
+segments: the residual stream goes to pinned memory at the end of one, the host runs those
+layers (their KV cache on the CPU, the FFN through its own module and C kernels), and the next
+segment starts by copying it back. Before a segment is replayed the host arms its cold
 worker, which spins until the segment's copies land; nothing in a segment waits for the host.
 The graphs are captured at reserve() and checked against the eager step on the same inputs;
 where capture fails or differs the decoder runs the same segments eagerly and says why
