@@ -327,6 +327,14 @@ def _check_blocks(blocks: list[BlockDemand]) -> None:
             raise ValueError(f"block {b.name!r}: freq must be finite and >= 0")
 
 
+def _hot_first(freq: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
+    """(order, sorted freq): a block's neurons by descending firing frequency (LongTensor [n];
+    equal freqs keep their neuron order) and their freqs in that order (float64 [n])."""
+    f = freq.detach().to("cpu", torch.float64).numpy()
+    o = np.argsort(-f, kind="stable")
+    return torch.from_numpy(o.astype(np.int64)), f[o]
+
+
 def _fmt_bytes(n: float) -> str:
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= size:
@@ -397,10 +405,7 @@ def place(
     order: dict[str, torch.Tensor] = {}
     sorted_freq: dict[str, np.ndarray] = {}
     for b in blocks:
-        f = b.freq.detach().to("cpu", torch.float64).numpy()
-        o = np.argsort(-f, kind="stable")  # descending; equal freqs keep their neuron order
-        order[b.name] = torch.from_numpy(o.astype(np.int64))
-        sorted_freq[b.name] = f[o]
+        order[b.name], sorted_freq[b.name] = _hot_first(b.freq)
     total_freq = float(sum(v.sum() for v in sorted_freq.values()))
     n_total = sum(b.n_ff for b in blocks)
     fixed = sum(fixed_bytes.values())
@@ -538,8 +543,7 @@ def place_layers(*, budget_bytes: int, fixed_bytes: dict[str, int], blocks: list
     for b in blocks:
         if b.name in on_host:
             inner.hot[b.name] = 0
-            inner.order[b.name] = torch.from_numpy(
-                np.argsort(-b.freq.detach().to("cpu", torch.float64).numpy(), kind="stable"))
+            inner.order[b.name] = _hot_first(b.freq)[0]
     inner.expected_gpu_share *= scale
     inner.share_bound *= scale
     parts = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in fixed_bytes.items() if v)
