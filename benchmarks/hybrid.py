@@ -163,16 +163,23 @@ def decoder_overlap(cm, ids) -> list[str]:
         return []
     dec.timeline = []
     timed_generate(cm, ids, 8)
-    segments = [s for s in dec.timings() if s["layer"] is not None]
+    timeline = dec.timings()
     dec.timeline = None
+    lines = []
+    hosted = [s["host_s"] for s in timeline if s["host_s"]]
+    if hosted:
+        lines.append(f"device decoder: {sum(dec.on_host)} decoder layers on the CPU, "
+                     f"{statistics.median(hosted) * 1e6:.0f} us per step (median of {len(hosted)})")
+    segments = [s for s in timeline if s["layer"] is not None]
     if not segments:
-        return ["device decoder: no segment hands off to the CPU"]
+        return lines + ["device decoder: no segment hands off to the CPU"]
     med = lambda key: statistics.median(s[key] for s in segments)  # noqa: E731
     ratio = statistics.median(s["wall_s"] / max(s["device_s"], s["cold_s"], 1e-9) for s in segments)
-    return [f"device decoder, per segment with a hand-off (median of {len(segments)}): device "
-            f"{med('device_s') * 1e6:.0f} us (CUDA events: attention, predictor, hot rows), cold "
-            f"{med('cold_s') * 1e6:.0f} us (its wait for the input {med('cold_wait_s') * 1e6:.0f}"
-            f" us), wall {med('wall_s') * 1e6:.0f} us; wall / max(device, cold) = {ratio:.2f}"]
+    return lines + [
+        f"device decoder, per segment with a hand-off (median of {len(segments)}): device "
+        f"{med('device_s') * 1e6:.0f} us (CUDA events: attention, predictor, hot rows), cold "
+        f"{med('cold_s') * 1e6:.0f} us (its wait for the input {med('cold_wait_s') * 1e6:.0f}"
+        f" us), wall {med('wall_s') * 1e6:.0f} us; wall / max(device, cold) = {ratio:.2f}"]
 
 
 def overlap_report(cm) -> list[str]:

@@ -12,17 +12,39 @@
 #   bash scripts/gpu_acceptance.sh llama-cpp               # on the same warm machine
 #
 # With no part named, runs them all (over 10 minutes in all).
+#
+# Here, before a lent machine: `bash scripts/gpu_acceptance.sh cubins` compiles every CUDA kernel
+# variant for sm_90 with nvcc (no GPU needed) into build/cuda-cubins.tar.xz; carried along, the
+# parts there load those cubins instead of compiling each variant with NVRTC (minutes of device
+# time over the kernel tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
+NVCC=/usr/local/cuda/bin/nvcc  # one path on both machines: part of the cubins' cache key
+CUBINS=build/cuda-cubins.tar.xz
+if [ -f "$CUBINS" ] && [ "${1:-}" != cubins ] && command -v nvidia-smi >/dev/null; then
+    mkdir -p build/cuda-cache && tar -xJf "$CUBINS" -C build/cuda-cache &&
+        export PICOMPILE_CACHE_DIR=$PWD/build/cuda-cache PICOMPILE_CUDA_BACKEND=nvcc &&
+        { [ -x "$NVCC" ] && export PICOMPILE_NVCC=$NVCC || true; }
+fi
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(env kernels tests kernel-tests sanitizer opt-13b llama-13b llama-cpp-build llama-cpp)
 
 run_part() {
     case "$1" in
+    cubins)  # here: every CUDA variant for sm_90 by nvcc, packed to carry
+        rm -rf build/cuda-cubins && mkdir -p build/cuda-cubins &&
+        PICOMPILE_NVCC=$NVCC PICOMPILE_CACHE_DIR=$PWD/build/cuda-cubins "$PY" -c "
+from picompile.codegen import cuda
+variants = cuda.all_variants(quantized=True)
+for v in variants:
+    cuda.compile_with_nvcc(v, 'sm_90')
+print(len(variants), 'variants compiled for sm_90')" &&
+        tar -cJf "$CUBINS" -C build/cuda-cubins --exclude='*.lock' --exclude='*.cu' . &&
+        ls -la "$CUBINS" ;;
     env)
         nvidia-smi
         nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv

@@ -223,7 +223,13 @@ def test_layers_the_budget_leaves_on_the_cpu_run_between_segments_as_dense(arch,
         f.predictor.tau = float("-inf")  # predict every neuron: must equal dense
     ids = _ids(seed=7)
     want = dense.generate(ids, max_new_tokens=8, do_sample=False)
+    dec = cm.decoder()  # bound again to the thresholds just set
+    dec.timeline = []
     assert torch.equal(cm.generate(ids, max_new_tokens=8, do_sample=False), want)
+    hosted = [s for s in dec.timings() if s["host_s"]]
+    assert len(hosted) == 7  # one per decode step, on the segment the host layer follows
+    assert all(dec.segments[s["segment"]][2] == [2] for s in hosted)
+    dec.timeline = None
     cm.reset_stats()
     split = list(cm.ffns().values())[0]
     split.hybrid.timeline = []  # the per-module path: the host layer through its hooks

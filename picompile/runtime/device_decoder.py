@@ -313,7 +313,10 @@ class DeviceDecoder(Stack):
             if host:
                 if self.device.type == "cuda":  # x_host has landed
                     torch.cuda.current_stream(self.device).synchronize()
+                t_host = time.perf_counter()
                 self._host_layers(host)
+                if timing:
+                    self.timeline[-1]["host_s"] = time.perf_counter() - t_host
 
     # ---- timing -------------------------------------------------------------------------
     def _marks(self):
@@ -331,7 +334,7 @@ class DeviceDecoder(Stack):
             marks[1].record()
             marks[1].synchronize()
         entry = dict(segment=k, layer=cold, wall_s=time.perf_counter() - t0, events=marks,
-                     cold_s=0.0, cold_wait_s=0.0)
+                     cold_s=0.0, cold_wait_s=0.0, host_s=0.0)
         if marks is None:  # on the stand-in the segment ran on this thread, eagerly
             entry["device_s"] = launched - t0
         if cold is not None:
@@ -341,7 +344,8 @@ class DeviceDecoder(Stack):
     def timings(self) -> list[dict]:
         """The timeline, each segment's device time resolved from its events: per segment
         wall_s, device_s (its device work, CUDA events), cold_s and cold_wait_s (the cold
-        worker's kernel time and its wait for the input; 0 where no cold part follows)."""
+        worker's kernel time and its wait for the input; 0 where no cold part follows), host_s
+        (the host layers that run after it, if any: not in wall_s)."""
         for entry in self.timeline or []:
             marks = entry.pop("events", None)
             if marks is not None:
