@@ -156,8 +156,8 @@ class DeviceDecoder(Stack):
     def describe(self) -> str:
         graphs = ("each a CUDA graph" if self.graphs is not None else
                   f"eager: {self.graph_reason}")
-        host = sum(self.on_host)
-        host = f", {host} decoder layer{'s' if host > 1 else ''} on the CPU between them" if host else ""
+        n = sum(self.on_host)
+        host = f", {n} decoder layer{'s' if n > 1 else ''} on the CPU between them" if n else ""
         return (f"picompile device decoder (runtime/device_decoder.py, {len(self.segments)} "
                 f"segments per token{host}, {graphs})")
 
@@ -338,7 +338,7 @@ class DeviceDecoder(Stack):
         if marks is None:  # on the stand-in the segment ran on this thread, eagerly
             entry["device_s"] = launched - t0
         if cold is not None:
-            entry["cold_wait_s"], entry["cold_s"] = HybridFFN._cold_seconds()
+            entry["cold_wait_s"], entry["cold_s"] = HybridFFN.last_cold_seconds()
         self.timeline.append(entry)
 
     def timings(self) -> list[dict]:

@@ -216,7 +216,7 @@ class HybridFFN:
         return stage.out[:T]
 
     @staticmethod
-    def _cold_seconds() -> tuple[float, float]:
+    def last_cold_seconds() -> tuple[float, float]:
         """The last cold job's wait for its input and its kernel time, in s (for the timeline)."""
         ready_s, run_s = ctypes.c_double(), ctypes.c_double()
         cold_worker.load().pi_cold_last_seconds(ctypes.byref(ready_s), ctypes.byref(run_s))
@@ -255,7 +255,7 @@ class HybridFFN:
             if stage is not None:  # 3. the cold part's result (waited for even on an error)
                 cold_out = self.receive(stage, T)
                 if timing:
-                    cold_wait_s, cold_s = self._cold_seconds()
+                    cold_wait_s, cold_s = self.last_cold_seconds()
         if self.cold is not None:
             if stage is None:  # prefill, or no C kernel for the cold rows: on this thread
                 t_cold = time.perf_counter()
