@@ -31,7 +31,7 @@ if [ -f "$CUBINS" ] && [ "${1:-}" != cubins ] && command -v nvidia-smi >/dev/nul
         { [ -x "$NVCC" ] && export PICOMPILE_NVCC=$NVCC || true; }
 fi
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(env kernels tests kernel-tests sanitizer opt-13b llama-13b llama-cpp-build llama-cpp)
+[ ${#parts[@]} -gt 0 ] || parts=(env kernels memory tests kernel-tests sanitizer opt-13b llama-13b llama-cpp-build llama-cpp)
 
 run_part() {
     case "$1" in
@@ -54,6 +54,8 @@ print(len(variants), 'variants compiled for sm_90')" &&
         git log -1 --format='commit %H %cd' 2>/dev/null || true ;;
     kernels)  # bandwidth probes (device copy, host read, pinned copies) and the kernels' read rate
         timeout 540 "$PY" benchmarks/gpu_kernels.py ;;
+    memory)  # where a hybrid run's GPU memory goes, phase by phase, against the budget
+        timeout 240 "$PY" benchmarks/gpu_memory.py ;;
     tests)  # the hybrid runtime and GPU profiling on a real GPU
         timeout 540 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_hybrid_gpu.py tests/test_layerwise.py ;;
     kernel-tests)  # every CUDA kernel against its plain-PyTorch reference
