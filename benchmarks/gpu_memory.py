@@ -1,6 +1,6 @@
 """Where a hybrid run's GPU memory goes, phase by phase, against what placement counted.
 
-    python benchmarks/gpu_memory.py            # needs a CUDA GPU and cupy
+    PYTHONPATH=. python benchmarks/gpu_memory.py     # needs a CUDA GPU and cupy (tests.zoo's model)
 
 The budget promises that PyTorch's reserved pool (its peak), CuPy's pool and the memory the
 process holds outside both (the CUDA context, loaded modules) stay within `gpu_budget`. A test
