@@ -74,13 +74,14 @@ def splice_headers(text: str) -> str:
 
 @functools.lru_cache(maxsize=8)
 def compiler_identity(argv: tuple[str, ...], label: str = "C compiler does not run: set $CC") -> str:
-    """argv, the first line of `argv --version` and the machine: the part of a cache key that
-    makes another compiler build afresh. Raises CompilerNotFound (with `label`) if it does not
-    run."""
+    """argv, the first and last lines of `argv --version` (gcc and clang name their version
+    first, nvcc last) and the machine: the part of a cache key that makes another compiler build
+    afresh. Raises CompilerNotFound (with `label`) if it does not run."""
     try:
         r = subprocess.run([*argv, "--version"], capture_output=True, text=True, timeout=30)
-        first = (r.stdout or r.stderr).splitlines()
-        return f"{' '.join(argv)} | {first[0] if first else '?'} | {platform.machine()}"
+        lines = [line for line in (r.stdout or r.stderr).splitlines() if line.strip()]
+        version = " / ".join(dict.fromkeys([lines[0], lines[-1]])) if lines else "?"
+        return f"{' '.join(argv)} | {version} | {platform.machine()}"
     except (OSError, subprocess.SubprocessError) as e:
         raise CompilerNotFound(f"the compiler {' '.join(argv)} does not run ({e})",
                                label=label) from e
