@@ -25,10 +25,23 @@ OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
 NVCC=/usr/local/cuda/bin/nvcc  # one path on both machines: part of the cubins' cache key
 CUBINS=build/cuda-cubins.tar.xz
+CUBINS_CHECK='
+import torch
+from picompile.codegen import cuda
+w = torch.randn(64, 32, device="cuda", dtype=torch.float16)
+x, idx = torch.randn(1, 32, device="cuda", dtype=torch.float16), torch.arange(0, 64, 3, device="cuda")
+got, want = (cuda.ffn_given_idx(x, w, w, idx, backend=b)[0] for b in ("nvcc", "nvrtc"))
+assert torch.allclose(got, want, rtol=1e-3, atol=1e-3), (got - want).abs().max()'
 if [ -f "$CUBINS" ] && [ "${1:-}" != cubins ] && command -v nvidia-smi >/dev/null; then
     mkdir -p build/cuda-cache && tar -xJf "$CUBINS" -C build/cuda-cache &&
-        export PICOMPILE_CACHE_DIR=$PWD/build/cuda-cache PICOMPILE_CUDA_BACKEND=nvcc &&
+        export PICOMPILE_CACHE_DIR=$PWD/build/cuda-cache &&
         { [ -x "$NVCC" ] && export PICOMPILE_NVCC=$NVCC || true; }
+    if [ -f build/cuda-cache/checked ] || "$PY" -c "$CUBINS_CHECK"; then
+        touch build/cuda-cache/checked
+        export PICOMPILE_CUDA_BACKEND=nvcc
+    else
+        echo "the carried cubins did not compute as NVRTC's build: NVRTC compiles each variant" >&2
+    fi
 fi
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(env kernels memory tests kernel-tests sanitizer opt-13b llama-13b llama-cpp-build llama-cpp)

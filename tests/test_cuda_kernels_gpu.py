@@ -150,13 +150,15 @@ def check_close(out, ref, dtype, what=""):
     assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
 
 
-def run_given_idx(v, w, x, idx, threshold, *, out=None, accumulate=False, use_bias_down=True):
+def run_given_idx(v, w, x, idx, threshold, *, out=None, accumulate=False, use_bias_down=True,
+                  backend=None):
     wd = to_dev(w)
     if not use_bias_down:
         wd.pop("b_down")
     w_up, w_down_t = wd.pop("w_up"), wd.pop("w_down_t")
     return cuda.ffn_given_idx(x.to(DEV), w_up, w_down_t, idx.to(DEV), **wd, act=v.act,
-                              drelu=v.drelu, threshold=threshold, out=out, accumulate=accumulate)
+                              drelu=v.drelu, threshold=threshold, out=out, accumulate=accumulate,
+                              backend=backend)
 
 
 def reference_given_idx(v, w, x, idx, threshold, use_bias_down=True):
@@ -199,6 +201,15 @@ def test_every_variant_given_idx(v):
     for T in (1, 3, 8):
         d, n = SHAPES[(k + T) % len(SHAPES)]
         assert_given_idx(v, d, n, T, density=0.3, seed=k)
+
+
+@pytest.mark.parametrize("v", cuda.all_variants(quantized=False)[::7], ids=lambda v: v.tag)
+def test_nvcc_cubins_compute_as_the_reference(v):
+    """The nvcc backend: cubins compiled ahead (scripts/gpu_acceptance.sh cubins carries them),
+    loaded instead of NVRTC's build."""
+    assert cuda.load(v, "nvcc") is not cuda.load(v, "nvrtc")
+    for T in (1, 8):
+        assert_given_idx(v, 576, 1536, T, density=0.3, seed=T, backend="nvcc")
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))

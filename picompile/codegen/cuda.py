@@ -314,11 +314,15 @@ def _torch_dtype(name: str):
     return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
-@functools.lru_cache(maxsize=None)
 def load(v: Variant, backend: str | None = None) -> CudaKernels:
-    """Compile (NVRTC via cupy by default, or nvcc's cubin) and load one variant."""
+    """Compile (NVRTC via cupy by default, or nvcc's cubin; None: $PICOMPILE_CUDA_BACKEND) and
+    load one variant, once per backend."""
+    return _load(v, backend or os.environ.get(BACKEND_ENV, "nvrtc"))
+
+
+@functools.lru_cache(maxsize=None)
+def _load(v: Variant, backend: str) -> CudaKernels:
     cp = _cupy()
-    backend = backend or os.environ.get(BACKEND_ENV, "nvrtc")
     if backend == "nvrtc":
         module = cp.RawModule(code=source(v))
     elif backend == "nvcc":
