@@ -209,6 +209,12 @@ def _placement_section(cm, names: dict[str, str]) -> str:
                   "Planned only: this compiled model runs on the CPU.") + "</p>")
     if not p.fixed_on_gpu:
         out.append(_none("The non-FFN parts do not fit the budget: nothing is on the GPU."))
+    elif p.host_layers:
+        n = len(p.host_layers)
+        out.append(f"<p>The attention of every layer does not fit the budget: the last {n} "
+                   f"decoder layer{'s' if n > 1 else ''} ({html.escape(p.host_layers[0])} on) "
+                   f"run{'' if n > 1 else 's'} wholly on the CPU, between the GPU's segments of "
+                   "each step.</p>")
     from matplotlib import colormaps
     from matplotlib.figure import Figure
 

@@ -240,6 +240,9 @@ def test_layers_the_budget_leaves_on_the_cpu_run_between_segments_as_dense(arch,
     cm.save(tmp_path)
     loaded = picompile.load(copy.deepcopy(dense), tmp_path)
     assert loaded.plan.placement.host_layers == [last]
+    if arch == "llama_relu":  # the report says which layers run on the CPU
+        page = cm.report(tmp_path / "r.html", decode_tokens=2).read_text()
+        assert f"the last 1 decoder layer ({last} on) runs wholly on the CPU" in page
 
 
 def test_a_timeline_times_each_segment_of_each_step():
