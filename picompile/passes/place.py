@@ -550,7 +550,8 @@ def place_layers(*, budget_bytes: int, fixed_bytes: dict[str, int], blocks: list
     inner.notes.insert(0, (
         f"the non-FFN parts of all {len(layers)} layers need {sum(fixed_bytes.values()):,} bytes "
         f"({parts}) > the budget {budget_bytes:,}: the last {_layers(len(host))} "
-        f"({host[0].name} on) run wholly on the CPU, the other {len(layers) - len(host)} on the GPU"))
+        f"({host[0].name} on) run{'s' if len(host) == 1 else ''} wholly on the CPU, the other "
+        f"{len(layers) - len(host)} on the GPU"))
     return inner, [layer.name for layer in host], fixed
 
 
