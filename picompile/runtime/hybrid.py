@@ -375,6 +375,8 @@ def _to(value, device: torch.device):
     """Every tensor in value (nested tuples, lists, dicts) on `device`; anything else as it is."""
     if isinstance(value, torch.Tensor):
         return value.to(device)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(_to(v, device) for v in value))
     if isinstance(value, (tuple, list)):
         return type(value)(_to(v, device) for v in value)
     if isinstance(value, dict):
