@@ -266,6 +266,9 @@ def main():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     label = f"picompile hybrid (predicted), budget {budget / 1e9:.2f} GB"
+    host = cm.plan.placement.host_layers
+    if host:
+        label += f", {len(host)} of {len(decoder_layers(model))} decoder layers on the CPU"
     results[label] = decode_tps(cm, ids, args.new_tokens)
     print(results, flush=True)
     if gpu:
