@@ -1,6 +1,7 @@
 """Hybrid decode: hot neurons on the GPU, cold on the CPU, against the other ways to run a model
 that does not fit: Hugging Face accelerate offloading at the same budget, picompile all on the
-CPU, and the dense model all on the GPU where it fits.
+CPU, and all on the GPU where it fits (the dense model in Hugging Face eager, and picompile's
+device decoder on the same plan with every neuron hot).
 
 Models are OPT- or ReLU-Llama-shaped with random float16 weights, built straight in float16 on
 the device. Their first FFN layer (OPT fc1, Llama gate) plants what PowerInfer measures on real
@@ -216,7 +217,8 @@ def main():
     ap.add_argument("--max-context", type=int, default=512, help="KV cache the budget holds")
     ap.add_argument("--calibration-tokens", type=int, default=32768)
     ap.add_argument("--cpu-standin", action="store_true", help="the CPU stands in for the GPU")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["accelerate", "cpu", "gpu"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["accelerate", "cpu", "gpu"],
+                    help="gpu: both all-on-the-GPU runs (HF eager and picompile)")
     ap.add_argument("--layers", type=int, help="fewer decoder layers than the shape has")
     ap.add_argument("--profile", action="store_true",
                     help="print where the host's time goes in hybrid decode (cProfile)")
@@ -301,7 +303,23 @@ def main():
     if gpu:
         torch.cuda.empty_cache()
 
-    # 2. accelerate offloading at the same budget (dense, layers moved to the GPU per step)
+    # 2. picompile all on the GPU: the same plan, every neuron hot (no profile again)
+    if gpu and "gpu" not in args.skip:
+        model = build(args.shape, dtype, device, args.layers)
+        all_gpu = picompile.load(model, plan_dir)
+        for f in all_gpu.ffns().values():
+            f.block.decided.hot_neurons = f.n_ff
+        all_gpu.plan.placement.host_layers, all_gpu.plan.placement.fixed_on_gpu = [], True
+        all_gpu.distribute("cuda")
+        results["picompile all on the GPU (same plan, every neuron hot)"] = decode_tps(
+            all_gpu, ids, args.new_tokens)
+        print(f"decode step: {decode_step_line(all_gpu)}", flush=True)
+        print(results, flush=True)
+        del all_gpu, model
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    # 3. accelerate offloading at the same budget (dense, layers moved to the GPU per step)
     if gpu and "accelerate" not in args.skip:
         from accelerate import dispatch_model, infer_auto_device_map
 
@@ -317,7 +335,7 @@ def main():
         gc.collect()
         torch.cuda.empty_cache()
 
-    # 3. picompile all on the CPU, same plan (loaded, not profiled again)
+    # 4. picompile all on the CPU, same plan (loaded, not profiled again)
     if "cpu" not in args.skip:
         dense = build(args.shape, dtype, device, args.layers).to("cpu")
         if gpu:
