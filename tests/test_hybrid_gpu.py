@@ -224,7 +224,7 @@ def test_a_model_on_the_gpu_whose_first_layer_does_not_fit_runs_on_the_cpu():
     ids = torch.randint(0, zoo.VOCAB, (1, 8))
     want = dense.generate(ids, max_new_tokens=6, do_sample=False)
     cm = picompile.compile(copy.deepcopy(dense).cuda(), gpu_budget=2**20, max_context=64,
-                           quiet=True)
+                           calibration=torch.randint(0, zoo.VOCAB, (2, 16)), quiet=True)
     assert not cm.plan.placement.fixed_on_gpu
     assert all(p.device.type == "cpu" for p in cm._orig_mod.parameters())
     assert torch.equal(cm.generate(ids, max_new_tokens=6, do_sample=False), want)
