@@ -39,7 +39,7 @@ import time
 import torch
 
 import picompile
-from picompile.config import CUDA_GRAPHS_ENV
+from picompile.config import COLD_THREADS_ENV, CUDA_GRAPHS_ENV
 from picompile.timing import timed_generate
 
 # kind, hidden, ffn, layers, heads, vocab
@@ -220,6 +220,9 @@ def main():
     ap.add_argument("--skip", nargs="*", default=[], choices=["accelerate", "cpu", "gpu"],
                     help="gpu: both all-on-the-GPU runs (HF eager and picompile)")
     ap.add_argument("--layers", type=int, help="fewer decoder layers than the shape has")
+    ap.add_argument("--cold-threads", type=int, nargs="*", default=[],
+                    help="decode again with each of these OpenMP team sizes for the cold parts "
+                         "(default: half the CPU threads)")
     ap.add_argument("--profile", action="store_true",
                     help="print where the host's time goes in hybrid decode (cProfile)")
     args = ap.parse_args()
@@ -277,6 +280,11 @@ def main():
         peak = gpu_peak_bytes()
     dec = cm.decoder()
     print(f"decode step: {decode_step_line(cm)}", flush=True)
+    for n in args.cold_threads:  # the same decoder, another team for the cold parts
+        os.environ[COLD_THREADS_ENV] = str(n)
+        results[f"{label}, {n} cold threads"] = decode_tps(cm, ids, args.new_tokens)
+        del os.environ[COLD_THREADS_ENV]
+        print(results, flush=True)
     overlap = decoder_overlap(cm, ids)
     if getattr(dec, "graphs", None) is not None:  # the same decoder, its segments run eagerly
         os.environ[CUDA_GRAPHS_ENV] = "0"

@@ -189,8 +189,10 @@ class HybridFFN:
         stage.ready.zero_()
         stage.job.T = T
         stage.job.mask = stage.mask.data_ptr() if predicted else None
-        # The job's threshold follows the block's (calibration may set it after distribute).
+        # The job's threshold follows the block's (calibration may set it after distribute), its
+        # threads cold_threads() (whose override may change between steps: a benchmark's sweep).
         stage.job.threshold = self.cold.threshold
+        stage.job.threads = cold_threads()
         rc = cold_worker.load().pi_cold_start(ctypes.byref(stage.job))
         if rc != 0:
             raise RuntimeError(f"picompile: the cold worker did not start (pi_cold_start {rc})")
