@@ -78,6 +78,10 @@ class FileTensors:
         return Blocks(self._fallback, None, "unmapped") if self._fallback else default
 
 
+# The LM head's tensor, whatever the architecture (gguf's name maps leave it out).
+HEAD_TENSOR = {"lm_head": "output.weight"}
+
+
 def tensor_name(arch: str, n_blocks: int):
     """HF module name -> the GGUF tensor holding its weight, for files of architecture `arch`
     with n_blocks layers ("model.layers.3.mlp.up_proj" -> "blk.3.ffn_up.weight"; "lm_head" ->
@@ -90,8 +94,8 @@ def tensor_name(arch: str, n_blocks: int):
     names = gguf.get_tensor_name_map(key, n_blocks)
 
     def to_tensor(module: str) -> str | None:
-        if module == "lm_head":
-            return "output.weight"
+        if module in HEAD_TENSOR:
+            return HEAD_TENSOR[module]
         base = names.get_name(module)
         return None if base is None else f"{base}.weight"
     return to_tensor
@@ -136,7 +140,7 @@ def read(path, config=None, with_data: bool = True) -> tuple[FileTensors, list[s
         counts = collections.Counter(KEPT.get(k) or NEAREST.get(k) for k in types.values())
         counts.pop(None, None)
         fallback = counts.most_common(1)[0][0] if counts else None
-        to_tensor = {"lm_head": "output.weight"}.get
+        to_tensor = HEAD_TENSOR.get
         how = f"quantized from the float weights to {fallback}, the file's most common format" \
             if fallback else "float, as the file's tensors are"
         notes.append(f"{path}: architecture {arch!r} has no tensor name map in the gguf "
