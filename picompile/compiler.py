@@ -431,6 +431,9 @@ def load(model: nn.Module, directory, gguf=None, kv_cache=None) -> CompiledModel
                                                  if k.endswith(".blocks")})
     cm = _lower(captured, plan, gguf, rounding)
     cm.kv_cache_dtype = kv_dtype
+    if runs_hybrid(plan):
+        note("the plan splits the model across a GPU and the CPU (gpu_budget); it runs on the "
+             "CPU until cm.distribute() puts it on the GPU as planned")
     cm.decoder()
     return cm
 

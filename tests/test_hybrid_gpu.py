@@ -254,3 +254,16 @@ def test_a_layer_left_on_the_cpu_runs_between_replayed_graphs_within_the_budget(
     assert dec.graphs is not None, dec.graph_reason
     _assert_within(budget, cm)
     assert torch.equal(got.cpu(), dense.cpu().generate(ids, max_new_tokens=10, do_sample=False))
+
+
+def test_a_loaded_hybrid_plan_says_how_to_run_it_split(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("PICOMPILE_QUIET", raising=False)
+    dense = _model(torch.float32)
+    cm, _ = _compile(dense, 0.3, calibration=torch.randint(0, zoo.VOCAB, (4, 32)))
+    cm.save(tmp_path)
+    capsys.readouterr()
+    loaded = picompile.load(copy.deepcopy(dense), tmp_path)
+    assert "cm.distribute()" in capsys.readouterr().err
+    assert all(f.hybrid is None for f in loaded.ffns().values())
+    loaded.distribute("cuda")
+    assert _split_blocks(loaded) > 0
