@@ -135,21 +135,17 @@ class CompiledModel(nn.Module):
         """Which trained predictors run (the rest of the blocks run exact): "all", "none", or
         "auto": those whose block decodes faster with it on the CPU (BlockPlan.measured.decode_us_*,
         timed by passes/autotune.py), and every one in the hybrid runtime, where a predictor runs on the
-        GPU, costs the CPU nothing and spares it the gate rows of the cold neurons not predicted."""
+        GPU, costs the CPU nothing and spares it the gate rows of the cold neurons not predicted
+        (the blocks of decoder layers left on the CPU too: no autotune timed them, and at the
+        sizes that need such layers predicting spares the CPU most of the gate rows)."""
         self.plan.predictors = policy = check_predictor_policy(policy)
-        for ffn in self.ffns().values():
+        ffns = self.ffns().values()
+        hybrid = any(ffn.hybrid is not None for ffn in ffns)
+        for ffn in ffns:
             if ffn.predictor is not None:
                 b = ffn.block
                 ffn.predictor.enabled = policy == PredictorPolicy.ALL or policy == PredictorPolicy.AUTO and (
-                    ffn.hybrid is not None or b.measured.decode_us_predicted < b.measured.decode_us_exact
-                    or self._on_host(b))
-
-    def _on_host(self, block) -> bool:
-        """Whether the block sits in a decoder layer placement left on the CPU. Its predictor
-        runs under "auto": in the hybrid runtime no autotune timed it (and at the sizes that
-        need host layers, predicting spares the CPU most of the gate rows)."""
-        return any(block.module.startswith(layer + ".") or block.module == layer
-                   for layer in self.plan.placement.host_layers)
+                    hybrid or b.measured.decode_us_predicted < b.measured.decode_us_exact)
 
     def __getattr__(self, name: str):
         try:

@@ -124,6 +124,25 @@ def _union_bytes(intervals: list[tuple[int, int]]) -> int:
     return total
 
 
+def _storage_bytes(tensors, skip_storages=frozenset()) -> int:
+    """Bytes of memory `tensors` cover, shared and tied tensors and views of one storage counted
+    once; none of the storages in `skip_storages` (views of FFN weights held elsewhere, e.g. by
+    a replaced Linear: those bytes are the FFN's, placed per neuron)."""
+    intervals: dict[tuple, list[tuple[int, int]]] = {}
+    for t in tensors:
+        key, a, b = _extent(t)
+        if key not in skip_storages:
+            intervals.setdefault(key, []).append((a, b))
+    return sum(_union_bytes(v) for v in intervals.values())
+
+
+def _predictor_bytes(ffns) -> int:
+    """The predictors of `ffns` whole, in float16 (as runtime.hybrid.distribute puts them on the
+    GPU)."""
+    return sum(2 * t.numel() for f in ffns if getattr(f, "predictor", None) is not None
+               for t in _tensors_of(f.predictor))
+
+
 def _model_dtype(tensors: list[torch.Tensor], fallback: torch.dtype) -> torch.dtype:
     """The floating dtype holding the most bytes: what the model computes (and caches KV) in."""
     by_dtype: dict[torch.dtype, int] = {}
@@ -220,19 +239,8 @@ def account(
     ffn_storages = {_extent(t)[0] for t in ffn_tensors if t.numel()}
 
     others = [t for t in [*model.parameters(), *model.buffers()] if id(t) not in ffn_ids]
-    intervals: dict[tuple, list[tuple[int, int]]] = {}
-    for t in others:
-        key, a, b = _extent(t)
-        if key in ffn_storages:
-            # A view of an FFN weight still held elsewhere (e.g. the replaced Linear): the bytes
-            # are the FFN's, placed per neuron.
-            continue
-        intervals.setdefault(key, []).append((a, b))
-    non_ffn = sum(_union_bytes(v) for v in intervals.values())
-
-    # Predictors go to the GPU whole, in float16 (runtime.hybrid.distribute).
-    predictors = sum(2 * t.numel() for f in ffns.values() if getattr(f, "predictor", None) is not None
-                     for t in _tensors_of(f.predictor))
+    non_ffn = _storage_bytes(others, ffn_storages)
+    predictors = _predictor_bytes(ffns.values())
 
     fallback = next(iter(ffns.values())).float_dtype if ffns else torch.float32
     dtype = _model_dtype(others, fallback)
@@ -487,18 +495,16 @@ def layer_demands(model: nn.Module, ffns: dict[str, SparseFFN], fixed: dict[str,
     for layer in layers:
         inside = {id(m) for m in layer.modules()}
         blocks = [n for n, f in ffns.items() if id(f) in inside]
-        ffn_ids = {id(t) for n in blocks for t in _tensors_of(ffns[n])}
-        intervals: dict[tuple, list[tuple[int, int]]] = {}
-        for t in [*layer.parameters(), *layer.buffers()]:
-            if id(t) not in ffn_ids:
-                key, a, b = _extent(t)
-                intervals.setdefault(key, []).append((a, b))
-        predictors = sum(2 * t.numel() for n in blocks if ffns[n].predictor is not None
-                         for t in _tensors_of(ffns[n].predictor))
+        ffn_tensors = [t for n in blocks for t in _tensors_of(ffns[n])]
+        ffn_ids = {id(t) for t in ffn_tensors}
+        weights = _storage_bytes([t for t in [*layer.parameters(), *layer.buffers()]
+                                  if id(t) not in ffn_ids],
+                                 {_extent(t)[0] for t in ffn_tensors if t.numel()})
         demands.append(LayerDemand(
             name=module_names[id(layer)], blocks=blocks,
-            fixed_bytes={"non_ffn_weights": sum(_union_bytes(v) for v in intervals.values()),
-                         "predictors": predictors, "kv_cache": kv,
+            fixed_bytes={"non_ffn_weights": weights,
+                         "predictors": _predictor_bytes(ffns[n] for n in blocks),
+                         "kv_cache": kv,
                          "ffn_biases_down": sum(_nbytes(ffns[n].b_down) for n in blocks)}))
     return demands
 
