@@ -117,7 +117,7 @@ class CompiledModel(nn.Module):
         distribute(self._orig_mod, ffns, device, move_non_ffn=placement.fixed_on_gpu,
                    host_layers=placement.host_layers)
         for module in self._orig_mod.modules():  # their weights may have moved: pick again
-            if isinstance(module, DenseLinear):
+            if isinstance(module, (DenseLinear, QuantLinear)):
                 module.select_kernel()
         for name, ffn in ffns.items():
             if ffn.hybrid is None:  # in a layer left on the CPU: its kernels stay bound

@@ -103,9 +103,9 @@ def compile(
     quantize ("q8_0", "q4_0", "q4_1": GGUF's block formats, see picompile/quant.py): the FFN
     blocks and the other linear layers are stored and read quantized (blocks of 32 weights with a
     float16 scale), after calibration, profiling and placement have measured the float model.
-    Embeddings, norms and biases stay float. With gpu_budget, the FFN blocks' hot rows run
-    quantized on the GPU (placement counts their quantized bytes) and the layers that go to the
-    GPU whole (attention, LM head) stay float. Default: float weights. With calibration data
+    Embeddings, norms and biases stay float. With gpu_budget, the FFN blocks' hot rows and the
+    layers that go to the GPU whole (attention, LM head) run quantized there (placement counts
+    their quantized bytes). Default: float weights. With calibration data
     (calibration= or tokenizer=) the blocks are rounded by GPTQ (picompile/gptq.py: each layer's
     rounding errors compensated along its inputs' Hessian over the calibration tokens; SmolLM2
     at q4_0: BENCHMARKS.md session 11); without, to nearest.
@@ -260,7 +260,9 @@ def _decide(captured: Captured, plan: Plan, ids, opts: Options) -> dict[str, Blo
     # place: hot neurons on the GPU within the budget, neurons permuted hot-first
     if opts.budget is not None:
         formats = quantize_pass.planned_ffn_formats(ffns, opts.quantize, opts.gguf)
-        _place(model, ffns, plan.placement, profiles, opts.budget, opts.max_context, formats)
+        linears = quantize_pass.planned_linear_bytes(model, ffns, opts.quantize, opts.gguf)
+        _place(model, ffns, plan.placement, profiles, opts.budget, opts.max_context, formats,
+               linears)
     return profiles
 
 
@@ -269,13 +271,6 @@ def runs_hybrid(plan: Plan) -> bool:
     parts fit it (placement), and a CUDA GPU is present."""
     p = plan.placement
     return p.budget_bytes is not None and p.fixed_on_gpu and torch.cuda.is_available()
-
-
-def quantizes_linears(plan: Plan) -> bool:
-    """Whether compile quantizes the linears outside the FFN blocks too: not where the plan runs
-    hybrid on a GPU, which they go to with the non-FFN parts and where no kernel reads
-    quantized dense rows (placement counted them float)."""
-    return bool(plan.quantize) and not runs_hybrid(plan)
 
 
 def _hessians(captured: Captured, plan: Plan, ids, opts: Options):
@@ -305,7 +300,7 @@ def _hessians(captured: Captured, plan: Plan, ids, opts: Options):
         held = "per layer " if layers is not None else ""
         return quantize_pass.Rounding(skipped=f"GPTQ's Hessians would take {need / 2**30:.1f} GiB "
                                               f"{held}(more than {hessians_pass.MAX_BYTES >> 30} GiB)")
-    targets = quantize_pass.gptq_targets(model, ffns, opts.quantize, linears=quantizes_linears(plan))
+    targets = quantize_pass.gptq_targets(model, ffns, opts.quantize)
     rounding = quantize_pass.Rounding(tokens=tokens)
     rounding.too_wide = quantize_pass.too_wide(targets, tokens)
     weights = len({id(w) for w, _, _ in targets.values()})
@@ -335,10 +330,7 @@ def _lower(captured: Captured, plan: Plan, gguf=None, rounding=None) -> Compiled
     # lower: every other weight-bearing linear (attention projections, LM head) to the dense
     # kernel; after capture and detect, which find FFN blocks by their nn.Linear members
     linear_paths = lower_pass.lower_linears(model)
-    if plan.quantize and not quantizes_linears(plan):
-        quant_notes.append("attention projections and LM head stay float: they run on the GPU, "
-                           "which has no quantized dense kernels yet (placement counted them so)")
-    elif plan.quantize:
+    if plan.quantize:
         quantized, notes = quantize_pass.quantize_linears(model, plan.quantize, file_blocks,
                                                           rounding)
         linear_paths.update(quantized)
@@ -444,17 +436,19 @@ def _attach_predictor(graphs, ffn: SparseFFN, predictor) -> None:
 
 
 def _place(model, ffns, placement, profiles, budget: int, max_context: int,
-           formats: dict[str, tuple[str, str]]) -> None:
+           formats: dict[str, tuple[str, str]], linears: dict[int, int]) -> None:
     """Run the placement pass and record its decision in plan.placement and the blocks.
     `formats`: {block: (gate / up format, down format)} of the blocks quantize will store in a
-    block format (their neurons cost those bytes on the GPU)."""
+    block format (their neurons cost those bytes on the GPU); `linears`: {id(weight): bytes} of
+    the other linear layers it will quantize."""
     from picompile.passes import place as place_pass
 
-    fixed = place_pass.account(model, ffns, max_context=max_context, budget_bytes=budget)
+    fixed = place_pass.account(model, ffns, max_context=max_context, budget_bytes=budget,
+                               planned_bytes=linears)
     demands = [place_pass.BlockDemand(name, f.n_ff, place_pass.neuron_bytes(f, formats.get(name)),
                                       profiles[name].freq)
                for name, f in ffns.items()]
-    layers = place_pass.layer_demands(model, ffns, fixed)
+    layers = place_pass.layer_demands(model, ffns, fixed, linears)
     result, host_layers, fixed = place_pass.place_layers(budget_bytes=budget, fixed_bytes=fixed,
                                                          blocks=demands, layers=layers)
     for name, ffn in ffns.items():

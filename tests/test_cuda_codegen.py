@@ -81,17 +81,18 @@ def test_variant_for_block():
 
 
 _KERNEL = re.compile(r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))?\s+'
-                     r'(PI_CAT\(\w+, PI_(?:DT|TAG)\)|\w+)\((.*?\)[ \t]*(?://[^\n]*)?)\n\{', re.S)
+                     r'(PI_CAT\(\w+, PI_(?:DT|TAG|QTAG)\)|\w+)\((.*?\)[ \t]*(?://[^\n]*)?)\n\{', re.S)
 
 
 def _kernel_defs(src: str) -> list[tuple[str, str]]:
     """(extern "C" kernel name, its parameter list text) of each kernel a source defines, in order,
     with the name macros expanded as the preprocessor does: PI_CAT(pi_down_1_, PI_DT) after
-    `#define PI_DT f16` is pi_down_1_f16. (Each part of a source is there once; test below.)"""
+    `#define PI_DT f16` is pi_down_1_f16 (PI_TAG: a variant's, PI_QTAG: a block format's). (Each
+    part of a source is there once; test below.)"""
     out = []
     suffix = {}
-    for part in re.split(r"(?=^#define PI_(?:DT|TAG) )", src, flags=re.M):
-        m = re.match(r"#define (PI_DT|PI_TAG) (\w+)", part)
+    for part in re.split(r"(?=^#define PI_(?:DT|TAG|QTAG) )", src, flags=re.M):
+        m = re.match(r"#define (PI_DT|PI_TAG|PI_QTAG) (\w+)", part)
         if m:
             suffix[m.group(1)] = m.group(2)
         for name, params in _KERNEL.findall(part):
@@ -104,16 +105,18 @@ def test_kernel_files_document_every_parameter():
     """Each extern "C" kernel of the .cuh files: one parameter per line, each with a comment."""
     files = importlib.resources.files("picompile") / "kernels"
     n = 0
-    for name in ("ffn_cuda.cuh", "ffn_cuda_dtype.cuh", "ffn_cuda_variant.cuh", "ffn_cuda_q.cuh"):
+    for name in ("ffn_cuda.cuh", "ffn_cuda_dtype.cuh", "ffn_cuda_variant.cuh", "ffn_cuda_q.cuh",
+                 "ffn_cuda_qlinear.cuh"):
         for kernel, params in _KERNEL.findall((files / name).read_text()):
             n += 1
             lines = [ln for ln in params.strip().splitlines() if ln.strip()]
             assert lines, kernel
             for ln in lines:
                 assert "//" in ln, f"{kernel}: parameter without a comment: {ln.strip()}"
-            if re.search(r"pi_(gate_up|down_1|down_b|pred)", kernel):
+            if re.search(r"pi_(gate_up|down_1|down_b|pred|qlinear)", kernel):
                 assert re.search(r"\[\w+, \w+\]", params), f"{kernel}: no [rows, cols] shape comment"
-    assert n == 2 + 7 + 2 + 1  # mask bits, compaction; per dtype; per variant; rounding of x
+    assert n == 2 + 7 + 2 + 1 + 2  # mask bits, compaction; per dtype; per variant; rounding of
+    # x; per block format (dense linear layers)
 
 
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.tag)
@@ -201,12 +204,14 @@ def test_combined_source_defines_each_kernel_once():
     # the float dtypes, and f32_q8_0: every quantized variant's predictor and q8_0 down rows
     assert src.count("#define PI_DT ") == len(cuda.DTYPES) + 1
     assert src.count("#define PI_TAG ") == len(VARIANTS)
+    assert src.count("#define PI_QTAG ") == len(cuda.QFORMATS)  # dense linear kernels
     defined = [name for name, _ in _kernel_defs(src)]
     assert len(defined) == len(set(defined))
     expected = {n for v in VARIANTS for n in cuda.kernel_names(v).values()}
     assert set(defined) == expected
-    # 4 dtype parts x 7 kernels + mask bits + compaction + rounding + 2 gate/up kernels per variant
-    assert len(defined) == 4 * 7 + 3 + 2 * len(VARIANTS)
+    # 4 dtype parts x 7 kernels + mask bits + compaction + rounding + 2 gate/up kernels per
+    # variant + 2 dense linear kernels per block format
+    assert len(defined) == 4 * 7 + 3 + 2 * len(VARIANTS) + 2 * len(cuda.QFORMATS)
 
 
 def test_kernel_sources_are_package_data():

@@ -218,3 +218,41 @@ def test_hybrid_quantized_block_equals_the_reference(fmt):
             torch.cuda.synchronize()
             err = (out.double().cpu() - ref).abs().max().item()
             assert err <= 1e-4 * (1.0 + ref.abs().max().item()), (fmt, T, err)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("k,o", [(32, 1), (96, 33), (288, 700), (800, 257), (4096, 1024)])
+def test_quant_linear_equals_the_reference(fmt, k, o):
+    """codegen.cuda.quant_linear (the dense linear kernels on rows in the dot layout, superblock
+    tails included) against QuantLinear.forward_native on the CPU, for 1 to 13 tokens (two
+    groups of 8), float32 and float16 x, with and without a bias; and QuantLinear moved to the
+    GPU runs it."""
+    from picompile.runtime.dense_linear import QuantLinear
+
+    g = torch.Generator().manual_seed(k + o)
+    lin = torch.nn.Linear(k, o, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(o, k, generator=g) * k**-0.5)
+        lin.bias.copy_(torch.randn(o, generator=g))
+    layer = QuantLinear.from_linear(lin, fmt)
+    for T in (1, 3, 8, 13):
+        for dtype in (torch.float32, torch.float16):
+            x = torch.randn(T, k, generator=g).to(dtype)
+            for bias in (layer.bias, None):
+                ref = torch.nn.functional.linear(
+                    quant.round_activations(x.double(), fmt), layer.dequantized_weight().double(),
+                    None if bias is None else bias.double())
+                got = cuda.quant_linear(x.to(DEV), layer.qweight.to(DEV), fmt,
+                                        None if bias is None else bias.to(DEV))
+                torch.cuda.synchronize()
+                assert got.shape == (T, o) and got.dtype == torch.float32
+                err = (got.double().cpu() - ref).abs().max().item()
+                assert err <= TOL * (1 + ref.abs().max().item()), (fmt, T, dtype, bias is None, err)
+    on_gpu = QuantLinear.from_linear(lin.to(DEV), fmt)  # quantized on the CPU, then moved back
+    assert on_gpu.qweight.is_cuda and on_gpu.path.startswith("CUDA")
+    x = torch.randn(2, 5, k, generator=g)
+    with torch.no_grad():
+        want = layer.forward_native(x)
+        got = on_gpu(x.to(DEV))
+    assert got.is_cuda and got.shape == (2, 5, o)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)

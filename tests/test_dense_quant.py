@@ -286,9 +286,8 @@ def test_quant_linear_refusals():
     with pytest.raises(ValueError, match="unknown quantization"):
         QuantLinear.from_linear(nn.Linear(64, 8), "q3_k")
     mod = QuantLinear.from_linear(nn.Linear(64, 8), "q4_1")
-    for move in (lambda m: m.to("meta"), lambda m: m.cuda()):
-        with pytest.raises(RuntimeError, match="CPU only"):
-            move(mod)
+    with pytest.raises(RuntimeError, match="run on the CPU or a CUDA GPU"):
+        mod.to("meta")  # a device without kernels (CUDA: tests/test_cuda_quant_gpu.py)
     assert mod.qweight.device.type == "cpu" and mod.kernel is not None  # nothing moved
     mod.float()  # dtype changes of the float tensors are fine; the kernel is bound again
     assert mod.qweight.dtype == torch.uint8 and mod.kernel is not None

@@ -444,12 +444,12 @@ def test_quantized_blocks_are_placed_by_their_quantized_bytes(fmt, tmp_path, mon
     bytes the quantized block holds, so the same budget takes more hot neurons than float; the
     plan runs on the CPU here, and split across a device as distribute() puts it (the CPU
     standing in for the GPU) with the same outputs. Where the plan runs hybrid on a GPU, the
-    attention projections and the LM head stay float (they go to the GPU whole)."""
+    attention projections and the LM head are quantized too (they go to the GPU whole, where
+    codegen.cuda.quant_linear runs them)."""
     import warnings
 
     from picompile import compiler
     from picompile.passes import place
-    from picompile.runtime.dense_linear import DenseLinear
 
     dense = zoo.make("llama_relu", hidden=64, n_ff=256)
     ids = torch.randint(0, zoo.VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
@@ -481,13 +481,13 @@ def test_quantized_blocks_are_placed_by_their_quantized_bytes(fmt, tmp_path, mon
         assert all(f.hybrid is not None for f in cm.ffns().values())
         torch.testing.assert_close(zoo.logits(cm, prompt), want, rtol=1e-4, atol=1e-4)
 
-    # the same plan where a GPU runs it: linears stay float, blocks quantized
+    # the same plan where a GPU runs it: linears quantized as on the CPU, blocks too
     monkeypatch.setattr(compiler, "runs_hybrid", lambda plan: True)
     loaded = picompile.load(copy.deepcopy(dense), tmp_path / "plan")
-    assert not any(isinstance(m, QuantLinear) for m in loaded._orig_mod.modules())
-    assert any(isinstance(m, DenseLinear) for m in loaded._orig_mod.modules())
+    assert any(isinstance(m, QuantLinear) for m in loaded._orig_mod.modules())
     assert all(f.qformat == fmt for f in loaded.ffns().values())
-    assert any("stay float" in n for n in loaded.quant_notes)
+    with torch.no_grad():
+        torch.testing.assert_close(zoo.logits(loaded, prompt), want, rtol=1e-4, atol=1e-4)
 
 
 FIXTURE = __import__("pathlib").Path(__file__).parent / "fixtures" / "relu_llama"
@@ -630,7 +630,6 @@ def test_gptq_targets_name_each_weight_with_the_format_compile_gives_it():
     assert formats["lm_head"] == ("q8_0", False)  # 4-bit formats keep the head at q8_0
     assert formats["model.layers.1.self_attn.k_proj"] == ("q4_0", False)
     assert targets["model.layers.0.mlp.up_proj"][0] is model.model.layers[0].mlp.up_proj.weight
-    assert quantize_pass.gptq_targets(model, {}, "q4_0", linears=False) == {}  # hybrid on a GPU
     assert quantize_pass.gptq_targets(model, {}, "q8_0")["lm_head"][1] == "q8_0"
 
 
@@ -695,3 +694,30 @@ def test_too_few_calibration_tokens_for_every_weight_skip_the_hessians():
     assert "pass at least 96 for GPTQ on all" in text
     for (name, ffn), ffn_rtn in zip(cm.ffns().items(), rtn.ffns().values()):
         assert torch.equal(ffn.w_up, ffn_rtn.w_up), name
+
+
+@pytest.mark.parametrize("arch", ["llama_relu", "opt"])  # OPT's LM head is tied to its embedding
+def test_placement_counts_the_linears_at_the_bytes_compile_quantizes_them_to(arch, monkeypatch):
+    """compile(quantize=, gpu_budget=) places before it quantizes: the bytes placement counts for
+    the weights outside the FFN blocks (attention projections and the LM head in the formats
+    they will have, a head tied to the embedding as its blocks and the float embedding) are the
+    bytes the compiled model holds there."""
+    import warnings
+
+    from picompile.passes import place
+    from picompile.runtime import memory
+
+    monkeypatch.setenv(memory.ENV, "0")  # each tensor its own storage, as account counts them
+    dense = zoo.make(arch, hidden=64, n_ff=256)
+    ids = torch.randint(0, zoo.VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no CUDA GPU found": the plan is made
+        cm = picompile.compile(copy.deepcopy(dense), quantize="q4_0", gpu_budget=2**30,
+                               calibration=ids, max_context=64, quiet=True)
+    model = cm._orig_mod
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) >= 9  # 4 per layer + head
+    planned = cm.plan.placement.fixed_bytes["non_ffn_weights"]
+    assert planned == place.account(model, cm.ffns(), max_context=64)["non_ffn_weights"]
+    float_bytes = place.account(dense, {}, max_context=64)["non_ffn_weights"] - sum(
+        p.nbytes for name, p in dense.named_parameters() if ".mlp." in name or ".fc" in name)
+    assert planned < 0.6 * float_bytes

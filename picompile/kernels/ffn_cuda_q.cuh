@@ -66,6 +66,33 @@ struct PiQRows {
   }
 };
 
+// Dense linear layers on quantized rows (ffn_cuda_qlinear.cuh's kernels): y [T, o] = xr [T, k]
+// . w [o, k]^T (+ bias [o]), w's rows of QF in the dot layout, fp32. One warp per output row
+// (grid-stride), each lane decoding blocks lane, lane + 32, ... once for every token: the
+// gate / up kernels' row dot, here over all rows in order.
+template <int QF, int MAXT>
+__device__ __forceinline__ void pi_qlinear_body(
+    const unsigned char* __restrict__ w, const float* __restrict__ xr,
+    const float* __restrict__ bias, float* __restrict__ y, int T, int k, int o, int vec) {
+  const int lane = threadIdx.x & (PI_WARP - 1);
+  const int first = (blockIdx.x * blockDim.x + threadIdx.x) / PI_WARP;
+  const int step = (gridDim.x * blockDim.x) / PI_WARP;
+  for (int j = first; j < o; j += step) {  // warp-uniform
+    float acc[MAXT];
+#pragma unroll
+    for (int t = 0; t < MAXT; ++t) acc[t] = 0.0f;
+    PiQRows<QF, 1>::template dot<MAXT>(w, j, xr, T, k, vec, lane, acc);
+    const float b = bias != nullptr ? __ldg(bias + j) : 0.0f;
+#pragma unroll
+    for (int t = 0; t < MAXT; ++t) {
+      if (t < T) {
+        const float s = pi_warp_sum(acc[t]) + b;
+        if (lane == 0) y[(size_t)t * o + j] = s;
+      }
+    }
+  }
+}
+
 // x [T, d] fp32 -> xr [T, d]: x rounded per block of 32 to `levels` (127: 8 bits, 32767: 16)
 // and back to float32, bit for bit quant.round_activations; one thread per block (grid-stride).
 extern "C" __global__ void __launch_bounds__(256) pi_round_x(

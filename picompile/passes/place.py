@@ -124,16 +124,22 @@ def _union_bytes(intervals: list[tuple[int, int]]) -> int:
     return total
 
 
-def _storage_bytes(tensors, skip_storages=frozenset()) -> int:
+def _storage_bytes(tensors, skip_storages=frozenset(), planned=None) -> int:
     """Bytes of memory `tensors` cover, shared and tied tensors and views of one storage counted
     once; none of the storages in `skip_storages` (views of FFN weights held elsewhere, e.g. by
-    a replaced Linear: those bytes are the FFN's, placed per neuron)."""
+    a replaced Linear: those bytes are the FFN's, placed per neuron). `planned` {id(tensor):
+    bytes}: tensors counted at those bytes instead (weights compile will quantize)."""
+    planned = planned or {}
     intervals: dict[tuple, list[tuple[int, int]]] = {}
+    later: dict[int, int] = {}
     for t in tensors:
+        if id(t) in planned:
+            later[id(t)] = planned[id(t)]
+            continue
         key, a, b = _extent(t)
         if key not in skip_storages:
             intervals.setdefault(key, []).append((a, b))
-    return sum(_union_bytes(v) for v in intervals.values())
+    return sum(_union_bytes(v) for v in intervals.values()) + sum(later.values())
 
 
 def _predictor_bytes(ffns) -> int:
@@ -194,13 +200,15 @@ def account(
     batch: int = 1,
     workspace_bytes: int | None = None,
     budget_bytes: int | None = None,
+    planned_bytes: dict[int, int] | None = None,
 ) -> Accounting:
     """Bytes that must be on the GPU for a useful hybrid run, by item (a dict, with `.notes`):
 
     non_ffn_weights  every parameter and buffer of `model` outside the SparseFFN modules
                      (embeddings, attention, norms, head), shared / tied tensors counted once
                      (by the bytes of storage they cover, so views of one storage are not
-                     double counted either);
+                     double counted either); a weight in `planned_bytes` ({id(weight):
+                     bytes}, quantize_pass.planned_linear_bytes) at the bytes given there;
     predictors       every predictor whole, in float16 (what distribute() puts on the GPU);
     kv_cache         2 * layers * kv_heads * head_dim * max_context * batch * element size of the
                      model dtype, from the Hugging Face config (0, with a note, without one);
@@ -239,7 +247,7 @@ def account(
     ffn_storages = {_extent(t)[0] for t in ffn_tensors if t.numel()}
 
     others = [t for t in [*model.parameters(), *model.buffers()] if id(t) not in ffn_ids]
-    non_ffn = _storage_bytes(others, ffn_storages)
+    non_ffn = _storage_bytes(others, ffn_storages, planned_bytes)
     predictors = _predictor_bytes(ffns.values())
 
     fallback = next(iter(ffns.values())).float_dtype if ffns else torch.float32
@@ -479,10 +487,11 @@ class LayerDemand:
     blocks: list[str]
 
 
-def layer_demands(model: nn.Module, ffns: dict[str, SparseFFN], fixed: dict[str, int]
-                  ) -> list[LayerDemand]:
-    """Each decoder layer's part of `fixed` (account's items), in the model's layer order; [] for
-    a model without a list of decoder layers (it then runs wholly on the GPU or the CPU)."""
+def layer_demands(model: nn.Module, ffns: dict[str, SparseFFN], fixed: dict[str, int],
+                  planned_bytes: dict[int, int] | None = None) -> list[LayerDemand]:
+    """Each decoder layer's part of `fixed` (account's items, made with the same
+    `planned_bytes`), in the model's layer order; [] for a model without a list of decoder
+    layers (it then runs wholly on the GPU or the CPU)."""
     from picompile.passes.calibrate import LayerwiseUnsupported, decoder_layers
 
     try:
@@ -499,7 +508,8 @@ def layer_demands(model: nn.Module, ffns: dict[str, SparseFFN], fixed: dict[str,
         ffn_ids = {id(t) for t in ffn_tensors}
         weights = _storage_bytes([t for t in [*layer.parameters(), *layer.buffers()]
                                   if id(t) not in ffn_ids],
-                                 {_extent(t)[0] for t in ffn_tensors if t.numel()})
+                                 {_extent(t)[0] for t in ffn_tensors if t.numel()},
+                                 planned_bytes)
         demands.append(LayerDemand(
             name=module_names[id(layer)], blocks=blocks,
             fixed_bytes={"non_ffn_weights": weights,

@@ -91,27 +91,75 @@ def _module_names(ffn) -> dict[str, str]:
             for role, attr in ffn.block.linears.items()}
 
 
-def gptq_targets(model: nn.Module, ffns: dict, fmt: str, linears: bool = True,
-                 ) -> dict[str, tuple[torch.Tensor, str, bool]]:
+def gptq_targets(model: nn.Module, ffns: dict, fmt: str) -> dict[str, tuple[torch.Tensor, str, bool]]:
     """{Hessian key: (float weight, format, transposed)} of every weight quantize_ffns and
-    (with `linears`: compile quantizes them) quantize_linears round to `fmt` from float
-    weights, read before lowering (nn.Linear layers): what Rounding.gather quantizes as a
-    layer's Hessians are complete."""
+    quantize_linears round to `fmt` from float weights, read before lowering (nn.Linear layers):
+    what Rounding.gather quantizes as a layer's Hessians are complete."""
     out = {}
     for name, formats in planned_ffn_formats(ffns, fmt).items():
         for role, role_fmt in _role_formats(*formats):
             w = getattr(ffns[name], role)
             if w is not None:
                 out[f"{name}.{role}"] = (w, role_fmt, role == "w_down_t")
-    if not linears:
-        return out
-    head = _kept_head(model, fmt)
-    inside = {id(m) for ffn in ffns.values() for m in ffn.modules()}
-    for qual, layer in model.named_modules(remove_duplicate=False):
-        if isinstance(layer, nn.Linear) and id(layer) not in inside and \
-                quant.why_not_quantizable((layer.out_features, layer.in_features)) is None:
-            out[qual] = (layer.weight, HIGH_PRECISION if layer is head else fmt, False)
+    for qual, (layer, layer_fmt) in planned_linear_formats(model, ffns, fmt).items():
+        out[qual] = (layer.weight, layer_fmt, False)
     return out
+
+
+def planned_linear_formats(model: nn.Module, ffns: dict, fmt: str | None, gguf_path=None
+                           ) -> dict[str, tuple[nn.Linear, str]]:
+    """{qualified name: (nn.Linear, format)} of the linear layers outside the FFN blocks that
+    quantize_linears will quantize, read before lowering (for GPTQ and placement). fmt "gguf":
+    each layer's format in the file at `gguf_path`."""
+    if fmt is None:
+        return {}
+    file_tensors = gguf_weights.formats(gguf_path) if fmt == "gguf" else None
+    head = None if file_tensors is not None else _kept_head(model, fmt)
+    inside = {id(m) for ffn in ffns.values() for m in ffn.modules()}
+    out = {}
+    for qual, layer in model.named_modules(remove_duplicate=False):
+        if isinstance(layer, nn.Linear) and id(layer) not in inside:
+            layer_fmt, _ = _linear_format(qual, layer, fmt, head, file_tensors)
+            if layer_fmt is not None:
+                out[qual] = (layer, layer_fmt)
+    return out
+
+
+def planned_linear_bytes(model: nn.Module, ffns: dict, fmt: str | None, gguf_path=None
+                         ) -> dict[int, int]:
+    """{id(weight): bytes it will hold} of the weights planned_linear_formats quantizes (for
+    placement, which runs on the float model): their blocks' bytes, plus the float weight's
+    where a module other than those layers holds it too (an LM head tied to the input
+    embedding, which stays float)."""
+    layers = {id(layer): (layer, layer_fmt)
+              for layer, layer_fmt in planned_linear_formats(model, ffns, fmt, gguf_path).values()}
+    holders: dict[int, set[int]] = {}  # id(parameter) -> ids of the modules holding it
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), set()).add(id(m))
+    out = {}
+    for layer, layer_fmt in layers.values():
+        w = layer.weight
+        blocks = w.shape[0] * quant.row_bytes(w.shape[1], layer_fmt)
+        tied = any(h not in layers for h in holders.get(id(w), ()))
+        out[id(w)] = blocks + (w.numel() * w.element_size() if tied else 0)
+    return out
+
+
+def _linear_format(qual: str, layer: nn.Module, fmt: str, head: nn.Module | None,
+                   file_tensors: dict | None) -> tuple[str | None, str | None]:
+    """(format, None) that a linear layer outside the FFN blocks is quantized to, or (None, why
+    it stays float): the one rule for quantize_linears and planned_linear_formats. `head`: the
+    LM head a 4-bit format keeps at HIGH_PRECISION; file_tensors (fmt "gguf"): the file's
+    tensors by module name, each layer in its own format."""
+    why = quant.why_not_quantizable((layer.out_features, layer.in_features))
+    if why is not None:
+        return None, why
+    if file_tensors is not None:
+        blocks = file_tensors.get(qual)
+        return (blocks.fmt, None) if blocks is not None else (None, "float in the GGUF file")
+    return (HIGH_PRECISION if layer is head else fmt), None
 
 
 def too_wide(targets: dict, tokens: int) -> dict[int, int]:
@@ -305,17 +353,13 @@ def quantize_linears(model: nn.Module, fmt: str, file_blocks: dict | None = None
             if not isinstance(child, DenseLinear):
                 continue
             qual = f"{prefix}.{name}" if prefix else name
-            why = quant.why_not_quantizable((child.out_features, child.in_features))
-            blocks = None if file_blocks is None else file_blocks.get(qual)
-            if why is None and file_blocks is not None and blocks is None:
-                why = "float in the GGUF file"
+            layer_fmt, why = _linear_format(qual, child, fmt, head, file_blocks)
             if why is not None:
                 notes.append(f"{qual}: stays float: {why}")
                 continue
+            blocks = None if file_blocks is None else file_blocks.get(qual)
             if id(child) not in replaced:
-                layer_fmt = fmt if blocks is None else blocks.fmt
                 if child is head:
-                    layer_fmt = HIGH_PRECISION
                     notes.append(f"{qual}: the LM head, {HIGH_PRECISION} (not {fmt}), as "
                                  "llama.cpp keeps its output layer")
                 given = None

@@ -203,8 +203,9 @@ class QuantLinear(KernelModule):
     of the weight is kept: `forward_native` (the reference) dequantizes on each call. `forward`
     runs the kernel on the CPU for 1 <= T <= 8 tokens and, for the formats of
     config.PREFILL_KERNEL_FORMATS, for prefill too (else BLAS over the weight dequantized in C);
-    forward_native where autograd records x or there is no kernel.
-    CPU only: moving it to another device is an error (no GPU kernels for quantized layers yet).
+    forward_native where autograd records x or there is no kernel. On a CUDA device (`.to("cuda")`
+    moves the blocks as they are) `forward` runs codegen.cuda.quant_linear, the same arithmetic
+    on the GPU; other devices and dtype changes are refused.
     """
 
     def __init__(self, qweight: torch.Tensor, qformat: str, in_features: int,
@@ -219,8 +220,6 @@ class QuantLinear(KernelModule):
             raise ValueError(f"a {qformat} weight of {in_features} input features is uint8 "
                              f"[O, {rb}] with {in_features} a multiple of {quant.BLOCK}; got "
                              f"{str(qweight.dtype).removeprefix('torch.')} {tuple(qweight.shape)}")
-        if qweight.device.type != "cpu":
-            raise ValueError(self._cpu_only(qformat))
         self.qformat = qformat
         self.in_features = in_features
         self.out_features = qweight.shape[0]
@@ -249,29 +248,21 @@ class QuantLinear(KernelModule):
         if why is not None:
             raise ValueError(f"cannot quantize this linear layer to {fmt}: {why}; "
                              "it must stay float")
-        if weight.device.type != "cpu":
-            raise ValueError(cls._cpu_only(fmt))
-        mod = cls(quant.quantize(weight, fmt), fmt, weight.shape[1], linear.bias)
+        bias = None if linear.bias is None else linear.bias.detach().cpu()
+        mod = cls(quant.quantize(weight, fmt), fmt, weight.shape[1], bias).to(weight.device)
         mod.train(linear.training)
         if select:
             mod.select_kernel()
         return mod
 
-    @staticmethod
-    def _cpu_only(fmt: str) -> str:
-        return (f"picompile: quantized ({fmt}) linear layers run on the CPU only (there are no "
-                "GPU kernels for quantized weights yet); keep the model on the CPU, or compile "
-                "it without quantize= to run it on a GPU")
-
     def _apply(self, fn, recurse=True):
         # Where would the blocks go? (.cuda(), .to(device) move every tensor; .half() / .float()
-        # leave uint8 tensors as they are.) Refuse before anything moves.
-        try:
-            probe = fn(torch.empty(0, dtype=torch.uint8))
-        except Exception as e:  # noqa: BLE001 - e.g. .cuda() without CUDA: still a move off CPU
-            raise RuntimeError(self._cpu_only(self.qformat)) from e
-        if probe.device.type != "cpu" or probe.dtype != torch.uint8:
-            raise RuntimeError(self._cpu_only(self.qformat))
+        # leave uint8 tensors as they are.) Refuse a device without kernels before anything moves.
+        probe = fn(torch.empty(0, dtype=torch.uint8))
+        if probe.device.type not in ("cpu", "cuda") or probe.dtype != torch.uint8:
+            raise RuntimeError(f"picompile: quantized ({self.qformat}) linear layers run on the "
+                               f"CPU or a CUDA GPU, as uint8 blocks; not as {probe.dtype} on "
+                               f"{probe.device}")
         return super()._apply(fn, recurse)
 
     def _ptrs(self) -> tuple:
@@ -286,6 +277,9 @@ class QuantLinear(KernelModule):
         self._bound = self._ptrs()
         if reference_forced():
             self.path = "reference (PICOMPILE_REFERENCE set)"
+            return self.path
+        if self.qweight.is_cuda:
+            self.path = f"CUDA {self.qformat} (codegen.cuda.quant_linear)"
             return self.path
         self.kernel = dense.quant_kernel_for(self.qweight, self.qformat, self.in_features,
                                              self.bias)
@@ -335,12 +329,18 @@ class QuantLinear(KernelModule):
         if torch.compiler.is_compiling():  # traced (torch.export): one op node, runtime/ops.py
             return ops.call_linear(self, x)
         kernel = self.kernel
-        if kernel is None or not x.is_cpu or x.dim() == 0 or not x.is_floating_point():
-            return self.forward_native(x)
-        K = x.shape[-1]
+        K = x.shape[-1] if x.dim() else 0
         T = x.numel() // K if K else 0
         bias = self._parameters["bias"]
-        if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        if x.dim() == 0 or not x.is_floating_point() or (torch.is_grad_enabled() and (
+                x.requires_grad or (bias is not None and bias.requires_grad))):
+            return self.forward_native(x)
+        if self.qweight.is_cuda and x.device == self.qweight.device and not reference_forced():
+            from picompile.codegen import cuda
+
+            y = cuda.quant_linear(x.reshape(T, K), self.qweight, self.qformat, bias)  # [T, O]
+            return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        if kernel is None or not x.is_cpu or not self.qweight.is_cpu:
             return self.forward_native(x)
         if T > KERNEL_MAX_TOKENS and self.qformat not in PREFILL_KERNEL_FORMATS:
             # prefill where BLAS is the faster: over the weight dequantized in C
