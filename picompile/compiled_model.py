@@ -87,6 +87,9 @@ class CompiledModel(nn.Module):
         kv_dtype = check_kv_cache(self.kv_cache_dtype)
         key = (whole_step.Decoder.key(self._orig_mod), kv_dtype)
         if key != self._decoder_key:
+            if self._decoder is not None:
+                self._decoder.release()
+                self._decoder = None
             self._decoder, self.decoder_reason = whole_step.build(self._orig_mod, kv_dtype)
             self._decoder_key = key
         return self._decoder

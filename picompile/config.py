@@ -52,3 +52,7 @@ CUDA_GRAPHS_ENV = "PICOMPILE_CUDA_GRAPHS"
 
 def cuda_graphs_enabled() -> bool:
     return os.environ.get(CUDA_GRAPHS_ENV, "1").strip() not in ("0", "false", "no")
+
+# The device decoder's KV cache grows by whole steps of this many positions (each growth
+# captures its CUDA graphs again); placement counts max_context rounded up to it.
+KV_CACHE_STEP = 64

@@ -25,25 +25,43 @@ def _model(dtype, arch="opt"):
     return zoo.make(arch, dtype, n_ff=2048, hidden=256, layers=2)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _warm_gpu():
-    """Create the CUDA context and cuBLAS's workspace and load every kernel module these tests
-    use (both dtypes, both architectures, both modes) before anything is measured, so that the
-    memory outside PyTorch's pool measured by a test's budget is the one compile measures, and
-    no test depends on which ran first."""
+@pytest.fixture(scope="module")
+def _warm_gpu() -> int:
+    """Create the CUDA context and cuBLAS's workspaces and load every kernel module these tests
+    use (both dtypes, both architectures, both modes, the quantized formats) before anything is
+    measured, so that no test depends on which ran first. -> the memory then in use outside
+    PyTorch's pool (place.cuda_context_bytes)."""
     a = torch.randn(64, 64, device="cuda")
     (a @ a).sum().item()
-    for arch in ("opt", "llama_relu"):
-        for dtype in (torch.float16, torch.float32):
-            cm = picompile.compile(_model(dtype, arch), gpu_budget=8 * 2**30, mode="predicted",
-                                   calibration=torch.randint(0, zoo.VOCAB, (2, 16)),
-                                   max_context=64, quiet=True)
-            for f in cm.ffns().values():
+    cal = torch.randint(0, zoo.VOCAB, (2, 16))
+    runs = [dict(arch=arch, dtype=dtype, mode="predicted") for arch in ("opt", "llama_relu")
+            for dtype in (torch.float16, torch.float32)]
+    runs += [dict(arch="opt", dtype=dtype, mode="exact") for dtype in (torch.float16, torch.float32)]
+    runs += [dict(arch="llama_relu", dtype=torch.float32, mode="exact", quantize=fmt)
+             for fmt in ("q4_0", "q8_0")]
+    for run in runs:
+        arch, dtype = run.pop("arch"), run.pop("dtype")
+        cm = picompile.compile(_model(dtype, arch), gpu_budget=8 * 2**30, calibration=cal,
+                               max_context=64, quiet=True, **run)
+        for f in cm.ffns().values():
+            if f.predictor is not None:
                 f.predictor.tau = float("-inf")
-            cm(torch.randint(0, zoo.VOCAB, (1, 4)))
-            del cm
+        cm(torch.randint(0, zoo.VOCAB, (1, 4)))
+        cm.generate(torch.randint(0, zoo.VOCAB, (1, 4)), max_new_tokens=2, do_sample=False)
+        del cm
+        gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+    return place.cuda_context_bytes()[0]
+
+
+@pytest.fixture(autouse=True)
+def _one_context(_warm_gpu, monkeypatch):
+    """Every compile of a test counts the CUDA context as measured after the warm-up, so that a
+    test's budget (made from a first compile's accounting) holds what its second compile
+    places; what the process really holds outside PyTorch's pool is measured by _peak."""
+    monkeypatch.setattr(place, "cuda_context_bytes",
+                        lambda: (_warm_gpu, "measured once, after the tests' warm-up"))
 
 
 def _peak() -> dict[str, int]:
@@ -53,6 +71,15 @@ def _peak() -> dict[str, int]:
     pool = cupy.get_default_memory_pool().total_bytes()
     return dict(torch_peak_reserved=torch.cuda.max_memory_reserved(), cupy_pool=pool,
                 outside=total - free - torch.cuda.memory_reserved() - pool)
+
+
+def _measure_from_here(cm) -> None:
+    """Peaks counted from here: the decoder for the switches set now built (a predictor's tau is
+    part of its key), what a replaced one held collected, the allocator's cache emptied."""
+    cm.decoder()
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
 
 
 def _assert_within(budget: int, cm) -> None:
@@ -95,8 +122,7 @@ def test_hybrid_on_gpu_splits_equals_dense_and_holds_the_budget(dtype, mode):
     if mode == "predicted":
         for ffn in cm.ffns().values():
             ffn.predictor.tau = float("-inf")  # predict every neuron: must equal dense
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    _measure_from_here(cm)
     ids = torch.randint(0, zoo.VOCAB, (1, 8))
     want = dense.generate(ids, max_new_tokens=8, do_sample=False)
     got = cm.generate(ids, max_new_tokens=8, do_sample=False).cpu()
@@ -133,7 +159,7 @@ def test_hybrid_logits_match_dense_on_gpu_in_predicted_mode_with_everything_pred
     assert _split_blocks(cm) > 0
     for ffn in cm.ffns().values():
         ffn.predictor.tau = float("-inf")
-    ids = torch.randint(0, zoo.VOCAB, (2, 12))
+    ids = torch.randint(0, zoo.VOCAB, (2, 4))  # 8 tokens: the hot kernels and the cold worker
     with torch.no_grad():
         torch.testing.assert_close(zoo.logits(cm, ids).cpu(), zoo.logits(dense, ids),
                                    atol=1e-3, rtol=1e-3)
@@ -168,13 +194,14 @@ def test_quantized_model_splits_across_the_gpu_within_the_budget(fmt):
     linears = [m for m in cm._orig_mod.modules() if isinstance(m, QuantLinear)]
     assert len(linears) == 9  # 4 attention projections per layer, the LM head
     assert all(m.qweight.is_cuda and m.path.startswith("CUDA") for m in linears)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    ids = torch.randint(0, zoo.VOCAB, (2, 12))
+    _measure_from_here(cm)
+    ids = torch.randint(0, zoo.VOCAB, (2, 4))  # 8 tokens: the hot kernels and the cold worker
     with torch.no_grad():
         got, want = zoo.logits(cm, ids).cpu().float(), zoo.logits(dense, ids)
+    # every linear quantized: q4_0 moves this random model's logits by a cosine of about 0.975
+    # (measured on the CPU, which runs the same arithmetic)
     cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
-    assert cos > (0.999 if fmt == "q8_0" else 0.99), cos
+    assert cos > (0.999 if fmt == "q8_0" else 0.95), cos
     out = cm.generate(ids[:1], max_new_tokens=6, do_sample=False)
     assert out.shape == (1, 18)
     _assert_within(budget, cm)
@@ -198,8 +225,7 @@ def test_decode_replays_cuda_graphs_and_equals_the_eager_segments(dtype, ffn_sha
     assert isinstance(dec, DeviceDecoder), cm.decoder_reason
     cold = sum(f.hybrid.cold is not None for f in cm.ffns().values())
     assert len(dec.segments) == cold + 1 and (cold > 0) == (ffn_share < 1), picompile.explain(cm)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    _measure_from_here(cm)
     ids = torch.randint(0, zoo.VOCAB, (1, 8))
     got = cm.generate(ids, max_new_tokens=12, do_sample=False)
     assert dec.graphs is not None and len(dec.graphs) == len(dec.segments), dec.graph_reason
@@ -249,8 +275,7 @@ def test_a_layer_left_on_the_cpu_runs_between_replayed_graphs_within_the_budget(
         f.predictor.tau = float("-inf")
     dec = cm.decoder()
     assert isinstance(dec, DeviceDecoder) and sum(dec.on_host) == 1, cm.decoder_reason
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    _measure_from_here(cm)
     ids = torch.randint(0, zoo.VOCAB, (1, 8))
     got = cm.generate(ids, max_new_tokens=10, do_sample=False)
     assert dec.graphs is not None, dec.graph_reason

@@ -321,7 +321,7 @@ def non_ffn_bytes_by_modules(model) -> int:
 def test_account_on_hf_models(arch, dtype):
     cm = compiled(arch, dtype)
     ffns = cm.ffns()
-    acc = account(cm, ffns, max_context=40, batch=3)
+    acc = account(cm, ffns, max_context=64, batch=3)
     assert set(acc) == {"non_ffn_weights", "predictors", "kv_cache", "ffn_biases_down", "workspace",
                         "cuda_context", "cublas_workspace", "allocator_reserve"}
     assert acc["allocator_reserve"] == 0  # no budget given
@@ -335,10 +335,13 @@ def test_account_on_hf_models(arch, dtype):
     kv_heads = {"falcon": 1, "opt": 4, "gpt_neox": 4}.get(arch) or c.num_key_value_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     esize = torch.empty((), dtype=dtype).element_size()
-    assert acc["kv_cache"] == 2 * c.num_hidden_layers * kv_heads * head_dim * 40 * 3 * esize
+    assert acc["kv_cache"] == 2 * c.num_hidden_layers * kv_heads * head_dim * 64 * 3 * esize
+    # counted as the device decoder grows its cache: by whole steps of 64 positions
+    assert account(cm, ffns, max_context=40, batch=3)["kv_cache"] == acc["kv_cache"]
+    assert account(cm, ffns, max_context=65, batch=3)["kv_cache"] == 2 * acc["kv_cache"]
     dense = zoo.make(arch, dtype)
     with torch.no_grad():
-        out = dense(torch.zeros(3, 40, dtype=torch.long), use_cache=True)
+        out = dense(torch.zeros(3, 64, dtype=torch.long), use_cache=True)
     cache = out.cache if "cache" in out else out.past_key_values  # renamed in transformers 5.24
     real = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     assert acc["kv_cache"] == real

@@ -789,6 +789,7 @@ def quant_linear(x, qweight, fmt: str, bias=None, backend=None):
                          f"{tuple(qweight.shape)} on {qweight.device}")
     kernels = load(linear_variant(fmt), backend)
     x = x.to(torch.float32).contiguous()
+    bias = None if bias is None else bias.to(device=x.device, dtype=torch.float32).contiguous()
     y = torch.empty(T, qweight.shape[0], dtype=torch.float32, device=x.device)
     with torch_stream(x.device):
         xr = torch.empty_like(x)

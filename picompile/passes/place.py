@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from picompile.config import KV_CACHE_STEP
 from picompile.runtime.sparse_ffn import SparseFFN
 
 # Per-neuron tensors of a SparseFFN (rows / entries indexed by neuron), and of its predictor.
@@ -161,8 +162,8 @@ def _model_dtype(tensors: list[torch.Tensor], fallback: torch.dtype) -> torch.dt
 def kv_cache_bytes(config, *, max_context: int, batch: int, element_size: int
                    ) -> tuple[int, str | None]:
     """(bytes, note) of a full KV cache for a Hugging Face config: 2 (K and V) * layers *
-    kv_heads * head_dim * max_context * batch * element_size. (0, why) when the config lacks the
-    fields."""
+    kv_heads * head_dim * max_context (rounded up to config.KV_CACHE_STEP) * batch *
+    element_size. (0, why) when the config lacks the fields."""
     if config is None:
         return 0, ("kv_cache: the model has no Hugging Face config, so no KV cache is counted; "
                    "leave room for it in gpu_budget if the model keeps one")
@@ -189,7 +190,8 @@ def kv_cache_bytes(config, *, max_context: int, batch: int, element_size: int
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         note = ("kv_cache: counted for the full max_context although the model has a sliding "
                 "window (an upper bound)")
-    return 2 * layers * kv_heads * head_dim * max_context * batch * element_size, note
+    positions = -(-max_context // KV_CACHE_STEP) * KV_CACHE_STEP  # as the device decoder grows it
+    return 2 * layers * kv_heads * head_dim * positions * batch * element_size, note
 
 
 def account(
@@ -210,8 +212,9 @@ def account(
                      double counted either); a weight in `planned_bytes` ({id(weight):
                      bytes}, quantize_pass.planned_linear_bytes) at the bytes given there;
     predictors       every predictor whole, in float16 (what distribute() puts on the GPU);
-    kv_cache         2 * layers * kv_heads * head_dim * max_context * batch * element size of the
-                     model dtype, from the Hugging Face config (0, with a note, without one);
+    kv_cache         2 * layers * kv_heads * head_dim * max_context (rounded up to a
+                     KV_CACHE_STEP) * batch * element size of the model dtype, from the Hugging
+                     Face config (0, with a note, without one);
     ffn_biases_down  every block's b_down: the output side of a block stays on the GPU;
     workspace        `workspace_bytes` if given, else WORKSPACE_BUFFERS_PER_BLOCK float32
                      [batch, max(d_model, n_ff)] buffers per block plus float32 logits

@@ -414,6 +414,10 @@ class Stack:
             formats.add(layer.ffn.qformat)
         return bool(formats & quant.FORMATS.keys())
 
+    def release(self) -> None:
+        """Let go of what the decoder holds beyond its model (the device decoder: graphs, KV
+        cache) when it is replaced; the C decoder's memory is the host's, freed with it."""
+
     def reset_counts(self) -> None:
         """Forget the active pairs counted since the last flush_stats (each decoder keeps them
         in `n_active`, one count per layer)."""
@@ -667,6 +671,7 @@ def build(model: nn.Module, kv_dtype: torch.dtype | None = None) -> tuple[Stack 
             for p in preds:
                 p.enabled = True
         if preds:
+            dec.release()
             dec = bind()  # bound again, to the predictors
     except Unsupported as e:
         return None, str(e)

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from picompile.config import cuda_graphs_enabled
+from picompile.config import KV_CACHE_STEP, cuda_graphs_enabled
 from picompile.runtime.decoder import Stack, Unsupported, ffn_block
 from picompile.runtime.hybrid import HybridFFN, copy_async
 from picompile.runtime.sparse_ffn import SparseFFN
@@ -76,6 +76,14 @@ def _hybrid_ffn_of(mlp: nn.Module, where: str) -> SparseFFN:
     if hy.cold is not None and not hy.cold_on_worker:
         raise Unsupported(f"{where}: its cold rows have no C kernel")
     return ffn
+
+
+@functools.lru_cache(maxsize=None)
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one side stream every device decoder on `device` warms up and captures on: cuBLAS
+    keeps a workspace (32 MiB on Hopper) per stream it has run on, never freed, so a new
+    stream per capture would add one per decoder built."""
+    return torch.cuda.Stream(device)
 
 
 def _post(norm, y: torch.Tensor) -> torch.Tensor:
@@ -384,6 +392,14 @@ class DeviceDecoder(Stack):
     def set_threads(self) -> None:
         """The cold worker sets its own OpenMP threads (hybrid.cold_threads)."""
 
+    def release(self) -> None:
+        """Drop the graphs (and their memory pool), the KV cache and the tables now: the steps
+        refer to the decoder itself (a reference cycle), so a replaced decoder would otherwise
+        hold that GPU memory next to its successor's until the collector ran."""
+        self.graphs, self.segments, self.graph_reason = None, [], "released"
+        self.k_cache = self.v_cache = self.hot_out = []
+        self.tables, self.max_len, self.x, self.logits = {}, 0, None, None
+
     def reserve(self, max_len: int) -> bool:
         """Make room for positions 0..max_len-1 (static KV cache, RoPE tables; on a GPU the
         step's graphs captured for them); False where a step cannot run that many
@@ -392,9 +408,9 @@ class DeviceDecoder(Stack):
             return False
         if max_len <= self.max_len:
             return True
-        # Up to a multiple of 64, not geometrically: on a GPU the cache is counted in the budget
-        # (placement's max_context), and each growth captures the graphs again.
-        max_len = self.room(-(-max_len // 64) * 64)
+        # Up to a whole KV_CACHE_STEP, not geometrically: on a GPU the cache is counted in the
+        # budget (placement's max_context, rounded so), and each growth captures the graphs again.
+        max_len = self.room(-(-max_len // KV_CACHE_STEP) * KV_CACHE_STEP)
         shape = (1, self.n_kv_heads, max_len, self.head_dim)  # per layer, where it runs
         where = ["cpu" if h else self.device for h in self.on_host]
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=w) for w in where]
@@ -429,11 +445,12 @@ class DeviceDecoder(Stack):
             # A scratch step at the last position (rewritten when decoding reaches it), eager
             # on a side stream first: cuBLAS, cupy's modules and the allocator warm up there,
             # and the graphs are captured on the same stream (cuBLAS keeps a workspace per
-            # stream: place.CUBLAS_WORKSPACE_BYTES counts this one and the default stream's).
+            # stream for the process's life: place.CUBLAS_WORKSPACE_BYTES counts this one and
+            # the default stream's, so every capture uses the one side stream).
             self.tok.zero_()
             self.pos.fill_(self.max_len - 1)
             self.pos_host.fill_(self.max_len - 1)
-            side = torch.cuda.Stream(self.device)
+            side = _capture_stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for _ in range(2):
