@@ -119,9 +119,11 @@ class CompiledModel(nn.Module):
         ffns, placement = self.ffns(), self.plan.placement
         distribute(self._orig_mod, ffns, device, move_non_ffn=placement.fixed_on_gpu,
                    host_layers=placement.host_layers)
-        for module in self._orig_mod.modules():  # their weights may have moved: pick again
+        for name, module in self._orig_mod.named_modules():  # their weights may have moved
             if isinstance(module, (DenseLinear, QuantLinear)):
-                module.select_kernel()
+                path = module.select_kernel()
+                if name in self.linear_paths:
+                    self.linear_paths[name] = path
         for name, ffn in ffns.items():
             if ffn.hybrid is None:  # in a layer left on the CPU: its kernels stay bound
                 where = ", on the CPU with its decoder layer (placement)"

@@ -39,6 +39,7 @@ eagerly: every hand-off, copy and merge of the GPU path runs, with no graph.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 
@@ -311,6 +312,9 @@ class DeviceDecoder(Stack):
                 launched = time.perf_counter()
             except BaseException:
                 if stage is not None:  # release the worker before waiting for it
+                    if self.device.type == "cuda":  # a queued copy of `ready` lands now, not
+                        with contextlib.suppress(RuntimeError):  # after the next arm()
+                            torch.cuda.current_stream(self.device).synchronize()
                     stage.ready.fill_(1)
                 raise
             finally:

@@ -332,7 +332,7 @@ def _check_quantized(ffn: SparseFFN, device: torch.device) -> None:
 def distribute(model: nn.Module, ffns: dict[str, SparseFFN], device: torch.device | str,
                move_non_ffn: bool = True, host_layers: list[str] = ()) -> None:
     """Put the model on `device` as planned: every non-FFN parameter and buffer, each block's
-    predictor (float16 on a GPU) and its hot rows (block.decided.hot_neurons of them, hot-first order
+    predictor (16-bit on a GPU) and its hot rows (block.decided.hot_neurons of them, hot-first order
     already applied); cold rows stay on the CPU. The decoder layers named in `host_layers`
     (placement's) stay wholly on the CPU, their blocks unsplit (`hybrid` None); hooks move a
     layer's inputs to the CPU and its output back, for the per-module path (the device decoder
@@ -363,8 +363,10 @@ def distribute(model: nn.Module, ffns: dict[str, SparseFFN], device: torch.devic
             if ffn.predictor is not None:
                 ffn.predictor.select_kernel()
     for ffn in split.values():
-        if ffn.predictor is not None:  # float16 on a GPU: half the bytes the budget counts
-            ffn.predictor.to(device=device, dtype=torch.float16 if device.type == "cuda" else None)
+        if ffn.predictor is not None:  # 16 bits on a GPU, as the budget counts it: bfloat16
+            # for a bfloat16 model, whose activations may pass float16's range, else float16
+            half = torch.bfloat16 if ffn.float_dtype == torch.bfloat16 else torch.float16
+            ffn.predictor.to(device=device, dtype=half if device.type == "cuda" else None)
         ffn.hybrid = HybridFFN(ffn, device, ffn.block.decided.hot_neurons)
         # The views hold the rows now; the full copy stays on the CPU only (for save, explain).
         for name in ("w_gate", "w_up", "w_down_t", "b_gate", "b_up", "b_down"):
