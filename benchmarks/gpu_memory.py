@@ -82,7 +82,7 @@ def main():
     del probe
     gc.collect()
     torch.cuda.empty_cache()
-    budget = int((sum(fixed.values()) + 0.3 * ffn_bytes) / (1 - place.ALLOCATOR_RESERVE_SHARE))
+    budget = place.budget_holding(sum(fixed.values()) + 0.3 * ffn_bytes)
     show("after a probe compile, emptied")
     torch.cuda.reset_peak_memory_stats()
     cm = picompile.compile(copy.deepcopy(dense), gpu_budget=budget, **kw)

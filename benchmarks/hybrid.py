@@ -249,8 +249,8 @@ def main():
     if not gpu:  # what a GPU holds besides tensors is counted as stated constants here
         from picompile.passes import place
 
-        budget = int((budget + place.DEFAULT_CUDA_CONTEXT_BYTES + place.CUBLAS_WORKSPACE_BYTES)
-                     / (1 - place.ALLOCATOR_RESERVE_SHARE))
+        budget = place.budget_holding(budget + place.DEFAULT_CUDA_CONTEXT_BYTES
+                                      + place.CUBLAS_WORKSPACE_BYTES)
     print(f"weights {total / 1e9:.2f} GB, budget {budget / 1e9:.2f} GB", flush=True)
     if gpu and "gpu" not in args.skip:
         results["dense, all on the GPU"] = decode_tps(model, ids.cuda(), args.new_tokens)

@@ -205,7 +205,7 @@ def test_layers_the_budget_leaves_on_the_cpu_run_between_segments_as_dense(arch,
     probe = picompile.compile(copy.deepcopy(dense), gpu_budget=2**40, **kw)
     fixed = dict(probe.plan.placement.fixed_bytes)
     fixed.pop("allocator_reserve")
-    budget = int((sum(fixed.values()) - 1) / (1 - place.ALLOCATOR_RESERVE_SHARE))
+    budget = place.budget_holding(sum(fixed.values()) - 1)
     cm = picompile.compile(copy.deepcopy(dense), gpu_budget=budget, **kw)
     placement = cm.plan.placement
     (last,) = placement.host_layers

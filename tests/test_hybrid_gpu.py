@@ -101,8 +101,7 @@ def _compile(dense, ffn_share: float, less: int = 0, **kw):
     del probe
     gc.collect()
     torch.cuda.empty_cache()
-    budget = int((sum(fixed.values()) + ffn_share * ffn_bytes - less)
-                 / (1 - place.ALLOCATOR_RESERVE_SHARE))
+    budget = place.budget_holding(sum(fixed.values()) + ffn_share * ffn_bytes - less)
     return picompile.compile(copy.deepcopy(dense), gpu_budget=budget, **kw), budget
 
 

@@ -457,7 +457,7 @@ def test_quantized_blocks_are_placed_by_their_quantized_bytes(fmt, tmp_path, mon
     fixed = sum(fixed.values()) - fixed["non_ffn_weights"] + sum(
         p.nbytes for name, p in dense.named_parameters() if ".mlp." not in name)
     float_ffn = sum(p.nbytes for name, p in dense.named_parameters() if ".mlp." in name)
-    budget = int((fixed + 0.3 * float_ffn) / (1 - place.ALLOCATOR_RESERVE_SHARE))  # 30% as float
+    budget = place.budget_holding(fixed + 0.3 * float_ffn)  # 30% as float
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "no CUDA GPU found": the plan is made
         kw = dict(gpu_budget=budget, calibration=ids, max_context=64, quiet=True)

@@ -289,6 +289,12 @@ def account(
     )
 
 
+def budget_holding(gpu_bytes: float) -> int:
+    """The gpu_budget under which placement can put `gpu_bytes` (account's items but the
+    allocator reserve, plus hot neurons) on the GPU: the reserve is a share of the budget."""
+    return int(gpu_bytes / (1 - ALLOCATOR_RESERVE_SHARE))
+
+
 def cuda_context_bytes() -> tuple[int, str]:
     """(bytes, how): GPU memory in use outside PyTorch's pool (the CUDA context, kernel modules),
     measured on device 0 when a GPU is there (conservative: other processes count too), else
