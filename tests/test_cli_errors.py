@@ -46,6 +46,8 @@ def no_loading(monkeypatch):
     (["explain", "--sparsity", "-0.1"], ["argument --sparsity", "[0, 1)"]),
     (["explain", "--sparsity", "nan"], ["argument --sparsity", "[0, 1)"]),
     (["run", "--gpu-budget", "24Gb"], ["--gpu-budget", "is not a size"]),
+    (["run", "--gpu-budget", "24"], ["--gpu-budget", "no unit", "'24GB'"]),
+    (["run", "--gpu-budget", "0.5"], ["--gpu-budget", "no unit", "'0.5GiB'"]),
     (["run", "--prompt", ""], ["--prompt", "empty"]),
     (["run", "--prompt", "  "], ["--prompt", "empty"]),
     (["serve", "--kv-cache", "int8"], ["--kv-cache", "invalid choice", "int8"]),
@@ -255,5 +257,8 @@ def test_kv_cache_reaches_compile_and_load(monkeypatch):
                                  quiet=True, dtype=None, quantize="float", kv_cache="float16")
     cli._compile(args, model=None, tokenizer=None)
     args.plan = "some/plan"
+    with pytest.raises(SystemExit, match="--sparsity, --mode, --predictors, --calibration-tokens"):
+        cli._compile(args, model=None, tokenizer=None)  # a plan fixes them: not ignored silently
+    args.mode = args.sparsity = args.calibration_tokens = args.predictors = None
     assert cli._compile(args, model=None, tokenizer=None) is loaded
     assert seen == ["float16", "float16"]

@@ -324,9 +324,13 @@ def test_api_key(model):
         bad = openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.chat.completions.create(model="m", messages=USER, max_tokens=2)
-        for headers in ({}, {"Authorization": f"Bearer {KEY}x"}, {"Authorization": KEY}):
+        for headers in ({}, {"Authorization": f"Bearer {KEY}x"}, {"Authorization": KEY},
+                        {"Authorization": f"Basic {KEY}"}):
             r = httpx.post(f"{base}{COMPLETIONS}", json={"prompt": "x"}, headers=headers)
             assert assert_openai_error(r, 401)["code"] == "invalid_api_key"
+        r = httpx.post(f"{base}{COMPLETIONS}", json={"prompt": "x", "max_tokens": 1},
+                       headers={"Authorization": f"bearer {KEY}"})  # the scheme in any case
+        assert r.status_code == 200, r.text
         # the key is checked before the body: a malformed body without a key is a 401 too
         assert httpx.post(f"{base}{CHAT}", content=b"{").status_code == 401
         assert httpx.get(f"{base}/health").status_code == 200  # no key needed
@@ -397,6 +401,19 @@ def test_non_streaming_client_leaving_while_queued_frees_its_place(model):
         assert c.completions.create(model="m", prompt=PROMPT, max_tokens=2).choices
 
 
+def test_non_streaming_client_leaving_while_running_frees_the_slot(model):
+    """A client that gives up while its request runs: generation stops, though every token it
+    makes is an event (the disconnect is looked for every so often all the same)."""
+    cm, tok = model
+    with running(make_app(Paced(cm, 0.05), tok)) as base:
+        impatient = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0,
+                                  timeout=1.0)
+        with pytest.raises(openai.APITimeoutError):
+            impatient.completions.create(model="m", prompt=PROMPT, max_tokens=400, temperature=0)
+        # 400 tokens at 0.05 s would take 20 s: leaving stops them
+        wait_for(base, lambda h: h["running"] == 0, timeout=5)
+
+
 # ---- the command line ----------------------------------------------------------------------
 
 
@@ -425,6 +442,12 @@ def test_cli_serve_answers_with_the_key():
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="no",
                           max_retries=0).models.list()
+        # a second server on the same port says so before it loads anything
+        second = subprocess.run(
+            [sys.executable, "-m", "picompile.cli", "serve", "--model", str(FIXTURE), "--quiet",
+             "--port", str(port)], cwd=pathlib.Path(__file__).parent.parent,
+            capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in second.stderr
     finally:
         proc.terminate()
         out = proc.communicate(timeout=30)[0]
