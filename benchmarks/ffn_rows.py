@@ -18,7 +18,9 @@ ascending). Density 1 is exact mode: no mask, every gate row read in order.
 Bytes read per call: every candidate's gate row, and the up and down rows of those whose gate
 fired (the kernel's access pattern for gated ReLU), with row bytes d / 32 * 18 (q4_0), d / 32 *
 34 (q8_0 down) or d * 2 (float16). "GB/s" is that over the median time of the bare ctypes call
-`ffn()`; each (format, density) cycles over copies of its block that together exceed the
+`ffn()`; "of the round's probe": the median over rounds of its GB/s in a round against the
+streaming probe measured at that round's start (the VM's memory speed drifts within minutes,
+so a probe before and after is too far from most calls); each (format, density) cycles over copies of its block that together exceed the
 32 MiB L3 (at least 256 MB), so rows come from memory as in decoding a large model.
 
 Kernels: `new` is this tree's picompile/kernels/ffn.c; `base` the ffn.c and qblocks.h of the git
@@ -233,23 +235,30 @@ def main() -> None:
                 assert err <= 1e-4 * float(outs[0].abs().max()) + 1e-5, (k, err)
             nbytes = m * s.gate_bytes + fired * (s.gate_bytes + s.down_bytes)
             configs.append(dict(s=s, p=p, mask=mask, m=m, fired=fired, bytes=nbytes, rows=rows,
-                                times={k: [] for k in args.kernels}))
+                                times={k: [] for k in args.kernels},
+                                rounds={k: [] for k in args.kernels}))
 
+    probes = []  # the streaming probe once per round: this VM's memory speed drifts in minutes
     for r in range(args.rounds):
+        probes.append(stream_probe(3))
         for cfg in configs:
             order = args.kernels if r % 2 == 0 else args.kernels[::-1]
             for k in order:
                 lib = libs[(cfg["s"].fmt, k)]
                 huge, rows = k.endswith("@huge"), cfg["rows"].get(k)
                 call(cfg["s"], lib, cfg["mask"], huge, rows)  # warm
+                ts = []
                 for _ in range(args.calls):
                     t0 = time.perf_counter()
                     call(cfg["s"], lib, cfg["mask"], huge, rows)
-                    cfg["times"][k].append(time.perf_counter() - t0)
+                    ts.append(time.perf_counter() - t0)
+                cfg["times"][k] += ts
+                cfg["rounds"][k].append(statistics.median(ts))
 
+    print(f"streaming probe per round: {', '.join(f'{g:.1f}' for g in probes)} GB/s\n")
     print("| weights | density | candidates | fired | MB read | kernel | us | GB/s | best GB/s "
-          "| vs first |")
-    print("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+          "| vs first | of the round's probe |")
+    print("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|")
     for cfg in configs:
         first = statistics.median(cfg["times"][args.kernels[0]])
         for k in args.kernels:
@@ -260,8 +269,13 @@ def main() -> None:
             print(f"| {fmt} | {density} | {cfg['m']} | {cfg['fired']} "
                   f"| {cfg['bytes'] / 1e6:.1f} | {k} | {med * 1e6:.0f} "
                   f"| {cfg['bytes'] / med / 1e9:.1f} | {cfg['bytes'] / min(ts) / 1e9:.1f} "
-                  f"| {first / med:.2f}x |")
+                  f"| {first / med:.2f}x | {of_probe(cfg['bytes'], cfg['rounds'][k], probes):.0%} |")
     print(other.footer(stream_probe(5)))
+
+
+def of_probe(nbytes: int, round_medians: list[float], probes: list[float]) -> float:
+    """Median over rounds of the kernel's GB/s in a round against that round's probe."""
+    return statistics.median(nbytes / t / 1e9 / g for t, g in zip(round_medians, probes))
 
 
 if __name__ == "__main__":
