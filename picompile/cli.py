@@ -38,7 +38,8 @@ def _compile(args, model, tokenizer):
 
     gguf, quantize = _quantization(args)
     if args.plan:  # the model was loaded in --dtype, as compile(dtype=) converted it before saving
-        given = [f"--{k.replace('_', '-')}" for k in COMPILE_DEFAULTS if getattr(args, k) is not None]
+        given = [f"--{k.replace('_', '-')}" for k in COMPILE_DEFAULTS
+                 if getattr(args, k) is not None]
         if given or args.save:
             raise SystemExit(f"picompile: --plan loads a compiled plan, which fixes what "
                              f"{', '.join(given + ['--save'] * bool(args.save))} would choose; "

@@ -545,8 +545,8 @@ def memcpy_async(dst, src) -> None:
 
 def _require_cuda(t) -> None:
     if not t.is_cuda:
-        raise CudaUnavailable(f"the CUDA kernels need CUDA tensors (got one on {t.device}); use the C / "
-                              "reference path on the CPU")
+        raise CudaUnavailable(f"the CUDA kernels need CUDA tensors (got one on {t.device}); use "
+                              "the C / reference path on the CPU")
 
 
 class CudaFFN:
