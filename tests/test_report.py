@@ -76,7 +76,7 @@ def _compile(arch, **kw):
 
 
 def test_exact_mode_report_says_which_sections_have_no_data(tmp_path):
-    cm = _compile("llama_relu")
+    cm = _compile("llama_relu", sparsity=0.5)  # ReLU blocks: exact, the target applies to none
     path = cm.report(tmp_path / "r.html", decode_tokens=4)
     assert path == tmp_path / "r.html"
     page, text = read_report(path)
@@ -86,12 +86,14 @@ def test_exact_mode_report_says_which_sections_have_no_data(tmp_path):
     assert "tokens per second" in text and "dense B/token" in text
     # the decode ran: sparsity of ReLU blocks on the decode's tokens
     assert cm.sparsity() is not None and f"{cm.sparsity():.1%}" in text
+    assert "target sparsity none" in text
 
 
 def test_threshold_mode_report(tmp_path):
     cm = _compile("llama_silu", sparsity=0.5)
     page, text = read_report(cm.report(tmp_path / "r.html", decode_tokens=4))
     assert all(s in page.ids for s in SECTIONS)
+    assert "target sparsity 50%" in text
     assert NO_PROFILE in text and NO_BUDGET in text and NO_PREDICTORS in text
     # bytes per token: every block read at about half its neurons, fewer bytes than dense
     for ffn in cm.ffns().values():
