@@ -314,7 +314,7 @@ def main():
     # 2. picompile all on the GPU: the same plan, every neuron hot (no profile again)
     if gpu and "gpu" not in args.skip:
         model = build(args.shape, dtype, device, args.layers)
-        all_gpu = picompile.load(model, plan_dir)
+        all_gpu = picompile.load(model, plan_dir, distribute=False)
         for f in all_gpu.ffns().values():
             f.block.decided.hot_neurons = f.n_ff
         all_gpu.plan.placement.host_layers, all_gpu.plan.placement.fixed_on_gpu = [], True
@@ -348,7 +348,7 @@ def main():
         dense = build(args.shape, dtype, device, args.layers).to("cpu")
         if gpu:
             torch.cuda.empty_cache()
-        cpu_cm = picompile.load(dense, plan_dir)
+        cpu_cm = picompile.load(dense, plan_dir, distribute=False)
         cpu_cm.use_predictors("all")
         results["picompile all on the CPU (predicted)"] = decode_tps(cpu_cm, ids, args.new_tokens)
         del cpu_cm, dense

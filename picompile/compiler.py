@@ -376,10 +376,13 @@ def _notes(cm: CompiledModel, opts: Options) -> None:
              "on this CPU (explain() shows the timings; predictors='all' runs every one)", opts.quiet)
 
 
-def load(model: nn.Module, directory, gguf=None, kv_cache=None) -> CompiledModel:
+def load(model: nn.Module, directory, gguf=None, kv_cache=None,
+         distribute: bool = True) -> CompiledModel:
     """Rebuild a compiled model from `cm.save(directory)` without profiling: `model` must be
     the model the plan was made from (checked by fingerprint); `gguf`: its GGUF file, for a plan
-    compiled with quantize="gguf"; kv_cache as compile's (a runtime choice, not saved)."""
+    compiled with quantize="gguf"; kv_cache as compile's (a runtime choice, not saved). A plan
+    made with a gpu_budget runs split across the GPU as planned where one is here, as after
+    compile; distribute=False keeps it all on the CPU (cm.distribute() splits it later)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"picompile.load needs the torch.nn.Module the plan was made for, got "
                         f"{type(model).__name__}")
@@ -421,9 +424,14 @@ def load(model: nn.Module, directory, gguf=None, kv_cache=None) -> CompiledModel
     if plan.quant_calibration_tokens:
         rounding = quantize_pass.Rounding(saved={k: t for k, t in tensors.items()
                                                  if k.endswith(".blocks")})
+    if plan.placement.budget_bytes is not None and not plan.placement.fixed_on_gpu:
+        _onto_cpu(model)  # as compile: the plan runs it on the CPU
     cm = _lower(captured, plan, gguf, rounding)
     cm.kv_cache_dtype = kv_dtype
-    if runs_hybrid(plan):
+    if runs_hybrid(plan) and distribute:
+        torch.cuda.empty_cache()
+        cm.distribute("cuda")
+    elif runs_hybrid(plan):
         note("the plan splits the model across a GPU and the CPU (gpu_budget); it runs on the "
              "CPU until cm.distribute() puts it on the GPU as planned")
     cm.decoder()

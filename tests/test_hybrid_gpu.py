@@ -282,14 +282,21 @@ def test_a_layer_left_on_the_cpu_runs_between_replayed_graphs_within_the_budget(
     assert torch.equal(got.cpu(), dense.cpu().generate(ids, max_new_tokens=10, do_sample=False))
 
 
-def test_a_loaded_hybrid_plan_says_how_to_run_it_split(tmp_path, capsys, monkeypatch):
+def test_a_loaded_hybrid_plan_runs_split_as_planned(tmp_path, capsys, monkeypatch):
+    """load() of a plan made with a gpu_budget splits the model as compile did; with
+    distribute=False it stays on the CPU and says how to split it."""
     monkeypatch.delenv("PICOMPILE_QUIET", raising=False)
     dense = _model(torch.float32)
     cm, _ = _compile(dense, 0.3, calibration=torch.randint(0, zoo.VOCAB, (4, 32)))
     cm.save(tmp_path)
-    capsys.readouterr()
+    ids = torch.randint(0, zoo.VOCAB, (1, 8))
+    want = cm.generate(ids, max_new_tokens=6, do_sample=False).cpu()
+    del cm
     loaded = picompile.load(copy.deepcopy(dense), tmp_path)
-    assert "cm.distribute()" in capsys.readouterr().err
-    assert all(f.hybrid is None for f in loaded.ffns().values())
-    loaded.distribute("cuda")
     assert _split_blocks(loaded) > 0
+    assert torch.equal(loaded.generate(ids, max_new_tokens=6, do_sample=False).cpu(), want)
+    del loaded
+    capsys.readouterr()
+    on_cpu = picompile.load(copy.deepcopy(dense), tmp_path, distribute=False)
+    assert "cm.distribute()" in capsys.readouterr().err
+    assert all(f.hybrid is None for f in on_cpu.ffns().values())

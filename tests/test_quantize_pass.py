@@ -483,7 +483,7 @@ def test_quantized_blocks_are_placed_by_their_quantized_bytes(fmt, tmp_path, mon
 
     # the same plan where a GPU runs it: linears quantized as on the CPU, blocks too
     monkeypatch.setattr(compiler, "runs_hybrid", lambda plan: True)
-    loaded = picompile.load(copy.deepcopy(dense), tmp_path / "plan")
+    loaded = picompile.load(copy.deepcopy(dense), tmp_path / "plan", distribute=False)
     assert any(isinstance(m, QuantLinear) for m in loaded._orig_mod.modules())
     assert all(f.qformat == fmt for f in loaded.ffns().values())
     with torch.no_grad():
