@@ -237,6 +237,28 @@ def test_decode_replays_cuda_graphs_and_equals_the_eager_segments(dtype, ffn_sha
     assert torch.equal(cm.generate(ids, max_new_tokens=12, do_sample=False), got)
 
 
+def test_a_rebuilt_decoder_leaves_no_gpu_memory_behind():
+    """A predictor switch rebuilds the device decoder: the replaced one releases its graphs and
+    KV cache at once (no collector needed) and every capture runs on the one side stream
+    (cuBLAS keeps a workspace per stream it ran on), so what the process holds stays put."""
+    dense = _model(torch.float16, "llama_relu")
+    cm, _ = _compile(dense, 0.3, mode="predicted", calibration=torch.randint(0, zoo.VOCAB, (4, 32)))
+    ids = torch.randint(0, zoo.VOCAB, (1, 8))
+    cm.generate(ids, max_new_tokens=4, do_sample=False)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    held = torch.cuda.memory_reserved()
+    first = cm.decoder()
+    for tau in (float("-inf"), 0.0, float("-inf")):
+        for f in cm.ffns().values():
+            f.predictor.tau = tau
+        cm.generate(ids, max_new_tokens=4, do_sample=False)
+    assert cm.decoder() is not first and first.graphs is None  # rebuilt; the first released
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() <= held, (torch.cuda.memory_reserved(), held)
+
+
 def test_a_model_on_the_gpu_without_a_budget_says_how_to_run_the_kernels(capsys, monkeypatch):
     monkeypatch.delenv("PICOMPILE_QUIET", raising=False)
     cm = picompile.compile(_model(torch.float16, "llama_relu").cuda())
