@@ -18,6 +18,7 @@ import math
 import pathlib
 import sys
 import time
+import traceback
 
 import torch
 
@@ -402,7 +403,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except (ValueError, FileNotFoundError, TypeError, OSError) as e:
-        print(f"picompile: error: {e}", file=sys.stderr)
+        where = ""
+        if isinstance(e, TypeError):  # as often a fault of ours as of the input: say where
+            frame = traceback.extract_tb(e.__traceback__)[-1]
+            where = f" (TypeError at {frame.filename}:{frame.lineno})"
+        print(f"picompile: error: {e}{where}", file=sys.stderr)
         return 2
 
 
