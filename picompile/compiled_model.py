@@ -8,6 +8,8 @@ graphs, the execution paths picked, and the whole-step decoder built from the ke
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.fx as fx
 from torch import nn
@@ -53,6 +55,8 @@ class CompiledModel(nn.Module):
         self.decoder_reason = "not built yet"
         # whole-model capture (capture_whole.py): the exported decode / prefill steps, or None
         self.step_graphs = None
+        # one generate at a time through the decoder: its KV cache and buffers are shared
+        self._generating = threading.Lock()
 
     def forward(self, *args, **kwargs):
         return self._orig_mod(*self._to_input_device(args), **self._to_input_device(kwargs))
@@ -67,11 +71,13 @@ class CompiledModel(nn.Module):
         args, kwargs = self._to_input_device(args), self._to_input_device(kwargs)
         reason = fast.supported(self._orig_mod, kwargs, args)
         if reason is None:
-            decoder = self.decoder()
-            steps = self.step_graphs  # whole-model capture: only where no C decoder runs
-            if decoder is not None or steps is None or not steps.current(self._orig_mod):
-                steps = None
-            return fast.generate_hf(self._orig_mod, *args, decoder=decoder, steps=steps, **kwargs)
+            with self._generating:  # another thread's generate would share the KV cache
+                decoder = self.decoder()
+                steps = self.step_graphs  # whole-model capture: only where no C decoder runs
+                if decoder is not None or steps is None or not steps.current(self._orig_mod):
+                    steps = None
+                return fast.generate_hf(self._orig_mod, *args, decoder=decoder, steps=steps,
+                                        **kwargs)
         note(f"generate: Hugging Face's generate runs this call (picompile's loop does not "
              f"handle {reason})")
         return self._orig_mod.generate(*args, **kwargs)
@@ -98,7 +104,12 @@ class CompiledModel(nn.Module):
         state = dict(super().__getstate__())
         state["_decoder"] = state["_decoder_key"] = None  # raw pointers: rebuilt when used
         state["step_graphs"] = None  # graphs of this process's modules: capture again
+        del state["_generating"]
         return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._generating = threading.Lock()
 
     def _to_input_device(self, values):
         """Tensors go where the model's first weights are (the GPU after distribute())."""

@@ -207,3 +207,36 @@ def test_unsupported_models_and_inputs_are_named(llama):
     assert supported(model, {"input_ids": ids}).startswith("repetition_penalty")
     with pytest.raises(TypeError, match="not a Hugging Face"):
         generate(zoo.make("tiny_plain_relu"), ids, max_new_tokens=2)
+
+
+def test_two_threads_generating_at_once_get_what_each_gets_alone():
+    """generate() from two threads: the compiled model's decoder (one KV cache, grown as a
+    generation needs) serves one at a time, so each thread gets the tokens it gets alone (a
+    growth by one thread under the other's step crashed or garbled the other)."""
+    import threading
+
+    model = zoo.make("llama_relu", hidden=64, n_ff=256, layers=2)
+    model.config.max_position_embeddings = 4096
+    cm = picompile.compile(model, quiet=True)
+    prompts = [torch.randint(3, zoo.VOCAB, (1, 4), generator=torch.Generator().manual_seed(k))
+               for k in range(2)]
+    lengths = [(40, 200, 70), (150, 30, 260)]  # each longer than the cache the other left
+    want = [[cm.generate(p, max_new_tokens=n, do_sample=False) for n in ns]
+            for p, ns in zip(prompts, lengths)]
+    got, errors = [[], []], []
+
+    def run(k):
+        try:
+            for n in lengths[k]:
+                got[k].append(cm.generate(prompts[k], max_new_tokens=n, do_sample=False))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for k in range(2):
+        assert all(torch.equal(g, w) for g, w in zip(got[k], want[k], strict=True))
