@@ -327,6 +327,8 @@ def _lower(captured: Captured, plan: Plan, gguf=None, rounding=None) -> Compiled
         file_blocks, quant_notes = gguf_weights.read(gguf, model.config)
     if plan.quantize:
         quant_notes += quantize_pass.quantize_ffns(ffns, plan.quantize, file_blocks, rounding)
+        for ffn in ffns.values():  # predicted mode's bytes per token, at the quantized rows
+            predictors_pass.refresh_decode_bytes(ffn)
     # lower: every other weight-bearing linear (attention projections, LM head) to the dense
     # kernel; after capture and detect, which find FFN blocks by their nn.Linear members
     linear_paths = lower_pass.lower_linears(model)

@@ -721,3 +721,21 @@ def test_placement_counts_the_linears_at_the_bytes_compile_quantizes_them_to(arc
     float_bytes = place.account(dense, {}, max_context=64)["non_ffn_weights"] - sum(
         p.nbytes for name, p in dense.named_parameters() if ".mlp." in name or ".fc" in name)
     assert planned < 0.6 * float_bytes
+
+
+def test_predicted_mode_counts_the_bytes_of_the_quantized_rows():
+    """Predictors train on the float model, before quantize: the decode bytes per token they
+    record (explain, report) are counted again at the rows the blocks then hold."""
+    from picompile.passes.predictors import exact_decode_bytes
+
+    dense = zoo.make("llama_relu", hidden=64, n_ff=256)
+    ids = torch.randint(0, zoo.VOCAB, (8, 32), generator=torch.Generator().manual_seed(0))
+    kw = dict(mode="predicted", calibration=ids, quiet=True, predictors="all")
+    floated = picompile.compile(copy.deepcopy(dense), **kw)
+    cm = picompile.compile(copy.deepcopy(dense), quantize="q4_0", **kw)
+    for (name, ffn), b_float in zip(cm.ffns().items(), floated.plan.blocks):
+        m = ffn.block.measured
+        assert ffn.qformat == "q4_0"
+        assert m.decode_bytes_exact == exact_decode_bytes(ffn, m.true_density)
+        assert m.decode_bytes_exact < 0.5 * b_float.measured.decode_bytes_exact, name
+        assert 0 < m.decode_bytes_predicted < b_float.measured.decode_bytes_predicted, name

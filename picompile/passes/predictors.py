@@ -230,6 +230,18 @@ def record(ffn, predictor: Predictor, stats: PredictorStats) -> None:
     measured.decode_bytes_exact, measured.decode_bytes_predicted = decode_bytes(ffn, stats)
 
 
+def refresh_decode_bytes(ffn) -> None:
+    """The block's decode bytes (record's) again from what training measured, for the rows it
+    holds now: after quantize its blocks' bytes, not the float rows training saw."""
+    decided, measured = ffn.block.decided, ffn.block.measured
+    if decided.predictor_rank is None:
+        return
+    stats = PredictorStats(decided.predictor_rank, measured.predictor_recall,
+                           measured.predicted_density, measured.true_density,
+                           measured.predictor_bytes)
+    measured.decode_bytes_exact, measured.decode_bytes_predicted = decode_bytes(ffn, stats)
+
+
 def _row_reads(ffn) -> tuple[int, int]:
     """(bytes read per candidate neuron, further bytes per firing neuron): the first rows are
     gate / up rows (ffn.row_bytes each), the later ones up (gated ReLU) and down
