@@ -404,6 +404,11 @@ def load(model: nn.Module, directory, gguf=None, kv_cache=None,
     if plan.quantize == "gguf" and gguf is None:
         raise ValueError(f"the plan in {directory} keeps the GGUF file's quantized tensors: pass "
                          "gguf=<the file the model was loaded from>")
+    if plan.quantize == "gguf":
+        gguf_weights.check_model(gguf, getattr(model, "config", None))
+    elif gguf is not None:
+        note(f"gguf= is not used: the plan in {directory} was compiled with quantize="
+             f"{plan.quantize!r}, not the GGUF file's own tensors")
     captured = _capture(model, plan)
     for gm in captured.graphs.values():
         gm.meta.pop("picompile_original", None)

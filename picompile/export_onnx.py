@@ -449,8 +449,8 @@ class _GraphExport:
                                         or dtype_name(ffn.w_down_t.dtype)),
                      weight_layout="w_gate, w_up, w_down_t: [n_ff, d_model], one row per neuron"
                                    + ("; quantized: uint8 GGUF blocks of 32 weights along d_model, "
-                                      "w_gate / w_up rows in picompile's dot layout (each run of "
-                                      "8 blocks interleaved: picompile.quant.interleave_blocks)"
+                                      "each row its blocks one after another as GGUF stores "
+                                      "them (picompile.quant.dequantize reads them)"
                                       if ffn.qformat else "")
                                    + (_rounding(ffn.qformat) if ffn.qformat else ""),
                      linears=", ".join(f"{k}={v}" for k, v in b.linears.items()),

@@ -169,6 +169,25 @@ def read(path, config=None, with_data: bool = True) -> tuple[FileTensors, list[s
     return FileTensors(out, to_tensor, fallback), notes
 
 
+def check_model(path, config) -> None:
+    """Raise ValueError where the GGUF file at `path` cannot be the one the model of `config`
+    was loaded from: another layer count or width in its metadata (no tensor data is read)."""
+    import gguf
+
+    if config is None:
+        return
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    reader = gguf.GGUFReader(pathlib.Path(path))
+    arch = _field(reader, "general.architecture") or "?"
+    for key, attr in (("block_count", "num_hidden_layers"), ("embedding_length", "hidden_size")):
+        got, want = _field(reader, f"{arch}.{key}"), getattr(config, attr, None)
+        if got is not None and isinstance(want, int) and int(got) != want:
+            raise ValueError(f"{path} is not the GGUF file this model was loaded from: its "
+                             f"{arch}.{key} is {int(got)}, the model's {attr} {want}; pass "
+                             "gguf= the model's own file")
+
+
 def formats(path) -> FileTensors:
     """The file's quantized weights' formats, as `read` would give them (Blocks without data)."""
     return read(path, with_data=False)[0]

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from picompile import gguf_weights
 from picompile.budget import parse_budget
 from picompile.compiled_model import CompiledModel, check_predictor_policy
 from picompile.passes import calibrate as calibrate_pass
@@ -52,6 +53,8 @@ def check_options(model, *, mode, sparsity, gpu_budget, predictors, dtype, quant
     if gguf is not None and quantize is None:
         quantize = "gguf"
     _check_quantize(quantize, gguf)
+    if quantize == "gguf":
+        gguf_weights.check_model(gguf, getattr(model, "config", None))
     check_not_compiled(model, "compile")
     return Options(mode=Mode(mode), sparsity=sparsity, budget=budget,
                    predictors=check_predictor_policy(predictors), dtype=check_dtype(dtype),

@@ -164,7 +164,7 @@ def _is_our_manifest(path: pathlib.Path) -> bool:
         if not path.is_file() or path.stat().st_size > MAX_MANIFEST_BYTES:
             return False
         data = json.loads(path.read_bytes())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
     return isinstance(data, dict) and data.get("format") == FORMAT
 
@@ -370,11 +370,13 @@ def read(directory: str | os.PathLike, model_fingerprint: str) -> tuple[dict, di
             raise PlanError(f"{d / name} does not match its checksum in manifest.json: the file was "
                             "changed or truncated; compile the model again and save it")
     if manifest["fingerprint"] != model_fingerprint:
-        raise PlanError(f"the plan in {d} was made for a different model (architecture or "
-                        "weights differ); load it with the model it was compiled from, or compile again")
+        raise PlanError(f"the plan in {d} was made for a different model (its architecture, "
+                        "weights or dtype differ); load it with the model it was compiled from "
+                        "(converted to the dtype it was compiled in, model.to(dtype)), or compile "
+                        "again")
     try:
         plan_json = json.loads(data["plan.json"])
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise PlanError(f"{d / 'plan.json'} is not valid JSON ({e}); compile the model again and "
                         "save it") from e
     plan = Plan.from_json(plan_json)
@@ -390,7 +392,7 @@ def read(directory: str | os.PathLike, model_fingerprint: str) -> tuple[dict, di
 def _parse_manifest(raw: bytes, path: pathlib.Path) -> dict:
     try:
         manifest = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # nested too deep
         raise PlanError(f"{path} is corrupt ({e}); compile the model again and save it") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise PlanError(f"{path} is not a picompile plan manifest")

@@ -20,8 +20,9 @@ from onnx.reference.op_run import OpRun
 from torch import nn
 
 import picompile
-from picompile import cli, models
+from picompile import cli, models, quant
 from picompile.export_onnx import DOMAIN, EAGER_DOMAIN
+from picompile.runtime.dense_linear import float_weight
 from tests import zoo
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "relu_llama"
@@ -120,7 +121,8 @@ def test_quantized_blocks_say_their_formats_and_keep_their_blocks(tmp_path):
     attrs = _attrs(node)
     assert (attrs["weight_dtype"], attrs["down_weight_dtype"]) == (b"q4_1", b"q8_0")
     layout = attrs["weight_layout"]
-    assert b"GGUF blocks" in layout and b"dot layout" in layout and b"rounded to 8 bits" in layout
+    assert b"GGUF blocks" in layout and b"as GGUF stores them" in layout
+    assert b"dot layout" not in layout and b"rounded to 8 bits" in layout
     ffn = cm.ffns()["model.layers.0.mlp.sparse_ffn"]
     np.testing.assert_array_equal(_initializer(exported, node.input[2]), ffn.w_up.numpy())
 
@@ -138,6 +140,12 @@ def test_quantized_gate_and_up_rows_are_written_in_gguf_layout(tmp_path):
     assert not torch.equal(ffn.row_blocks("w_up"), ffn.w_up)  # the layouts differ here
     for i, attr in ((1, "w_gate"), (2, "w_up")):
         np.testing.assert_array_equal(_initializer(exported, node.input[i]), ffn.row_blocks(attr).numpy())
+        # what the layout attribute says: GGUF's rows, which quant.dequantize reads as they
+        # are, to the weights the kernels read from their own layout
+        got = quant.dequantize(torch.from_numpy(_initializer(exported, node.input[i])), "q4_0",
+                               ffn.d_model)
+        want = float_weight(getattr(ffn, attr), "q4_0", ffn.d_model, dot_layout=True)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
     np.testing.assert_array_equal(_initializer(exported, node.input[3]).astype(np.float16),
                                   ffn.w_down_t.numpy())
 

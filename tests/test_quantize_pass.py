@@ -739,3 +739,15 @@ def test_predicted_mode_counts_the_bytes_of_the_quantized_rows():
         assert m.decode_bytes_exact == exact_decode_bytes(ffn, m.true_density)
         assert m.decode_bytes_exact < 0.5 * b_float.measured.decode_bytes_exact, name
         assert 0 < m.decode_bytes_predicted < b_float.measured.decode_bytes_predicted, name
+
+
+def test_a_gguf_file_of_another_model_is_refused_before_compiling(tmp_path):
+    """gguf= a file whose metadata gives another layer count (or width) than the model's: a
+    clear error before anything is measured, not every layer 'float in the GGUF file'."""
+    small = zoo.make("llama_relu", hidden=64, n_ff=96, layers=2)
+    _write_gguf(small, "llama", "q4_0", tmp_path / "small.gguf")
+    other = zoo.make("llama_relu", hidden=64, n_ff=96, layers=3)
+    with pytest.raises(ValueError, match="is not the GGUF file this model was loaded from: its "
+                                         "llama.block_count is 2, the model's num_hidden_layers 3"):
+        picompile.compile(copy.deepcopy(other), gguf=tmp_path / "small.gguf", quiet=True)
+    picompile.compile(copy.deepcopy(small), gguf=tmp_path / "small.gguf", quiet=True)  # its own

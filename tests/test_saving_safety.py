@@ -450,6 +450,16 @@ def test_a_manifest_with_wrong_types_is_refused(compiled, tmp_path, files_value)
         picompile.load(copy.deepcopy(dense), path)
 
 
+def test_a_manifest_nested_too_deep_is_refused_as_corrupt(compiled, tmp_path):
+    """JSON nested deeper than Python's parser recurses: a PlanError, not a RecursionError."""
+    dense, cm = compiled
+    path = tmp_path / "plan"
+    cm.save(path)
+    (path / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(saving.PlanError, match="corrupt"):
+        picompile.load(copy.deepcopy(dense), path)
+
+
 def _with_predictor(data: dict, rank: int) -> dict:
     data = copy.deepcopy(data)
     data["blocks"][0]["decided"]["predictor_rank"] = rank
