@@ -415,7 +415,8 @@ PREDICTOR_TENSORS = ("p1", "pb1", "p2", "pb2")
 
 
 def check_tensor(name: str, t, shape: tuple[int, ...], kind: str = "float") -> None:
-    """PlanError unless `t` is a tensor of `shape` and of `kind` ("float" or "int")."""
+    """PlanError unless `t` is a tensor of `shape` and of `kind` ("float" or "int"; float
+    values finite: a predictor of NaNs would silently predict nothing)."""
     if not isinstance(t, torch.Tensor):
         raise PlanError(f"saved tensor {name} is {type(t).__name__}, not a tensor")
     if tuple(t.shape) != tuple(shape):
@@ -426,6 +427,9 @@ def check_tensor(name: str, t, shape: tuple[int, ...], kind: str = "float") -> N
     if not ok:
         raise PlanError(f"saved tensor {name} has dtype {t.dtype}; the plan needs "
                         f"{'a floating point' if kind == 'float' else 'an integer'} dtype")
+    if kind == "float" and not bool(torch.isfinite(t).all()):
+        raise PlanError(f"saved tensor {name} holds NaN or infinite values: compile the model "
+                        "again and save it")
 
 
 def check_tensors(blocks: list[BlockPlan], tensors: dict[str, torch.Tensor],

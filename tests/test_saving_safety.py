@@ -482,6 +482,9 @@ BAD_TENSORS = {
     "missing predictor": (lambda j: _with_predictor(j, 4), {}, "p1 is missing"),
     "wrong rank": (lambda j: _with_predictor(j, 4), _predictor(5), r"p1.*\(5, 32\).*\(4, 32\)"),
     "wrong n_ff": (lambda j: _with_predictor(j, 4), _predictor(4, n_ff=81), "p2"),
+    "NaN predictor": (lambda j: _with_predictor(j, 4),
+                      {**_predictor(4), "model.layers.0.mlp.sparse_ffn.predictor.pb2":
+                       torch.full((80,), float("nan"))}, "pb2 holds NaN"),
 }
 
 
