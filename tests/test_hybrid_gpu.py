@@ -5,6 +5,7 @@ Run where a GPU exists: `pytest -m gpu`."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 
@@ -41,14 +42,16 @@ def _warm_gpu() -> int:
              for fmt in ("q4_0", "q8_0")]
     for run in runs:
         arch, dtype = run.pop("arch"), run.pop("dtype")
-        cm = picompile.compile(_model(dtype, arch), gpu_budget=8 * 2**30, calibration=cal,
-                               max_context=64, quiet=True, **run)
-        for f in cm.ffns().values():
-            if f.predictor is not None:
-                f.predictor.tau = float("-inf")
-        cm(torch.randint(0, zoo.VOCAB, (1, 4)))
-        cm.generate(torch.randint(0, zoo.VOCAB, (1, 4)), max_new_tokens=2, do_sample=False)
-        del cm
+        # a fault of the quantized kernels fails their own tests, not every test of this file
+        with contextlib.suppress(Exception) if "quantize" in run else contextlib.nullcontext():
+            cm = picompile.compile(_model(dtype, arch), gpu_budget=8 * 2**30, calibration=cal,
+                                   max_context=64, quiet=True, **run)
+            for f in cm.ffns().values():
+                if f.predictor is not None:
+                    f.predictor.tau = float("-inf")
+            cm(torch.randint(0, zoo.VOCAB, (1, 4)))
+            cm.generate(torch.randint(0, zoo.VOCAB, (1, 4)), max_new_tokens=2, do_sample=False)
+            del cm
         gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
