@@ -112,6 +112,18 @@ def wait_for(url, predicate, timeout=10.0):
         time.sleep(0.02)
 
 
+def wait_until_serving(proc, url, timeout=90.0):
+    """Until the server process `proc` answers on `url`/health (it loads and compiles first)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.communicate()[0]
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.2)
+
+
 def assert_openai_error(response, status=None):
     assert 400 <= response.status_code < 600, response.status_code
     if status is not None:
@@ -441,14 +453,7 @@ def test_ctrl_c_ends_the_running_and_waiting_requests_at_once():
         replies.append(r)
 
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.communicate()[0]
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{base}/health").status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "serve did not start"
-            time.sleep(0.2)
+        wait_until_serving(proc, base)
         clients = [threading.Thread(target=ask) for _ in range(2)]
         for c in clients:
             c.start()
@@ -480,14 +485,7 @@ def test_cli_serve_answers_with_the_key():
         cwd=pathlib.Path(__file__).parent.parent, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.communicate()[0]
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "picompile serve did not start"
-            time.sleep(0.2)
+        wait_until_serving(proc, f"http://127.0.0.1:{port}")
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
         r = c.chat.completions.create(model="relu_llama", messages=USER, max_tokens=5)
         assert r.model == "relu_llama" and r.usage.completion_tokens >= 1
