@@ -463,3 +463,24 @@ def test_given_mask_compacts_on_the_device(dtype, d, n, T):
     ref, active = reference_given_idx(v, w, x, idx, 0.0)
     check_close(out, ref, dtype, f"mask d={d} n={n} T={T}")
     assert abs(int(n_active) - int(active.sum())) <= 2
+
+
+@pytest.mark.parametrize("missing", ["b_gate", "b_up"])
+def test_a_gated_block_with_one_bias_runs_with_zeros_for_the_other(missing):
+    """The bias variants read both biases of a gated block; a block that has only one gets
+    zeros for the other, as the reference reads None."""
+    g = torch.Generator().manual_seed(3)
+    d, n = 256, 300
+    w = dict(w_gate=torch.randn(n, d, generator=g) * d**-0.5,
+             w_up=torch.randn(n, d, generator=g) * d**-0.5,
+             w_down_t=torch.randn(n, d, generator=g) * n**-0.5,
+             b_gate=torch.randn(n, generator=g) * 0.3, b_up=torch.randn(n, generator=g) * 0.3)
+    w[missing] = None
+    x = torch.randn(2, d, generator=g)
+    idx = torch.arange(0, n, 2)
+    ref, _ = ffn_reference(x, **w, act="relu", idx=idx, compute_dtype=torch.float64)
+    dev = {k: None if t is None else t.to(DEV) for k, t in w.items()}
+    out, _ = cuda.ffn_given_idx(x.to(DEV), dev.pop("w_up"), dev.pop("w_down_t"), idx.to(DEV),
+                                act="relu", **dev)
+    torch.cuda.synchronize()
+    assert (out.double().cpu() - ref).abs().max().item() <= 1e-4 * (1 + ref.abs().max().item())

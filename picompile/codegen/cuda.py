@@ -611,6 +611,11 @@ class CudaFFN:
                 raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
             return t.contiguous()
 
+        # the bias variants read both of a gated block's biases: the one it lacks is zeros
+        if bias and b_up is None:
+            b_up = torch.zeros(n_rows, dtype=want, device=self.device)
+        if bias and self.variant.gated and b_gate is None:
+            b_gate = torch.zeros(n_rows, dtype=want, device=self.device)
         q = torch.uint8 if qformat is not None else None
         self.w_up = check(w_up, "w_up", rows, dtype=q)
         self.w_down_t = check(w_down_t, "w_down_t", down_rows, True, dtype=q)
