@@ -223,6 +223,10 @@ def main():
     ap.add_argument("--cold-threads", type=int, nargs="*", default=[],
                     help="decode again with each of these OpenMP team sizes for the cold parts "
                          "(default: half the CPU threads)")
+    ap.add_argument("--quantize", choices=["q8_0", "q4_0", "q4_1"], default=None,
+                    help="picompile's runs on block-quantized weights (rounded to nearest: GPTQ "
+                         "would take long at these sizes); the budget stays a share of the "
+                         "float16 weights")
     ap.add_argument("--profile", action="store_true",
                     help="print where the host's time goes in hybrid decode (cProfile)")
     args = ap.parse_args()
@@ -257,7 +261,8 @@ def main():
         print(results, flush=True)
     t0 = time.perf_counter()
     cm = picompile.compile(model, mode="predicted", gpu_budget=budget, calibration=calib,
-                           max_context=args.max_context, quiet=not sys.stderr.isatty())
+                           max_context=args.max_context, quantize=args.quantize, gptq=False,
+                           quiet=not sys.stderr.isatty())
     compile_s = time.perf_counter() - t0
     cm.save(plan_dir)
     if not gpu:

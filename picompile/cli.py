@@ -28,7 +28,7 @@ from picompile.plan import PREDICTOR_POLICIES, QUANT_FORMATS
 DEFAULT_PROMPT = "What is the capital of France? Answer in two sentences."
 # compile's choices on the command line, where not given; a saved plan (--plan) fixes them
 COMPILE_DEFAULTS = {"sparsity": 0.5, "mode": "exact", "predictors": "auto", "gpu_budget": None,
-                    "calibration_tokens": 16384}
+                    "calibration_tokens": 16384, "gptq": True}
 
 
 def _compile(args, model, tokenizer):
@@ -39,7 +39,7 @@ def _compile(args, model, tokenizer):
 
     gguf, quantize = _quantization(args)
     if args.plan:  # the model was loaded in --dtype, as compile(dtype=) converted it before saving
-        given = [f"--{k.replace('_', '-')}" for k in COMPILE_DEFAULTS
+        given = [{"gptq": "--no-gptq"}.get(k, f"--{k.replace('_', '-')}") for k in COMPILE_DEFAULTS
                  if getattr(args, k) is not None]
         if given or args.save:
             raise SystemExit(f"picompile: --plan loads a compiled plan, which fixes what "
@@ -352,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="weights the kernels read: a GGUF block format (q8_0, q4_0, q4_1), "
                             "gguf (the GGUF model file's own tensors), or float. Default: gguf "
                             "for a GGUF model, else float")
+        p.add_argument("--no-gptq", dest="gptq", action="store_const", const=False, default=None,
+                       help="with --quantize q8_0|q4_0|q4_1: round the blocks to nearest, not by "
+                            "GPTQ on the calibration tokens (seconds instead of minutes)")
         p.add_argument("--kv-cache", choices=["float32", "float16", "bfloat16"], default=None,
                        help="the dtype of the decoder's KV cache (default: the model's; float16 "
                             "halves what attention reads at depth, as llama.cpp's F16 cache)")

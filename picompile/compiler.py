@@ -77,6 +77,7 @@ def compile(
     predictors: str = "auto",
     dtype: torch.dtype | str | None = None,
     quantize: str | None = None,
+    gptq: bool = True,
     gguf=None,
     kv_cache: torch.dtype | str | None = None,
 ) -> CompiledModel:
@@ -108,7 +109,8 @@ def compile(
     their quantized bytes). Default: float weights. With calibration data
     (calibration= or tokenizer=) the blocks are rounded by GPTQ (picompile/gptq.py: each layer's
     rounding errors compensated along its inputs' Hessian over the calibration tokens; SmolLM2
-    at q4_0: BENCHMARKS.md session 11); without, to nearest.
+    at q4_0: BENCHMARKS.md session 11); without, or with gptq=False (seconds where GPTQ takes
+    minutes on a large model), to nearest.
     gguf (the GGUF file the model was loaded from): its Q8_0 / Q4_0 / Q4_1 tensors are used as
     they are, each in its own format (quantize="gguf", the default when gguf is given; see
     picompile/gguf_weights.py); a quantize format instead re-quantizes the float weights.
@@ -120,7 +122,8 @@ def compile(
     from a GGUF file is), at the cost of rounding keys and values to float16.
     """
     opts = check_options(model, mode=mode, sparsity=sparsity, gpu_budget=gpu_budget,
-                         predictors=predictors, dtype=dtype, quantize=quantize, gguf=gguf,
+                         predictors=predictors, dtype=dtype, quantize=quantize, gptq=gptq,
+                         gguf=gguf,
                          target_recall=target_recall, max_context=max_context,
                          kv_cache=kv_cache, quiet=quiet)
     ids = calibration_ids(model, calibration, tokenizer, calibration_tokens, opts)
@@ -284,6 +287,8 @@ def _hessians(captured: Captured, plan: Plan, ids, opts: Options):
     LM head is not run: it rounds to nearest."""
     if opts.quantize not in quant.FORMATS or ids is None:
         return None
+    if not opts.gptq:
+        return quantize_pass.Rounding(skipped="compile(gptq=False) asked for it")
     model, ffns = captured.model, captured.ffns
     tokens = hessians_pass.calibration_rows(ids).numel()  # Hessians wider than that: not held
     device, dtype = calibrate_pass.calibration_device(model)

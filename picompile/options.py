@@ -28,6 +28,7 @@ class Options:
     predictors: PredictorPolicy
     dtype: torch.dtype | None  # convert the weights first; None: the model's own
     quantize: str | None  # one of QUANT_FORMATS, or None: float weights
+    gptq: bool  # with calibration data, round blocks by GPTQ (else to nearest)
     gguf: str | pathlib.Path | None  # the GGUF file the model was loaded from
     target_recall: float
     max_context: int
@@ -40,8 +41,8 @@ class Options:
         return self.mode == Mode.PREDICTED or self.budget is not None
 
 
-def check_options(model, *, mode, sparsity, gpu_budget, predictors, dtype, quantize, gguf,
-                  target_recall, max_context, kv_cache, quiet) -> Options:
+def check_options(model, *, mode, sparsity, gpu_budget, predictors, dtype, quantize, gptq,
+                  gguf, target_recall, max_context, kv_cache, quiet) -> Options:
     if not isinstance(model, nn.Module):
         raise TypeError(f"picompile.compile needs a torch.nn.Module, got {type(model).__name__}")
     if mode not in Mode.values():
@@ -50,6 +51,9 @@ def check_options(model, *, mode, sparsity, gpu_budget, predictors, dtype, quant
         if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0 <= sparsity < 1:
             raise ValueError(f"sparsity must be a number in [0, 1), got {sparsity!r}")
     budget = parse_budget(gpu_budget)
+    if not isinstance(gptq, bool):
+        raise ValueError(f"gptq must be True (GPTQ rounding with calibration data) or False "
+                         f"(round to nearest), got {gptq!r}")
     if gguf is not None and quantize is None:
         quantize = "gguf"
     _check_quantize(quantize, gguf)
@@ -58,7 +62,7 @@ def check_options(model, *, mode, sparsity, gpu_budget, predictors, dtype, quant
     check_not_compiled(model, "compile")
     return Options(mode=Mode(mode), sparsity=sparsity, budget=budget,
                    predictors=check_predictor_policy(predictors), dtype=check_dtype(dtype),
-                   quantize=quantize, gguf=gguf, target_recall=target_recall,
+                   quantize=quantize, gptq=gptq, gguf=gguf, target_recall=target_recall,
                    max_context=max_context, kv_cache=check_kv_cache(kv_cache), quiet=quiet)
 
 

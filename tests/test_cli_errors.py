@@ -254,7 +254,8 @@ def test_kv_cache_reaches_compile_and_load(monkeypatch):
                         lambda model, plan, **kw: seen.append(kw["kv_cache"]) or loaded)
     args = types.SimpleNamespace(model=None, plan=None, save=None, mode="exact", sparsity=0.5,
                                  gpu_budget=None, calibration_tokens=16, predictors="auto",
-                                 quiet=True, dtype=None, quantize="float", kv_cache="float16")
+                                 gptq=None, quiet=True, dtype=None, quantize="float",
+                                 kv_cache="float16")
     cli._compile(args, model=None, tokenizer=None)
     args.plan = "some/plan"
     with pytest.raises(SystemExit, match="--sparsity, --mode, --predictors, --calibration-tokens"):

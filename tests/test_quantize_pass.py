@@ -751,3 +751,21 @@ def test_a_gguf_file_of_another_model_is_refused_before_compiling(tmp_path):
                                          "llama.block_count is 2, the model's num_hidden_layers 3"):
         picompile.compile(copy.deepcopy(other), gguf=tmp_path / "small.gguf", quiet=True)
     picompile.compile(copy.deepcopy(small), gguf=tmp_path / "small.gguf", quiet=True)  # its own
+
+
+def test_gptq_false_rounds_to_nearest_though_calibration_data_is_given():
+    """compile(quantize=, calibration=, gptq=False): no Hessians, every block the reference's
+    round-to-nearest one, and explain says why; gptq must be a bool."""
+    dense = zoo.make("llama_relu", hidden=64, n_ff=96)
+    ids = torch.randint(0, zoo.VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
+    cm = picompile.compile(copy.deepcopy(dense), quantize="q4_0", calibration=ids, gptq=False,
+                           quiet=True)
+    assert cm.plan.quant_calibration_tokens == 0
+    layer = dense.model.layers[0]
+    q_proj = cm._orig_mod.model.layers[0].self_attn.q_proj
+    assert torch.equal(q_proj.row_blocks(), quant.quantize(layer.self_attn.q_proj.weight, "q4_0"))
+    assert any("gptq=False" in n for n in cm.quant_notes)
+    gptq = picompile.compile(copy.deepcopy(dense), quantize="q4_0", calibration=ids, quiet=True)
+    assert gptq.plan.quant_calibration_tokens > 0  # the default: GPTQ with calibration data
+    with pytest.raises(ValueError, match="gptq must be True"):
+        picompile.compile(copy.deepcopy(dense), quantize="q4_0", gptq="no")
