@@ -123,8 +123,7 @@ def compile(
     """
     opts = check_options(model, mode=mode, sparsity=sparsity, gpu_budget=gpu_budget,
                          predictors=predictors, dtype=dtype, quantize=quantize, gptq=gptq,
-                         gguf=gguf,
-                         target_recall=target_recall, max_context=max_context,
+                         gguf=gguf, target_recall=target_recall, max_context=max_context,
                          kv_cache=kv_cache, quiet=quiet)
     ids = calibration_ids(model, calibration, tokenizer, calibration_tokens, opts)
     model.eval()
