@@ -76,13 +76,10 @@ def main():
     kw = dict(mode="predicted", calibration=torch.randint(0, zoo.VOCAB, (4, 32)), max_context=64,
               quiet=True)
     probe = picompile.compile(copy.deepcopy(dense), gpu_budget=64 * 2**30, **kw)
-    fixed = dict(probe.plan.placement.fixed_bytes)
-    fixed.pop("allocator_reserve")
-    ffn_bytes = sum(place.neuron_bytes(f) * f.n_ff for f in probe.ffns().values())
+    budget = place.budget_for_share(probe.plan.placement.fixed_bytes, probe.ffns().values(), 0.3)
     del probe
     gc.collect()
     torch.cuda.empty_cache()
-    budget = place.budget_holding(sum(fixed.values()) + 0.3 * ffn_bytes)
     show("after a probe compile, emptied")
     torch.cuda.reset_peak_memory_stats()
     cm = picompile.compile(copy.deepcopy(dense), gpu_budget=budget, **kw)

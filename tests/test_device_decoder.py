@@ -203,9 +203,7 @@ def test_layers_the_budget_leaves_on_the_cpu_run_between_segments_as_dense(arch,
     kw = dict(max_context=64, quiet=True, mode="predicted",
               calibration=torch.randint(0, zoo.VOCAB, (4, 16)))
     probe = picompile.compile(copy.deepcopy(dense), gpu_budget=2**40, **kw)
-    fixed = dict(probe.plan.placement.fixed_bytes)
-    fixed.pop("allocator_reserve")
-    budget = place.budget_holding(sum(fixed.values()) - 1)
+    budget = place.budget_for_share(probe.plan.placement.fixed_bytes, (), 0.0, less=1)
     cm = picompile.compile(copy.deepcopy(dense), gpu_budget=budget, **kw)
     placement = cm.plan.placement
     (last,) = placement.host_layers

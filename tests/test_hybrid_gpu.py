@@ -98,13 +98,11 @@ def _compile(dense, ffn_share: float, less: int = 0, **kw):
     module first)."""
     kw = dict(max_context=64, quiet=True, **kw)
     probe = picompile.compile(copy.deepcopy(dense), gpu_budget=64 * 2**30, **kw)
-    fixed = dict(probe.plan.placement.fixed_bytes)
-    fixed.pop("allocator_reserve")
-    ffn_bytes = sum(place.neuron_bytes(f) * f.n_ff for f in probe.ffns().values())
+    budget = place.budget_for_share(probe.plan.placement.fixed_bytes, probe.ffns().values(),
+                                    ffn_share, less)
     del probe
     gc.collect()
     torch.cuda.empty_cache()
-    budget = place.budget_holding(sum(fixed.values()) + ffn_share * ffn_bytes - less)
     return picompile.compile(copy.deepcopy(dense), gpu_budget=budget, **kw), budget
 
 

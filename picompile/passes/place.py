@@ -295,6 +295,15 @@ def budget_holding(gpu_bytes: float) -> int:
     return int(gpu_bytes / (1 - ALLOCATOR_RESERVE_SHARE))
 
 
+def budget_for_share(fixed_bytes: dict[str, int], ffns, share: float, less: int = 0) -> int:
+    """The gpu_budget under which a placement that counted `fixed_bytes` (a plan's, made with
+    room for everything) also holds `share` of the neurons of the SparseFFN blocks `ffns` (0:
+    the fixed parts alone), less `less` bytes."""
+    fixed = sum(n for item, n in fixed_bytes.items() if item != "allocator_reserve")
+    ffn = sum(neuron_bytes(f) * f.n_ff for f in ffns)
+    return budget_holding(fixed + share * ffn - less)
+
+
 def cuda_context_bytes() -> tuple[int, str]:
     """(bytes, how): GPU memory in use outside PyTorch's pool (the CUDA context, kernel modules),
     measured on device 0 when a GPU is there (conservative: other processes count too), else
