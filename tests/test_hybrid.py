@@ -116,6 +116,21 @@ def test_distribute_copies_hot_rows_and_frees_none_on_the_device():
         assert hot.w_up.untyped_storage().data_ptr() != ffn.w_up.untyped_storage().data_ptr()
 
 
+def test_cold_rows_are_read_from_the_full_weights_on_the_host():
+    """The host holds each cold row once: the cold part's weights are views of the full CPU
+    weights (a copy doubled the host memory of a mostly-cold model), and stay right."""
+    dense = zoo.make("llama_relu")
+    cm = _hybrid(dense, 0, 0.3)
+    for ffn in cm.ffns().values():
+        cold, n_hot = ffn.hybrid.cold, ffn.hybrid.n_hot
+        for name in ("w_gate", "w_up", "w_down_t"):
+            full, part = getattr(ffn, name), getattr(cold, name)
+            assert part.data_ptr() == full[n_hot:].data_ptr() and part.is_contiguous(), name
+    ids = torch.randint(0, zoo.VOCAB, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(zoo.logits(cm, ids), zoo.logits(dense, ids), **TOL[torch.float32])
+
+
 def _cold_job(ffn, x, mask, out, ready):
     """A cold-worker job over all of `ffn`'s rows (its C kernel's pointers)."""
     from picompile.codegen import cold_worker
@@ -197,7 +212,7 @@ def test_quantized_blocks_split_across_a_gpu_with_q8_0_down_rows(monkeypatch):
     ffn = next(iter(cm.ffns().values()))
     ffn.quantize_("q4_1", "q8_0")
     hybrid._check_quantized(ffn, torch.device("cuda"))  # accepted
-    view = hybrid._view(ffn, slice(0, 5), "cpu", with_down_bias=True)
+    view = hybrid._view(ffn, slice(0, 5), "cpu", with_down_bias=True, share=False)
     hybrid.CudaHotKernel(view)
     assert seen["qformat"] == "q4_1" and seen["down_qformat"] == "q8_0"
     assert torch.equal(seen["w_up"], ffn.w_up[:5]) and seen["w_up"].dtype == torch.uint8

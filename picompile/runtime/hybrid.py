@@ -59,24 +59,27 @@ def copy_async(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-def _rows(t: torch.Tensor | None, rows: slice, device) -> torch.Tensor | None:
-    """A copy of t[rows] on `device`. Always a copy: a view would keep the whole [n_ff, d]
-    storage alive on the GPU after distribute() moves the full weights to the CPU. Quantized rows
-    are copied as they are: the CUDA kernels read the CPU's layout (ffn_cuda_q.cuh)."""
+def _rows(t: torch.Tensor | None, rows: slice, device, share: bool) -> torch.Tensor | None:
+    """t[rows] on `device`: with `share`, a view where t is already there (the cold rows, read
+    where distribute() keeps the full weights, so the host holds each row once); else a copy
+    (the hot rows: a view would keep the whole [n_ff, d] storage alive on the GPU). Quantized
+    rows are taken as they are: the CUDA kernels read the CPU's layout (ffn_cuda_q.cuh)."""
     if t is None:
         return None
+    if share and t.device == torch.device(device):
+        return t[rows].detach()  # a row range of a contiguous [n_ff, d]: contiguous
     return t[rows].detach().to(device, copy=True).contiguous()
 
 
-def _view(ffn: SparseFFN, rows: slice, device, with_down_bias: bool) -> SparseFFN:
-    """A SparseFFN over some of `ffn`'s neurons, on `device`."""
+def _view(ffn: SparseFFN, rows: slice, device, with_down_bias: bool, share: bool) -> SparseFFN:
+    """A SparseFFN over some of `ffn`'s neurons, on `device` (share: views of ffn's rows)."""
     view = SparseFFN(
         ffn.block,
-        w_up=_rows(ffn.w_up, rows, device),
-        w_down_t=_rows(ffn.w_down_t, rows, device),
-        w_gate=_rows(ffn.w_gate, rows, device),
-        b_gate=_rows(ffn.b_gate, rows, device),
-        b_up=_rows(ffn.b_up, rows, device),
+        w_up=_rows(ffn.w_up, rows, device, share),
+        w_down_t=_rows(ffn.w_down_t, rows, device, share),
+        w_gate=_rows(ffn.w_gate, rows, device, share),
+        b_gate=_rows(ffn.b_gate, rows, device, share),
+        b_up=_rows(ffn.b_up, rows, device, share),
         b_down=ffn.b_down.detach().to(device, copy=True) if with_down_bias and ffn.b_down is not None else None,
         qformat=ffn.qformat,
         down_qformat=ffn.down_qformat,
@@ -130,9 +133,11 @@ class HybridFFN:
         self.n_hot = n_hot = max(0, min(int(n_hot), ffn.n_ff))
         self.n_ff = ffn.n_ff
         self.d = ffn.d_model
-        self.hot = _view(ffn, slice(0, n_hot), self.device, with_down_bias=True) if n_hot else None
+        self.hot = (_view(ffn, slice(0, n_hot), self.device, with_down_bias=True, share=False)
+                    if n_hot else None)
         cold_bias = n_hot == 0  # b_down is added once, by whichever side exists
-        self.cold = _view(ffn, slice(n_hot, None), "cpu", cold_bias) if n_hot < ffn.n_ff else None
+        self.cold = (_view(ffn, slice(n_hot, None), "cpu", cold_bias, share=True)
+                     if n_hot < ffn.n_ff else None)
         self.cuda = self.device.type == "cuda"
         if self.cold is not None:
             self.cold.select_kernel()
@@ -367,12 +372,13 @@ def distribute(model: nn.Module, ffns: dict[str, SparseFFN], device: torch.devic
             # for a bfloat16 model, whose activations may pass float16's range, else float16
             half = torch.bfloat16 if ffn.float_dtype == torch.bfloat16 else torch.float16
             ffn.predictor.to(device=device, dtype=half if device.type == "cuda" else None)
-        ffn.hybrid = HybridFFN(ffn, device, ffn.block.decided.hot_neurons)
-        # The views hold the rows now; the full copy stays on the CPU only (for save, explain).
+        # The full weights on the CPU (for save, explain), where the cold rows are read as
+        # views of them; the hot rows are copied to the device from there.
         for name in ("w_gate", "w_up", "w_down_t", "b_gate", "b_up", "b_down"):
             p = getattr(ffn, name)
             if p is not None:
                 p.data = p.data.to("cpu")
+        ffn.hybrid = HybridFFN(ffn, device, ffn.block.decided.hot_neurons)
 
 
 def _to(value, device: torch.device):
