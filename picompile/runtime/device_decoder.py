@@ -245,9 +245,14 @@ class DeviceDecoder(Stack):
             scores = torch.tanh(scores / self.attn_softcap) * self.attn_softcap
             p = scores.masked_fill(~visible, float("-inf")).softmax(-1).to(v.dtype)
             a = p @ v  # [1, H, T, hd]
-        else:
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.scale,
-                                               enable_gqa=KV != H)  # [1, H, T, hd]
+        else:  # each KV head's G = H / KV query heads as G * T queries of one head (HF's
+            # repeat_kv order): SDPA with a mask and enable_gqa takes the math path on CUDA,
+            # which repeats the whole cache per query head
+            G = H // KV
+            a = F.scaled_dot_product_attention(
+                q.reshape(1, KV, G * T, hd), k, v, scale=self.scale,
+                attn_mask=visible.expand(1, G, T, -1).reshape(1, 1, G * T, -1))  # [1, KV, G*T, hd]
+            a = a.reshape(1, H, T, hd)
         out = lin["o_proj"](a[0].transpose(0, 1).reshape(T, H * hd))
         return self._residual(_post(layer.post_norms[0], out))
 
