@@ -148,3 +148,78 @@ def test_explain_says_no_target_sparsity_for_all_relu_and_keeps_reasons_whole():
 def test_a_silu_model_compiled_without_sparsity_says_it_stays_dense(capsys):
     picompile.compile(zoo.make("llama_silu"), quiet=False)
     assert "stay dense" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["attention", "ffn"])
+def test_a_weight_whose_storage_is_swapped_is_read_again_by_every_path(where):
+    """`.data = ...` on a weight after compile: generate (the whole-step decoder, prefill > 8
+    tokens by BLAS, so no module forward sees the swap first) and the per-module path read the
+    new weight, never the freed one."""
+    dense = zoo.make("llama_relu")
+    cm = picompile.compile(copy.deepcopy(dense), quiet=True)
+    ids = torch.randint(3, zoo.VOCAB, (1, 12), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    cm.generate(ids, **kw)  # binds the decoder
+    with torch.no_grad():
+        if where == "attention":
+            for model in (cm._orig_mod, dense):
+                o = model.model.layers[0].self_attn.o_proj
+                o.weight.data = o.weight.data * 3
+        else:
+            ffn = next(iter(cm.ffns().values()))
+            ffn.w_down_t.data = ffn.w_down_t.data * 3
+            mlp = dense.model.layers[0].mlp
+            mlp.down_proj.weight.data = mlp.down_proj.weight.data * 3
+    want = dense.generate(ids, **kw)
+    for _ in range(2):
+        assert torch.equal(cm.generate(ids, **kw), want)
+    with torch.no_grad():
+        torch.testing.assert_close(cm(ids[:, :5]).logits, dense(ids[:, :5]).logits,
+                                   rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tokens", [6, 12])
+@pytest.mark.parametrize("quantize", [None, "q8_0"])
+def test_gradients_flow_through_every_path(tokens, quantize, monkeypatch):
+    """Autograd through a compiled model: the C kernels have no backward, so a call that records
+    takes the differentiable path (decode-sized inputs too). Float: the dense model's input
+    gradients; quantized: the plain-PyTorch layers' (straight-through rounding)."""
+    from picompile.config import REFERENCE_ENV
+    from picompile.runtime.kernel_module import KernelModule
+
+    dense = zoo.make("llama_relu")
+    cm = picompile.compile(copy.deepcopy(dense), quantize=quantize, gptq=False, quiet=True)
+    ids = torch.randint(3, zoo.VOCAB, (1, tokens), generator=torch.Generator().manual_seed(2))
+    if quantize is not None:  # the reference: the same layers with every kernel unselected
+        dense = copy.deepcopy(cm._orig_mod)
+        monkeypatch.setenv(REFERENCE_ENV, "1")
+        for m in dense.modules():
+            if isinstance(m, KernelModule):
+                m.select_kernel()
+        monkeypatch.delenv(REFERENCE_ENV)
+    grads = []
+    for model in (dense, cm):
+        e = model.get_input_embeddings()(ids).detach().requires_grad_()
+        model(inputs_embeds=e, labels=ids).loss.backward()
+        grads.append(e.grad)
+    assert grads[1].abs().sum() > 0
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-3, atol=1e-5)
+
+
+def test_generate_returns_an_ordinary_tensor_and_forward_works_after_it():
+    """As HF's: the output takes in-place edits and autograd; a 16-bit model's forward after a
+    generate that prefilled > 8 tokens (the prefill's scratch buffers) works outside it."""
+    cm = picompile.compile(zoo.make("llama_silu"), dtype="float16", quiet=True)
+    ids = torch.randint(3, zoo.VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    out = cm.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert not out.is_inference()
+    out[0, 0] = 1
+    with torch.no_grad():
+        assert cm(ids).logits.shape == (1, 9, zoo.VOCAB)
+
+
+def test_explain_names_the_linear_paths_after_a_dtype_change():
+    cm = picompile.compile(zoo.make("llama_silu"), quiet=True)
+    cm.half()
+    line = next(l for l in picompile.explain(cm).splitlines() if l.startswith("other linears"))
+    assert "float16" in line and "float32" not in line

@@ -48,6 +48,7 @@ from picompile import quant
 from picompile.config import DECODER_ENV, cuda_graphs_enabled, decoder_enabled
 from picompile.codegen import c as c_codegen
 from picompile.codegen import decoder as native
+from picompile.runtime.kernel_module import KernelModule
 from picompile.runtime.dense_linear import DenseLinear, QuantLinear
 from picompile.runtime.sparse_ffn import SparseFFN
 
@@ -371,9 +372,12 @@ class Stack:
         """What the bound pointers were taken from: every kernel (its generation), the predictor
         switches and thresholds, how each block is split across a GPU (and whether it times
         its hand-offs: the per-module path does), the norms' and embedding's storage, the
-        decoder and CUDA graphs switches."""
+        decoder and CUDA graphs switches. A kernel whose tensors' storage was swapped since
+        it was bound (`.data = ...`) is bound again first, so the key names the new one."""
         parts = [decoder_enabled(), cuda_graphs_enabled()]
         for mod in model.modules():
+            if isinstance(mod, KernelModule):
+                mod.rebind_if_moved()
             if isinstance(mod, (*_LINEARS, SparseFFN)):
                 parts.append(mod.kernel_generation)
             if isinstance(mod, SparseFFN):

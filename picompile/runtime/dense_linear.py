@@ -61,13 +61,17 @@ def float32_weight(w: torch.Tensor, slot: str) -> torch.Tensor:
 
 
 def _scratch_float32(rows: int, cols: int, slot: str) -> torch.Tensor | None:
-    """This thread's float32 [rows, cols] buffer for `slot` (None above SCRATCH_MAX_BYTES)."""
+    """This thread's float32 [rows, cols] buffer for `slot` (None above SCRATCH_MAX_BYTES, or
+    while autograd records)."""
     if rows * cols * 4 > SCRATCH_MAX_BYTES:
+        return None
+    if torch.is_grad_enabled():  # autograd may keep the weight for backward: a tensor of its own
         return None
     buffers = _scratch.__dict__.setdefault("buffers", {})
     buf = buffers.get(slot)
     if buf is None or buf.numel() < rows * cols:
-        buf = buffers[slot] = torch.empty(rows * cols, dtype=torch.float32)
+        with torch.inference_mode(False):  # a normal tensor, writable outside inference mode
+            buf = buffers[slot] = torch.empty(rows * cols, dtype=torch.float32)
     return buf[: rows * cols].view(rows, cols)
 
 
@@ -118,7 +122,6 @@ class DenseLinear(KernelModule):
         self.out_features = weight.shape[0]
         self.kernel = None  # set by select_kernel(); None runs F.linear
         self.path = "reference (C kernel not selected)"
-        self._bound = None  # (weight ptr, bias ptr) the kernel was bound to
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, select: bool = True) -> DenseLinear:
@@ -128,16 +131,12 @@ class DenseLinear(KernelModule):
             mod.select_kernel()
         return mod
 
-    def _ptrs(self) -> tuple:
-        return (self.weight.data_ptr(), None if self.bias is None else self.bias.data_ptr())
-
     def select_kernel(self) -> str:
         """Pick the execution path once; returns its name ("C float32 avx2", "reference (...)")."""
         from picompile.codegen import dense
 
         self.kernel = None
         self._selected = True  # select again after a dtype / device change (_apply)
-        self._bound = self._ptrs()
         if reference_forced():
             self.path = "reference (PICOMPILE_REFERENCE set)"
             return self.path
@@ -145,11 +144,6 @@ class DenseLinear(KernelModule):
         self.path = (f"C {self.kernel.variant}" if self.kernel is not None
                      else dense.why_no_kernel(self.weight, self.bias))
         return self.path
-
-    def __getstate__(self):
-        state = super().__getstate__()
-        state["_bound"] = None
-        return state
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., O]: the reference path."""
@@ -233,7 +227,6 @@ class QuantLinear(KernelModule):
         self.register_parameter("bias", bias)  # [O] float32 or None
         self.kernel = None  # set by select_kernel(); None runs forward_native
         self.path = "reference (C kernel not selected)"
-        self._bound = None  # (qweight ptr, bias ptr) the kernel was bound to
 
     @classmethod
     def from_linear(cls, linear: nn.Module, fmt: str, select: bool = True) -> QuantLinear:
@@ -265,16 +258,12 @@ class QuantLinear(KernelModule):
                                f"{probe.device}")
         return super()._apply(fn, recurse)
 
-    def _ptrs(self) -> tuple:
-        return (self.qweight.data_ptr(), None if self.bias is None else self.bias.data_ptr())
-
     def select_kernel(self) -> str:
         """Pick the execution path once; returns its name ("C q4_0 avx512", "reference (...)")."""
         from picompile.codegen import dense
 
         self.kernel = None
         self._selected = True
-        self._bound = self._ptrs()
         if reference_forced():
             self.path = "reference (PICOMPILE_REFERENCE set)"
             return self.path
@@ -287,11 +276,6 @@ class QuantLinear(KernelModule):
                      dense.why_no_quant_kernel(self.qweight, self.qformat, self.in_features,
                                                self.bias))
         return self.path
-
-    def __getstate__(self):
-        state = super().__getstate__()
-        state["_bound"] = None
-        return state
 
     def row_blocks(self) -> torch.Tensor:
         """The weight's blocks in GGUF's row layout, uint8 [O, row_bytes] (a copy)."""
@@ -340,7 +324,8 @@ class QuantLinear(KernelModule):
 
             y = cuda.quant_linear(x.reshape(T, K), self.qweight, self.qformat, bias)  # [T, O]
             return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-        if kernel is None or not x.is_cpu or not self.qweight.is_cpu:
+        if kernel is None or not x.is_cpu or not self.qweight.is_cpu or (
+                torch.is_grad_enabled() and x.requires_grad):  # (the kernels have no backward)
             return self.forward_native(x)
         if T > KERNEL_MAX_TOKENS and self.qformat not in PREFILL_KERNEL_FORMATS:
             # prefill where BLAS is the faster: over the weight dequantized in C

@@ -96,7 +96,7 @@ def _new_cache(model, max_cache_len: int):
     return StaticCache(config=model.config, max_cache_len=max_cache_len)
 
 
-@torch.inference_mode()
+@torch.no_grad()  # as HF's generate (inference_mode would return an inference tensor)
 def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
              *, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,

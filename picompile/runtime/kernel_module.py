@@ -6,6 +6,9 @@ A bound kernel reads its tensors through raw pointers taken when `select_kernel(
   kernel again for the new tensors, or `_check_movable` refuses the change;
 - pickling (torch.save of a model) leaves the kernel, a ctypes closure, out and selects it again
   on unpickling.
+- a tensor whose storage was swapped (`.data = ...`, load_state_dict(assign=True)) is seen by
+  comparing `_ptrs()` with the pointers recorded when the kernel was set (`rebind_if_moved`:
+  the modules' forward where it is cheap, and the whole-step decoder before every use).
 Subclasses set `self.kernel` and `self._selected = True` in their `select_kernel()`. Each
 setting of `kernel` gets a new `kernel_generation` (unique in the process): what holds the
 kernel's pointers elsewhere (the whole-step decoder) compares it, not id(kernel), which a new
@@ -33,9 +36,23 @@ class KernelModule(nn.Module):
     def kernel(self, value) -> None:
         self.__dict__["_kernel"] = value
         self.__dict__["kernel_generation"] = next(_generations)
+        self.__dict__["_bound"] = self._ptrs()  # the storage its raw pointers were taken from
 
     def select_kernel(self) -> str:  # pragma: no cover - every subclass defines it
         raise NotImplementedError
+
+    def _ptrs(self) -> tuple:
+        """Where the module's own tensors are now (None for an absent one)."""
+        return tuple(None if t is None else t.data_ptr()
+                     for t in (*self._parameters.values(), *self._buffers.values()))
+
+    def rebind_if_moved(self) -> bool:
+        """Select the kernel again if a tensor's storage was swapped since it was bound.
+        -> whether it was."""
+        if self.kernel is None or self._ptrs() == self.__dict__.get("_bound"):
+            return False
+        self.select_kernel()
+        return True
 
     def _check_movable(self) -> None:
         """Raise where the module's tensors may not change dtype or device."""
@@ -54,6 +71,7 @@ class KernelModule(nn.Module):
         state = self.__dict__.copy()
         for name in self._BOUND:
             state[name] = None
+        state["_bound"] = None
         state["_had_kernel"] = self._was_selected()
         return state
 

@@ -370,11 +370,12 @@ class SparseFFN(KernelModule):
                     return None
         return kernels
 
-    def _prefill_down_input(self, x2: torch.Tensor) -> torch.Tensor:
+    def _prefill_down_input(self, x2: torch.Tensor, kernels: bool = True) -> torch.Tensor:
         """x2 [T, d] -> h [T, n_ff] for prefill: the gate and up products by the dense kernel
-        (float32) where _select_prefill_kernels bound one, else by BLAS in the block's dtype
-        (quantized rows dequantized in C, x rounded to integer blocks as the kernels do)."""
-        kernels = self.__dict__.get("_prefill_kernels")
+        (float32) where _select_prefill_kernels bound one (and `kernels`), else by BLAS in the
+        block's dtype (quantized rows dequantized in C, x rounded to integer blocks as the
+        kernels do)."""
+        kernels = self.__dict__.get("_prefill_kernels") if kernels else None
         if kernels is not None:
             def product(role, bias):
                 y = kernels[role](x2)  # [T, n_ff] float32
@@ -441,7 +442,10 @@ class SparseFFN(KernelModule):
         self.total_pairs += tokens * self.n_ff
         if self.hybrid is not None:  # hot rows on the GPU, cold rows on the CPU
             return self.hybrid(x2, predicted).to(x.dtype).reshape(shape)
-        if tokens <= KERNEL_MAX_TOKENS:
+        differentiable = torch.is_grad_enabled() and x.requires_grad  # the kernels have no backward
+        if self.kernel is not None and not differentiable:
+            self.rebind_if_moved()  # a weight's storage swapped (.data = ...) since binding
+        if tokens <= KERNEL_MAX_TOKENS and not differentiable:
             # Decode / small batch: one candidate list for all tokens (their union).
             if self.kernel is not None:
                 out, n_active = self.kernel(x2, threshold=self.threshold, mask=predicted)
@@ -450,9 +454,10 @@ class SparseFFN(KernelModule):
                 out, active = self.forward_native(x2, idx)
                 n_active = int(active.sum())
         else:
-            # Prefill: every neuron's h (dense kernel or BLAS), masked per token by what fired
-            # and, in predicted mode, by what was predicted; the down product by BLAS.
-            h = self._prefill_down_input(x2)  # [T, n_ff]
+            # Prefill (and any call under autograd): every neuron's h (dense kernel or BLAS),
+            # masked per token by what fired and, in predicted mode, by what was predicted; the
+            # down product by BLAS.
+            h = self._prefill_down_input(x2, kernels=not differentiable)  # [T, n_ff]
             active = h.abs() > self.threshold
             if predicted is not None:
                 active &= predicted
