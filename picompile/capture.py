@@ -26,8 +26,9 @@ def check_no_kwargs(kwargs: dict, module_name: str) -> None:
     if extra:
         raise TypeError(
             f"picompile: the compiled module {module_name!r} was traced without extra keyword "
-            f"arguments, but got {sorted(extra)}; call the model without them, or compile it "
-            "with those features off"
+            f"arguments, but got {sorted(extra)}: compiled, it cannot take them (for this "
+            "architecture: output_attentions / output_hidden_states and the like); call the model "
+            "without them, or keep an uncompiled copy for them (compile(copy.deepcopy(model)))"
         )
 
 

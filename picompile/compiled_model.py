@@ -41,7 +41,7 @@ class CompiledModel(nn.Module):
         # them out of nn.Module's registry (no double counting in state_dict / parameters).
         object.__setattr__(self, "graphs", graphs)
         self.paths = paths  # block name -> execution path picked ("C", "reference (...)")
-        self.linear_paths: dict[str, str] = {}  # other linears -> path (passes/lower.py)
+        self.linear_paths: dict[str, str] = {}  # other linears -> path at compile (passes/lower.py)
         # under plan.quantize: what stayed float, and why; which layers got another format
         self.quant_notes: list[str] = []
         # block -> [n_ff] share of calibration tokens each neuron fired on (original neuron
@@ -130,11 +130,9 @@ class CompiledModel(nn.Module):
         ffns, placement = self.ffns(), self.plan.placement
         distribute(self._orig_mod, ffns, device, move_non_ffn=placement.fixed_on_gpu,
                    host_layers=placement.host_layers)
-        for name, module in self._orig_mod.named_modules():  # their weights may have moved
+        for module in self._orig_mod.modules():  # their weights may have moved
             if isinstance(module, (DenseLinear, QuantLinear)):
-                path = module.select_kernel()
-                if name in self.linear_paths:
-                    self.linear_paths[name] = path
+                module.select_kernel()
         for name, ffn in ffns.items():
             if ffn.hybrid is None:  # in a layer left on the CPU: its kernels stay bound
                 where = ", on the CPU with its decoder layer (placement)"

@@ -88,7 +88,10 @@ def explain(cm: CompiledModel) -> str:
     lines.append("  calib.: sparsity measured on calibration data; run: since the last reset_stats()")
     if cm.linear_paths:
         by_path: dict[str, int] = {}
-        for path in cm.linear_paths.values():
+        for name, path in cm.linear_paths.items():
+            # the layer's own path now (a dtype change or distribute selects its kernel again);
+            # compile's reason for a layer it left as nn.Linear
+            path = getattr(cm._orig_mod.get_submodule(name), "path", path)
             by_path[path] = by_path.get(path, 0) + 1
         lines.append("other linears (attention, LM head): " +
                      "; ".join(f"{n} {path}" for path, n in by_path.items()))

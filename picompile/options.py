@@ -51,6 +51,13 @@ def check_options(model, *, mode, sparsity, gpu_budget, predictors, dtype, quant
         if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0 <= sparsity < 1:
             raise ValueError(f"sparsity must be a number in [0, 1), got {sparsity!r}")
     budget = parse_budget(gpu_budget)
+    if isinstance(target_recall, bool) or not isinstance(target_recall, (int, float)) or \
+            not 0 < target_recall <= 1:
+        raise ValueError(f"target_recall (the share of firing neurons a predictor must catch) "
+                         f"must be in (0, 1], got {target_recall!r}")
+    if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 1:
+        raise ValueError(f"max_context (the longest context placement plans for, in tokens) "
+                         f"must be a positive integer, got {max_context!r}")
     if not isinstance(gptq, bool):
         raise ValueError(f"gptq must be True (GPTQ rounding with calibration data) or False "
                          f"(round to nearest), got {gptq!r}")
@@ -96,6 +103,9 @@ def _check_quantize(quantize, gguf) -> None:
     if quantize == "gguf" and (gguf is None or not pathlib.Path(gguf).is_file()):
         raise ValueError(f"quantize='gguf' keeps the tensors of the GGUF file the model was "
                          f"loaded from: pass gguf=<that file> (got {gguf!r})")
+    if gguf is not None and not pathlib.Path(gguf).is_file():
+        raise ValueError(f"gguf={str(gguf)!r} is not a file: pass the GGUF file the model was "
+                         "loaded from, or leave gguf= out")
 
 
 def check_not_compiled(model, what: str) -> None:
@@ -110,6 +120,9 @@ def calibration_ids(model, calibration, tokenizer, n_tokens: int, opts: Options)
     """Token ids [batch, seq] to calibrate on: the user's, or the built-in corpus when only a
     tokenizer is given (its calibration split, topped up from its train split when more tokens
     are asked for; never its held-out split); None when neither is given and none is needed."""
+    if tokenizer is not None and not callable(tokenizer):
+        raise ValueError(f"tokenizer= takes the model's Hugging Face tokenizer (called on text), "
+                         f"got {type(tokenizer).__name__}")
     if calibration is not None:
         ids = calibrate_pass.calibration_ids(calibration, tokenizer)
     elif tokenizer is not None:

@@ -140,6 +140,22 @@ def round_activations(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
     return r
 
 
+def linear_dequantized(xr: torch.Tensor, q: torch.Tensor, fmt: str, bias: torch.Tensor | None,
+                       out: torch.Tensor, tile_bytes: int = 32 << 20) -> torch.Tensor:
+    """xr [T, cols] float32 (already round_activations'd) @ dequantize(q).T + bias -> out
+    [T, rows] float32, for q uint8 [rows, row_bytes] in the dot layout (QuantLinear.qweight), on
+    any device: row tiles of at most `tile_bytes` of float32 weights dequantized one at a time,
+    each multiplied by BLAS. For many tokens, where a kernel that decodes blocks per group of
+    tokens would read the weight once per group; the memory it takes is one tile."""
+    cols = xr.shape[1]
+    step = max(1, tile_bytes // (4 * cols))
+    for r0 in range(0, q.shape[0], step):
+        w = dequantize(deinterleave_blocks(q[r0 : r0 + step], fmt), fmt, cols)  # [rows, cols]
+        y = xr @ w.t()  # [T, tile rows]
+        out[:, r0 : r0 + step] = y if bias is None else y + bias[r0 : r0 + step]
+    return out
+
+
 # -- the dot layout of rows dotted with x -------------------------------------------------------
 
 SUPERBLOCK = 8  # blocks interleaved per run (PQ_SB in picompile/kernels/qblocks.h)

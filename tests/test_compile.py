@@ -136,6 +136,17 @@ def test_bad_inputs_say_what_is_wrong():
         picompile.compile(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)))
     with pytest.raises(TypeError, match="CompiledModel"):
         picompile.explain(model)
+    calib = torch.randint(0, zoo.VOCAB, (2, 16))
+    for kw, what in [(dict(calibration=calib[:, :0]), "no token ids"),
+                     (dict(calibration=[], tokenizer=lambda text, **_: {
+                         "input_ids": torch.empty(1, 0, dtype=torch.long)}), "no tokens"),
+                     (dict(tokenizer=object()), "tokenizer= takes"),
+                     (dict(mode="predicted", calibration=calib, target_recall=-1), "target_recall"),
+                     (dict(mode="predicted", calibration=calib, target_recall=2.0), "target_recall"),
+                     (dict(max_context=-5), "max_context"),
+                     (dict(quantize="q8_0", gguf="/nonexistent.gguf"), "not a file")]:
+        with pytest.raises(ValueError, match=what):
+            picompile.compile(zoo.make("llama_silu"), sparsity=0.5, quiet=True, **kw)
 
 
 class TanhMLP(nn.Module):

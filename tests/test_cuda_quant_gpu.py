@@ -221,12 +221,14 @@ def test_hybrid_quantized_block_equals_the_reference(fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("k,o", [(32, 1), (96, 33), (288, 700), (800, 257), (4096, 1024)])
+@pytest.mark.parametrize("k,o", [(32, 1), (96, 33), (288, 700), (800, 257), (1312, 40),
+                                 (4096, 1024), (32, 9000)])
 def test_quant_linear_equals_the_reference(fmt, k, o):
     """codegen.cuda.quant_linear (the dense linear kernels on rows in the dot layout, superblock
-    tails included) against QuantLinear.forward_native on the CPU, for 1 to 13 tokens (two
-    groups of 8), float32 and float16 x, with and without a bias; and QuantLinear moved to the
-    GPU runs it."""
+    tails included, several blocks a lane with a tail at 1312, a grid-stride loop at 9000 rows)
+    against the float64 reference on the CPU, for 1 to 13 tokens (groups of 8, a last group of
+    1 at 9), 40 (tiles dequantized and multiplied), float32 and float16 x, with and without a
+    bias; and QuantLinear moved to the GPU runs it."""
     from picompile.runtime.dense_linear import QuantLinear
 
     g = torch.Generator().manual_seed(k + o)
@@ -235,13 +237,13 @@ def test_quant_linear_equals_the_reference(fmt, k, o):
         lin.weight.copy_(torch.randn(o, k, generator=g) * k**-0.5)
         lin.bias.copy_(torch.randn(o, generator=g))
     layer = QuantLinear.from_linear(lin, fmt)
-    for T in (1, 3, 8, 13):
+    for T in (1, 3, 8, 9, 13, 40):
         for dtype in (torch.float32, torch.float16):
             x = torch.randn(T, k, generator=g).to(dtype)
-            for bias in (layer.bias, None):
+            for bias in (layer.bias, None):  # (round_activations answers in float32)
                 ref = torch.nn.functional.linear(
-                    quant.round_activations(x.double(), fmt), layer.dequantized_weight().double(),
-                    None if bias is None else bias.double())
+                    quant.round_activations(x.float(), fmt).double(),
+                    layer.dequantized_weight().double(), None if bias is None else bias.double())
                 got = cuda.quant_linear(x.to(DEV), layer.qweight.to(DEV), fmt,
                                         None if bias is None else bias.to(DEV))
                 torch.cuda.synchronize()

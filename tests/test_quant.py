@@ -129,3 +129,28 @@ def test_interleave_blocks_errors():
         quant.interleave_blocks(torch.zeros(8, 19, dtype=torch.uint8), "q4_0")
     with pytest.raises(ValueError, match="unknown"):
         quant.interleave_blocks(q, "q5_0")
+
+
+@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+@settings(max_examples=10, deadline=None)
+@given(rows=st.integers(1, 70), blocks=st.integers(1, 19), T=st.integers(1, 40),
+       tile_rows=st.integers(1, 80), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_linear_dequantized_equals_the_reference(fmt, rows, blocks, T, tile_rows, bias, seed):
+    """The long-prompt path of the GPU's quantized linear layers (row tiles dequantized, then
+    BLAS), here on the CPU, against QuantLinear's reference over any tiling, superblock tails
+    included."""
+    from picompile.runtime.dense_linear import QuantLinear
+
+    g = torch.Generator().manual_seed(seed)
+    cols = blocks * quant.BLOCK
+    lin = torch.nn.Linear(cols, rows, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(rows, cols, generator=g))
+    layer = QuantLinear.from_linear(lin, fmt, select=False)
+    x = torch.randn(T, cols, generator=g)
+    out = torch.full((T, rows), float("nan"))
+    got = quant.linear_dequantized(quant.round_activations(x, fmt), layer.qweight, fmt,
+                                   layer.bias, out=out, tile_bytes=tile_rows * 4 * cols)
+    assert got is out
+    with torch.no_grad():
+        torch.testing.assert_close(got, layer.forward_native(x), rtol=1e-5, atol=1e-4)

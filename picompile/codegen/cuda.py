@@ -73,6 +73,9 @@ from picompile.config import KERNEL_MAX_TOKENS
 ARCHS = ("sm_80", "sm_90")
 
 MAX_TOKENS = KERNEL_MAX_TOKENS  # the small-batch kernels are built for this many tokens
+# quant_linear: above this many tokens, row tiles dequantized and multiplied by cuBLAS (the
+# kernels read the whole weight once per MAX_TOKENS tokens)
+QLINEAR_KERNEL_MAX_TOKENS = 4 * MAX_TOKENS
 MAX_SMEM_BYTES = 48 * 1024  # the predictor keeps z [T, r] fp32 in (default-size) shared memory
 
 # nvcc flags (fast math left out on purpose: see the module docstring).
@@ -487,6 +490,8 @@ class CudaKernels:
         y [T, o] fp32."""
         T, k = xr.shape
         o = w.shape[0]
+        if not 1 <= T <= MAX_TOKENS:  # the kernels hold MAX_TOKENS accumulators per lane
+            raise ValueError(f"qlinear takes 1 to {MAX_TOKENS} tokens a launch, got {T}")
         vec = int(_aligned16(xr))
         blocks = max(1, min(math.ceil(o / _WARPS_PER_BLOCK), 8 * self._sms(xr)))
         self._launch("qlinear_1" if T == 1 else "qlinear_b", (blocks,), (_WARPS_PER_BLOCK * 32,),
@@ -782,24 +787,35 @@ def quant_linear(x, qweight, fmt: str, bias=None, backend=None):
     block bytes] uint8, GGUF blocks of `fmt` in the dot layout (QuantLinear.qweight), bias [o]
     float32 or None -> y [T, o] fp32 = round_activations(x) @ dequantize(qweight).T + bias,
     quant.round_activations and quant.dequantize's arithmetic up to float summation order.
-    Tokens go through in groups of 8 (every group reads the weight once). Nothing synchronizes."""
+    Tokens go through the kernels in groups of 8 (every group reads the weight once); above
+    QLINEAR_KERNEL_MAX_TOKENS, row tiles are dequantized and multiplied
+    (quant.linear_dequantized). Nothing synchronizes."""
     import torch
 
     _require_cuda(x)
+    if x.dim() != 2 or x.shape[1] % quant.BLOCK:
+        raise ValueError(f"quant_linear: x is [T, k] with k a multiple of {quant.BLOCK}, got "
+                         f"{tuple(x.shape)}")
     T, k = x.shape
-    if qweight.dtype != torch.uint8 or qweight.shape[1] != quant.row_bytes(k, fmt) or \
-            qweight.device != x.device:
+    o = qweight.shape[0] if qweight.dim() == 2 else -1
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2 or \
+            qweight.shape[1] != quant.row_bytes(k, fmt) or qweight.device != x.device:
         raise ValueError(f"quant_linear: {fmt} rows for {k} inputs are uint8 [o, "
                          f"{quant.row_bytes(k, fmt)}] on {x.device}; got {qweight.dtype} "
                          f"{tuple(qweight.shape)} on {qweight.device}")
+    if bias is not None and tuple(bias.shape) != (o,):
+        raise ValueError(f"quant_linear: bias is [{o}], got {tuple(bias.shape)}")
     kernels = load(linear_variant(fmt), backend)
     x = x.to(torch.float32).contiguous()
+    qweight = qweight.contiguous()
     bias = None if bias is None else bias.to(device=x.device, dtype=torch.float32).contiguous()
-    y = torch.empty(T, qweight.shape[0], dtype=torch.float32, device=x.device)
+    y = torch.empty(T, o, dtype=torch.float32, device=x.device)
     with torch_stream(x.device):
         xr = torch.empty_like(x)
         if T:
             kernels.round_x(x, xr, fmt)
+        if T > QLINEAR_KERNEL_MAX_TOKENS:
+            return quant.linear_dequantized(xr, qweight, fmt, bias, out=y)
         for t0 in range(0, T, MAX_TOKENS):
             kernels.qlinear(xr[t0 : t0 + MAX_TOKENS], qweight, bias, y[t0 : t0 + MAX_TOKENS])
     return y

@@ -35,6 +35,9 @@ def calibration_ids(calibration, tokenizer, seq_len: int = 256) -> torch.Tensor:
                 "calibration must be token ids: a LongTensor [batch, seq] or [seq], "
                 f"got {calibration.dtype} with shape {tuple(calibration.shape)}"
             )
+        if calibration.numel() == 0:
+            raise ValueError(f"calibration holds no token ids (shape {tuple(calibration.shape)}): "
+                             "pass at least one token per row")
         ids = calibration.long()
         return ids[None] if ids.dim() == 1 else ids
     if isinstance(calibration, str):
@@ -43,6 +46,8 @@ def calibration_ids(calibration, tokenizer, seq_len: int = 256) -> torch.Tensor:
         if tokenizer is None:
             raise ValueError("calibration was given as text: also pass tokenizer= to turn it into ids")
         ids = tokenizer("\n\n".join(calibration), return_tensors="pt")["input_ids"][0]
+        if ids.numel() == 0:
+            raise ValueError("the calibration text gave no tokens: pass some text")
         rows = max(1, ids.numel() // seq_len)
         return ids[: rows * seq_len].reshape(rows, -1) if ids.numel() >= seq_len else ids[None]
     raise ValueError(
