@@ -140,6 +140,12 @@ def decode_step_line(cm) -> str:
     return f"{type(dec).__name__}, CUDA graphs {'replayed' if not graphs else 'off: ' + graphs}"
 
 
+def host_rss_bytes() -> int:
+    """This process's resident host memory now (VmRSS), in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
 def gpu_peak_bytes() -> int:
     """Peak of PyTorch's reserved pool since the last reset, + CuPy's pool, + the memory the
     process holds outside both (the CUDA context and modules)."""
@@ -270,6 +276,8 @@ def main():
     if all(f.hybrid is None for f in cm.ffns().values()):
         print("the fixed parts do not fit the budget: picompile runs all on the CPU", flush=True)
     print(picompile.explain(cm), flush=True)
+    gc.collect()
+    host_rss = host_rss_bytes()  # the split model (and the dense one kept for the other runs)
     peak = None
     if gpu:
         gc.collect()
@@ -367,6 +375,7 @@ def main():
     print(f"compile (profile {calib.numel()} tokens + predictors + placement): {compile_s:.0f} s")
     print(f"FFN sparsity while decoding {sparsity:.1%}; expected share of firing neurons on the GPU "
           f"{hot_share:.1%}; weights {total / 1e9:.2f} GB")
+    print(f"host memory (RSS) after the split: {host_rss / 1e9:.2f} GB")
     if peak is not None:
         print(f"peak GPU memory (torch reserved + cupy pool + context) {peak / 1e9:.2f} GB "
               f"of budget {budget / 1e9:.2f} GB")
