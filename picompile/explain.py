@@ -39,7 +39,7 @@ def _weights_line(cm: CompiledModel) -> str:
         if id(t) not in seen and t.is_floating_point():
             seen.add(id(t))
             rest[dtype_name(t.dtype)] = rest.get(dtype_name(t.dtype), 0) + t.numel() * t.element_size()
-    parts = [f"{role} {fmt} {b:,} B ({n} {'blocks' if role == 'FFN' else 'layers'})"
+    parts = [f"{role} {fmt} {b:,} B ({n} {'block' if role == 'FFN' else 'layer'}{'s' * (n != 1)})"
              for (role, fmt), (n, b) in groups.items()]
     parts += [f"other {fmt} {b:,} B" for fmt, b in rest.items()]
     return "; ".join(parts)
@@ -114,7 +114,8 @@ def explain(cm: CompiledModel) -> str:
             lines.append("  the non-FFN parts do not fit the budget: they run on the CPU too")
         lines += [f"  note: {n}" for n in p.notes]
     if plan.unmatched:
-        lines.append("left dense or eager:")
+        lines.append("not captured as fx graphs (they run as the model's own modules, their "
+                     "linear layers on the kernels above; FFN blocks among them stay dense):")
         groups: dict[tuple[str, str], int] = {}  # (module name with layer numbers as *, reason)
         for u in plan.unmatched:
             key = (re.sub(r"\.\d+(?=\.|$)", ".*", u.module) or "<model>", u.reason)

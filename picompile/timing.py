@@ -3,6 +3,7 @@ started when the first new token arrives, so prefill is not counted."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -29,11 +30,14 @@ class _FirstTokenClock:
 @torch.no_grad()
 def timed_generate(model, ids: torch.Tensor, new_tokens: int, streamer=None,
                    exact_length: bool = False) -> tuple[torch.Tensor, float]:
-    """Greedy decode -> (new tokens [n], decode tokens/s over the tokens after the first)."""
+    """Greedy decode -> (new tokens [n], decode tokens/s over the tokens after the first; NaN
+    when fewer than two came: no decode step to time)."""
     clock = _FirstTokenClock(streamer)
     kw = dict(min_new_tokens=new_tokens) if exact_length else {}
     out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, streamer=clock, **kw)
     end = time.perf_counter()
     new = out[0, ids.shape[1]:].cpu()
     start = clock.first if clock.first is not None else end
-    return new, max(1, len(new) - 1) / max(end - start, 1e-9)
+    if len(new) < 2:
+        return new, math.nan
+    return new, (len(new) - 1) / max(end - start, 1e-9)

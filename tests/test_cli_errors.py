@@ -69,6 +69,34 @@ def test_a_plan_dir_without_a_manifest_is_refused_before_loading(tmp_path, capsy
     assert code == 2 and str(tmp_path) in err and "manifest.json" in err
 
 
+def test_compile_options_beside_a_plan_are_refused_before_loading(tmp_path, capsys, no_loading):
+    (tmp_path / "manifest.json").write_text("{}")
+    code, err = run_cli(["run", "--plan", str(tmp_path), "--mode", "predicted", "--quantize",
+                         "q4_0"], capsys)
+    assert code == 2 and "--mode, --quantize would choose" in err and "Traceback" not in err
+
+
+def test_ctrl_c_is_one_line_and_exit_code_130(monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(models, "load", interrupted)
+    code, err = run_cli(["explain", "--quiet"], capsys)
+    assert code == 130 and err.strip() == "picompile: interrupted"
+
+
+def test_a_prompt_past_the_models_context_is_refused_before_compiling(monkeypatch, capsys):
+    import types
+
+    model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=40))
+    monkeypatch.setattr(models, "load", lambda *a, **k: (model, None))
+    monkeypatch.setattr(cli, "_prompt_ids", lambda tok, prompt: torch.zeros(1, 30, dtype=torch.long))
+    monkeypatch.setattr(cli, "_compile", lambda *a: pytest.fail("compiled past the context"))
+    code, err = run_cli(["run", "--max-new-tokens", "11", "--quiet"], capsys)
+    assert code == 2 and "30 tokens" in err and "context of 40 tokens" in err, err
+    cli._check_context(model, 30, 10)  # exactly fits
+
+
 def write_gguf(path: pathlib.Path) -> pathlib.Path:
     """A small, complete GGUF file: metadata and two tensors, no model behind it."""
     import gguf
@@ -242,24 +270,27 @@ def test_a_model_that_cannot_fit_in_memory_is_refused_before_loading():
 
 
 def test_kv_cache_reaches_compile_and_load(monkeypatch):
-    """--kv-cache is handed to compile (and to load with --plan), as compile(kv_cache=)."""
+    """--kv-cache is handed to compile (and to load with --plan), as compile(kv_cache=); beside
+    --plan, compile's options and --quantize are refused (a plan fixes them), not ignored."""
     import types
 
     import picompile
 
     seen = []
-    loaded = types.SimpleNamespace(plan=types.SimpleNamespace(quantize=None))
-    monkeypatch.setattr(picompile, "compile", lambda model, **kw: seen.append(kw["kv_cache"]))
+    done = types.SimpleNamespace(plan=types.SimpleNamespace(quantize=None, blocks=[]))
+    monkeypatch.setattr(picompile, "compile", lambda model, **kw: seen.append(kw["kv_cache"]) or done)
     monkeypatch.setattr(picompile, "load",
-                        lambda model, plan, **kw: seen.append(kw["kv_cache"]) or loaded)
+                        lambda model, plan, **kw: seen.append(kw["kv_cache"]) or done)
     args = types.SimpleNamespace(model=None, plan=None, save=None, mode="exact", sparsity=0.5,
                                  gpu_budget=None, calibration_tokens=16, predictors="auto",
                                  gptq=None, quiet=True, dtype=None, quantize="float",
                                  kv_cache="float16")
+    assert cli._plan_conflicts(args) is None
     cli._compile(args, model=None, tokenizer=None)
     args.plan = "some/plan"
-    with pytest.raises(SystemExit, match="--sparsity, --mode, --predictors, --calibration-tokens"):
-        cli._compile(args, model=None, tokenizer=None)  # a plan fixes them: not ignored silently
-    args.mode = args.sparsity = args.calibration_tokens = args.predictors = None
-    assert cli._compile(args, model=None, tokenizer=None) is loaded
+    assert "--sparsity, --mode, --predictors, --calibration-tokens, --quantize would choose" in \
+        cli._plan_conflicts(args)
+    args.mode = args.sparsity = args.calibration_tokens = args.predictors = args.quantize = None
+    assert cli._plan_conflicts(args) is None
+    assert cli._compile(args, model=None, tokenizer=None) is done
     assert seen == ["float16", "float16"]
