@@ -196,13 +196,13 @@ def cmd_run(args) -> int:
     agree = int((tokens[: len(dense_tokens)] == dense_tokens[: len(tokens)]).cumprod(0).sum())
     print()
     print(f"FFN sparsity (share of neurons skipped while decoding): {ffn_sparsity:.1%}")
-    dense_is = f"Hugging Face eager on {next(dense.parameters()).dtype} weights".replace("torch.", "")
+    dense_is = f"Hugging Face eager, {next(dense.parameters()).dtype} weights".replace("torch.", "")
     if math.isnan(compiled_tps) or math.isnan(dense_tps):
         print(f"decode tokens/s: n/a (fewer than two tokens were generated: "
               f"compiled {len(tokens)}, dense {len(dense_tokens)})")
     else:
-        print(f"decode tokens/s: compiled {compiled_tps:.1f}, dense {dense_tps:.1f} ({dense_is}) "
-              f"({compiled_tps / dense_tps:.2f}x)")
+        print(f"decode tokens/s: compiled {compiled_tps:.1f}, dense {dense_tps:.1f} ({dense_is}): "
+              f"{compiled_tps / dense_tps:.2f}x")
     print("greedy output: " + ("identical to dense" if same else
                                f"first {agree} of {len(tokens)} tokens identical to dense"))
     print("decode step: " + ("picompile's whole-step decoder (one C call per token)"
