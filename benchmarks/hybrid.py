@@ -141,7 +141,12 @@ def decode_step_line(cm) -> str:
 
 
 def host_rss_bytes() -> int:
-    """This process's resident host memory now (VmRSS), in bytes."""
+    """This process's resident host memory now (VmRSS), in bytes, after glibc's malloc_trim:
+    memory freed but kept by the allocator (e.g. cm.save's buffers) would hide what is held."""
+    import ctypes
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
@@ -276,8 +281,7 @@ def main():
     if all(f.hybrid is None for f in cm.ffns().values()):
         print("the fixed parts do not fit the budget: picompile runs all on the CPU", flush=True)
     print(picompile.explain(cm), flush=True)
-    gc.collect()
-    host_rss = host_rss_bytes()  # the split model (and the dense one kept for the other runs)
+    host_rss = host_rss_bytes()  # the split model
     peak = None
     if gpu:
         gc.collect()
