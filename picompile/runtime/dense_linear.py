@@ -163,8 +163,7 @@ class DenseLinear(KernelModule):
         if T < 1 or not x.is_floating_point() or (
                 T > KERNEL_MAX_TOKENS and weight.dtype not in _PREFILL_KERNEL_DTYPES):
             return F.linear(x, weight, bias)
-        if (weight.data_ptr(), None if bias is None else bias.data_ptr()) != self._bound:
-            self.select_kernel()  # storage swapped since binding (.data = ...): bind again
+        if self.rebind_if_moved():  # storage swapped since binding (.data = ...): bound again
             kernel = self.kernel
             if kernel is None:
                 return F.linear(x, weight, bias)
@@ -336,8 +335,7 @@ class QuantLinear(KernelModule):
             return F.linear(xr, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
         if T < 1:
             return self.forward_native(x)
-        if self._ptrs() != self._bound:
-            self.select_kernel()  # storage swapped since binding (load_state_dict, .data = ...)
+        if self.rebind_if_moved():  # storage swapped since binding (load_state_dict, .data = ...)
             kernel = self.kernel
             if kernel is None:
                 return self.forward_native(x)

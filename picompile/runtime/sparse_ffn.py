@@ -370,12 +370,12 @@ class SparseFFN(KernelModule):
                     return None
         return kernels
 
-    def _prefill_down_input(self, x2: torch.Tensor, kernels: bool = True) -> torch.Tensor:
+    def _prefill_down_input(self, x2: torch.Tensor, use_kernels: bool = True) -> torch.Tensor:
         """x2 [T, d] -> h [T, n_ff] for prefill: the gate and up products by the dense kernel
-        (float32) where _select_prefill_kernels bound one (and `kernels`), else by BLAS in the
+        (float32) where _select_prefill_kernels bound one (and `use_kernels`), else by BLAS in the
         block's dtype (quantized rows dequantized in C, x rounded to integer blocks as the
         kernels do)."""
-        kernels = self.__dict__.get("_prefill_kernels") if kernels else None
+        kernels = self.__dict__.get("_prefill_kernels") if use_kernels else None
         if kernels is not None:
             def product(role, bias):
                 y = kernels[role](x2)  # [T, n_ff] float32
@@ -457,7 +457,7 @@ class SparseFFN(KernelModule):
             # Prefill (and any call under autograd): every neuron's h (dense kernel or BLAS),
             # masked per token by what fired and, in predicted mode, by what was predicted; the
             # down product by BLAS.
-            h = self._prefill_down_input(x2, kernels=not differentiable)  # [T, n_ff]
+            h = self._prefill_down_input(x2, use_kernels=not differentiable)  # [T, n_ff]
             active = h.abs() > self.threshold
             if predicted is not None:
                 active &= predicted
