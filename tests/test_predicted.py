@@ -353,3 +353,26 @@ def test_relu_predictors_try_the_low_rank_first_projection():
     assert first_projection(ffn)[0] is ffn.w_gate
     ffn.act = "silu"
     assert first_projection(ffn) is None
+
+
+def test_a_neuron_that_adds_most_of_the_output_is_always_predicted():
+    """A neuron whose down row dwarfs the others' (a "massive activation", as in SmolLM2's
+    layer 2) is predicted for every input, whatever the predictor learnt: missing it once
+    would wreck the block's output at any recall. Few other neurons are forced."""
+    from picompile.passes.predictors import critical_neurons
+
+    dense = zoo.make("llama_silu")
+    j = 5
+    with torch.no_grad():
+        dense.model.layers[0].mlp.down_proj.weight[:, j] *= 300
+    cm = picompile.compile(dense, mode="predicted", sparsity=0.5, calibration=_calibration(),
+                           predictors="all", quiet=True)
+    ffns = list(cm.ffns().values())
+    first = ffns[0]
+    at = j if first.order is None else int((first.order == j).nonzero())  # hot-first order
+    x = torch.randn(64, first.d_model, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert bool(first.predictor(x)[:, at].all())
+    forced = [int((f.predictor.pb2 >= 1e4).sum()) for f in ffns]
+    assert forced[0] >= 1 and sum(forced) <= 0.05 * sum(f.n_ff for f in ffns), forced
+    assert at in critical_neurons(first, x).tolist()

@@ -9,6 +9,12 @@ most `max_density_ratio` times the true density at that recall. The search stops
 larger rank stops helping (SiLU blocks of SmolLM2 predict ~95% of neurons at recall 0.99 at any
 rank: their activity is far less predictable than ReLU's), keeping the best rank tried.
 
+Recall counts neurons, not what they add: a few neurons of some blocks add a large share of
+the output on some tokens (the "massive activations" of early layers: one SmolLM2 neuron adds
+more than half of layer 2's output on some tokens), and a predictor that misses one there wrecks
+the output at 99% recall. `critical_neurons` finds them on the calibration samples and the
+predictor always picks them (Predictor.always; BENCHMARKS.md session 19).
+
 A predictor only pays where the gate rows it lets the block skip cost more than the predictor
 itself: `decode_bytes` counts both, `passes/autotune.py` measures both (what decides
 `predictors="auto"`, since fixed costs per call dominate small blocks)."""
@@ -25,6 +31,7 @@ from torch import nn
 from picompile.passes.profile import BlockProfile
 from picompile.progress import progress_bar
 from picompile.runtime.predictor import Predictor
+from picompile.runtime.sparse_ffn import down_input
 
 RANKS = (16, 32, 64, 128, 256, 512)
 # Training steps per predictor are capped so that steps * n_ff stays under this: 2000 steps for
@@ -38,6 +45,11 @@ MIN_GAIN = 0.02  # a rank that lowers the predicted density by less than this en
 # tau is set on held-out samples for a miss rate this much under the target's: text unlike the
 # calibration data (measured on the ReLU fixture's held-out split) misses a little more.
 MISS_MARGIN = 0.8
+# critical_neurons: a neuron is always computed if on some calibration token it adds more than
+# this times the block's median output norm (lower values force many more neurons on SmolLM2
+# for no better output: BENCHMARKS.md session 19)
+CRITICAL_SHARE = 2.0
+CRITICAL_ROWS = 4096  # samples per chunk while measuring (bounds the [rows, n_ff] temporaries)
 
 
 def kernel_bytes(rank: int, d: int, n_ff: int) -> int:
@@ -163,6 +175,27 @@ def calibrate_tau(pred: Predictor, x: torch.Tensor, y: torch.Tensor, target_reca
                           float(y.float().mean()), nbytes)
 
 
+@torch.no_grad()
+def critical_neurons(ffn, x: torch.Tensor, share: float = CRITICAL_SHARE) -> torch.Tensor:
+    """Neurons of `ffn` (float weights) that on some sample of x [N, d] add more than `share`
+    times the median sample's output norm: |h_i| * |down row i| against |out|, with h and out as
+    the block computes them (only the neurons over its threshold). -> LongTensor [k]."""
+    w_down = ffn.w_down_t.float()  # [n_ff, d]
+    down_norm = w_down.norm(dim=1)  # [n_ff]
+    peak = torch.zeros(ffn.n_ff, device=w_down.device)  # largest |h_i| * |down_i| seen
+    out_norms = []
+    for r0 in range(0, len(x), CRITICAL_ROWS):
+        xc = x[r0 : r0 + CRITICAL_ROWS].to(device=w_down.device, dtype=torch.float32)
+        h = down_input(xc, ffn.w_up.float(), w_gate=None if ffn.w_gate is None else ffn.w_gate.float(),
+                       b_gate=ffn.b_gate, b_up=ffn.b_up, act=ffn.act, drelu=ffn.drelu,
+                       compute_dtype=torch.float32)  # [rows, n_ff]
+        h = torch.where(h.abs() > ffn.threshold, h, torch.zeros((), device=h.device))
+        peak = torch.maximum(peak, h.abs().amax(0) * down_norm)
+        out_norms.append((h @ w_down).norm(dim=1))  # [rows]
+    typical = torch.cat(out_norms).median()
+    return (peak > share * typical).nonzero().flatten().cpu()
+
+
 def train_predictor(
     prof: BlockProfile,
     target_recall: float = 0.99,
@@ -170,10 +203,12 @@ def train_predictor(
     epochs: int = 40,
     seed: int = 0,
     first: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    always: torch.Tensor | None = None,
 ) -> tuple[Predictor, PredictorStats]:
     """Smallest rank meeting the density target at `target_recall`, on held-out samples.
     Trains on the device of the profile's samples; the predictor returned is on the CPU
-    (compile places it later).
+    (compile places it later). `always`: neurons every predictor tried picks (critical_neurons),
+    counted in its statistics.
 
     `first`: the block's first projection (W [n_ff, d], b [n_ff] or None) for ReLU blocks. Then
     each rank also tries W's low-rank approximation as the predictor (LowRankFirst), alone and
@@ -194,6 +229,9 @@ def train_predictor(
         tried = [_fit(xt, yt, rank, epochs, seed)]
         if start is not None:
             tried += [start, _fit(xt, yt, rank, epochs, seed, init=start)]
+        if always is not None and len(always):
+            for p in tried:
+                p.always(always)
         pred, stats = min(((p, calibrate_tau(p, xv, yv, recall)) for p in tried),
                           key=lambda ps: ps[1].predicted_density)
         if stats.predicted_density <= max_density_ratio * max(stats.true_density, 1e-9):
@@ -273,9 +311,17 @@ def first_projection(ffn) -> tuple[torch.Tensor, torch.Tensor | None] | None:
 
 def train_all(profiles: dict[str, BlockProfile], ffns: dict | None = None, quiet: bool = False,
               **kw) -> dict[str, tuple[Predictor, PredictorStats]]:
-    """train_predictor per block; with `ffns` (by the same names), ReLU blocks also try their
-    first projection's low-rank approximation."""
-    return {name: train_predictor(prof, first=first_projection(ffns[name]) if ffns else None, **kw)
+    """train_predictor per block; with `ffns` (by the same names, float weights), ReLU blocks
+    also try their first projection's low-rank approximation, and every block's critical
+    neurons are always predicted."""
+    def one(name, prof):
+        ffn = ffns[name] if ffns else None
+        if ffn is None or not ffn.w_up.is_floating_point():
+            return train_predictor(prof, **kw)
+        return train_predictor(prof, first=first_projection(ffn),
+                               always=critical_neurons(ffn, prof.x), **kw)
+
+    return {name: one(name, prof)
             for name, prof in progress_bar(profiles.items(), "training predictors", quiet,
                                            total=len(profiles))}
 

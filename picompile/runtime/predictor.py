@@ -15,6 +15,9 @@ from picompile.runtime import ops
 from picompile.runtime.kernel_module import KernelModule
 
 
+ALWAYS_LOGIT = 1e4  # a predicted neuron's logit where it must always be computed (always())
+
+
 class Predictor(KernelModule):
     """mask [T, n_ff] = relu(x p1^T + pb1) p2^T + pb2 > tau, for x [T, d].
 
@@ -37,6 +40,12 @@ class Predictor(KernelModule):
     @property
     def rank(self) -> int:
         return self.p1.shape[0]
+
+    @torch.no_grad()
+    def always(self, neurons: torch.Tensor) -> None:
+        """Predict `neurons` (indices) for every input: their output bias set to ALWAYS_LOGIT,
+        far above any tau (and within float16's range, for the GPU's 16-bit predictors)."""
+        self.pb2[neurons.to(self.pb2.device)] = ALWAYS_LOGIT
 
     def select_kernel(self) -> str:
         self._selected = True  # select again after a dtype / device change (_apply)
