@@ -480,8 +480,15 @@ class Server:
         self.created = int(time.time())
 
     def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.name, "object": "model",
-                                            "created": self.created, "owned_by": "picompile"}]}
+        return {"object": "list", "data": [self.model(self.name)]}
+
+    def model(self, name: str) -> dict:
+        """GET /v1/models/{name}: the served model's card (404 for any other name)."""
+        if name != self.name:
+            raise APIError(404, f"the model {name!r} does not exist: this server serves "
+                                f"{self.name!r}", code="model_not_found")
+        return {"id": self.name, "object": "model", "created": self.created,
+                "owned_by": "picompile"}
 
     def health(self) -> dict:
         return {"status": "ok", **self.engine.stats()}
@@ -553,8 +560,9 @@ class Server:
         if self.context is None:
             return asked or self.max_tokens
         room = self.context - n_prompt
-        if room < 1 or (asked is not None and asked > room):
-            raise _bad(name, f"the model's context is {self.context} tokens: the prompt has "
+        if room < 1 or (asked is not None and asked > room):  # the prompt's fault if it fills it
+            raise _bad(name if room >= 1 else "messages" if "messages" in body else "prompt",
+                       f"the model's context is {self.context} tokens: the prompt has "
                              f"{n_prompt} and {name} asks for {asked or 'at least 1'}; shorten "
                              f"the prompt or ask for fewer tokens", code="context_length_exceeded")
         return asked or min(self.max_tokens, room)
@@ -744,6 +752,10 @@ def make_app(cm, tokenizer, *, api_key: str | None = None, max_queue: int = DEFA
     @v1.get("/models")
     async def models():
         return server.models()
+
+    @v1.get("/models/{name:path}")
+    async def model(name: str):
+        return server.model(name)
 
     @app.get("/health")
     async def health():

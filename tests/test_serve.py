@@ -141,6 +141,8 @@ def assert_openai_error(response, status=None):
 
 def test_models_and_health(client, url):
     assert [m.id for m in client.models.list().data] == ["relu_llama"]
+    assert client.models.retrieve("relu_llama").id == "relu_llama"
+    assert assert_openai_error(httpx.get(f"{url}/v1/models/gpt-4"), 404)["code"] == "model_not_found"
     assert httpx.get(f"{url}/health").json() == {"status": "ok", "running": 0, "waiting": 0,
                                                  "max_queue": 16}
 
@@ -315,9 +317,13 @@ def test_malformed_requests_get_openai_errors_and_the_server_goes_on(url, client
     assert r.choices[0].message.content is not None and r.usage.completion_tokens >= 1
 
 
-def test_bad_field_names_its_param(url):
+def test_bad_field_names_its_param(url, model):
     r = httpx.post(f"{url}{CHAT}", json={"messages": [USER[0], {"role": "user"}]})
     assert assert_openai_error(r, 400)["param"] == "messages[1].content"
+    # a prompt that fills the context is the prompt's fault, not max_tokens'
+    long = [5] * model[0].config.max_position_embeddings
+    r = httpx.post(f"{url}{COMPLETIONS}", json={"prompt": long, "max_tokens": 3})
+    assert assert_openai_error(r, 400)["param"] == "prompt"
 
 
 def test_openai_client_raises_bad_request(client):

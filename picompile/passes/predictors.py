@@ -63,7 +63,7 @@ class PredictorStats:
     recall: float  # share of firing neurons predicted, on held-out samples
     predicted_density: float  # share of neurons predicted to fire
     true_density: float  # share that really fire
-    nbytes: int
+    nbytes: int  # the predictor's bytes as its kernels read them (float16 matrices)
 
 
 def _fit(x: torch.Tensor, y: torch.Tensor, rank: int, epochs: int, seed: int,
@@ -170,7 +170,7 @@ def calibrate_tau(pred: Predictor, x: torch.Tensor, y: torch.Tensor, target_reca
         pred.tau = float(pos.kthvalue(k).values) - 1e-6
     predicted = logits > pred.tau
     recall = float((predicted & y).sum() / max(int(y.sum()), 1))
-    nbytes = sum(p.numel() * p.element_size() for p in pred.parameters())
+    nbytes = kernel_bytes(pred.rank, x.shape[1], logits.shape[1])  # what decode reads
     return PredictorStats(pred.rank, recall, float(predicted.float().mean()),
                           float(y.float().mean()), nbytes)
 
