@@ -180,15 +180,15 @@ def critical_neurons(ffn, x: torch.Tensor, share: float = CRITICAL_SHARE) -> tor
     """Neurons of `ffn` (float weights) that on some sample of x [N, d] add more than `share`
     times the median sample's output norm: |h_i| * |down row i| against |out|, with h and out as
     the block computes them (only the neurons over its threshold). -> LongTensor [k]."""
-    w_down = ffn.w_down_t.float()  # [n_ff, d]
+    w_up, w_down = ffn.w_up.float(), ffn.w_down_t.float()  # [n_ff, d]
+    w_gate = None if ffn.w_gate is None else ffn.w_gate.float()
     down_norm = w_down.norm(dim=1)  # [n_ff]
     peak = torch.zeros(ffn.n_ff, device=w_down.device)  # largest |h_i| * |down_i| seen
     out_norms = []
     for r0 in range(0, len(x), CRITICAL_ROWS):
         xc = x[r0 : r0 + CRITICAL_ROWS].to(device=w_down.device, dtype=torch.float32)
-        h = down_input(xc, ffn.w_up.float(), w_gate=None if ffn.w_gate is None else ffn.w_gate.float(),
-                       b_gate=ffn.b_gate, b_up=ffn.b_up, act=ffn.act, drelu=ffn.drelu,
-                       compute_dtype=torch.float32)  # [rows, n_ff]
+        h = down_input(xc, w_up, w_gate=w_gate, b_gate=ffn.b_gate, b_up=ffn.b_up, act=ffn.act,
+                       drelu=ffn.drelu, compute_dtype=torch.float32)  # [rows, n_ff]
         h = torch.where(h.abs() > ffn.threshold, h, torch.zeros((), device=h.device))
         peak = torch.maximum(peak, h.abs().amax(0) * down_norm)
         out_norms.append((h @ w_down).norm(dim=1))  # [rows]
