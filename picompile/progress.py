@@ -76,6 +76,21 @@ def library_bars():
             hf_logging.enable_progress_bar()
 
 
+@contextlib.contextmanager
+def quiet_transformers():
+    """Within it, transformers logs errors only (its warnings, where picompile says the same
+    in its own words or they do not apply)."""
+    import logging
+
+    log = logging.getLogger("transformers")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def note(message: str, quiet: bool = False) -> None:
     """One line on stderr about a decision the user may want to know of (not when quiet)."""
     if not (quiet or quiet_by_default()):

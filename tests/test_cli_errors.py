@@ -209,6 +209,22 @@ def test_a_directory_without_config_json(tmp_path, capsys):
                        f"--model {tmp_path / 'small.gguf'}")
 
 
+def test_a_model_file_missing_weights_is_refused_not_loaded_random(tmp_path, capsys):
+    """transformers initializes weights a file lacks at random (and only says so in its load
+    report): picompile refuses the model, naming how many and one of them."""
+    from safetensors.torch import load_file, save_file
+
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(FIXTURE / name, tmp_path)
+    tensors = load_file(FIXTURE / "model.safetensors")
+    dropped = next(k for k in tensors if "layers.0.mlp" in k)
+    del tensors[dropped]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    err = assert_model_error(tmp_path, tmp_path, capsys, "1 of the llama model's weights",
+                             "would be random")
+    assert dropped in err
+
+
 def test_a_directory_with_a_bad_config_json(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{not json")
     code, err = run_cli(["explain", "--model", str(tmp_path)], capsys)

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+
+from picompile.progress import quiet_transformers
 
 # GenerationConfig fields the loop implements.
 _HANDLED = frozenset({"max_length", "max_new_tokens", "min_length", "min_new_tokens", "do_sample",
@@ -265,19 +266,6 @@ def _pick(scores: torch.Tensor, do_sample: bool, temperature: float, top_k: int 
 # ---- Hugging Face generate() arguments ------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _quiet_transformers():
-    """GenerationConfig.update warns about odd combinations; HF generate says it again if the
-    call falls back, so say nothing while checking."""
-    log = logging.getLogger("transformers")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
-
-
 def _resolve(model, args: tuple, kwargs: dict, quiet: bool) -> dict:
     """HF generate arguments -> generate()'s keyword arguments; raises _Unsupported(name)."""
     reason = model_reason(model)
@@ -313,7 +301,9 @@ def _resolve(model, args: tuple, kwargs: dict, quiet: bool) -> dict:
     if prepare is None:
         raise _Unsupported("this transformers version (no _prepare_generation_config)")
     try:
-        with _quiet_transformers() if quiet else contextlib.nullcontext():
+        # GenerationConfig.update warns about odd combinations; HF generate says it again if
+        # the call falls back, so nothing is said while checking
+        with quiet_transformers() if quiet else contextlib.nullcontext():
             gc, model_kwargs = prepare(user_config, **extra)
     except (TypeError, ValueError) as e:
         raise _Unsupported(f"invalid arguments ({type(e).__name__}: {e})") from None
