@@ -18,6 +18,7 @@ from picompile import saving
 from picompile.plan import Plan, PredictorPolicy
 from picompile.progress import note
 from picompile.runtime.dense_linear import DenseLinear, QuantLinear
+from picompile.runtime.kernel_module import KernelModule
 from picompile.runtime.sparse_ffn import SparseFFN
 
 
@@ -120,6 +121,15 @@ class CompiledModel(nn.Module):
         if isinstance(values, dict):
             return {k: move(v) for k, v in values.items()}
         return tuple(move(v) for v in values)
+
+    def _apply(self, fn, recurse=True):
+        """.to() / .half() / .cuda(): every module that may refuse (a block split across
+        devices) is asked first, since torch converts module by module and a refusal midway
+        would leave the model half converted."""
+        for module in self._orig_mod.modules():
+            if isinstance(module, KernelModule):
+                module._check_movable()
+        return super()._apply(fn, recurse)
 
     def distribute(self, device: str | torch.device = "cuda") -> None:
         """Run hybrid as planned: non-FFN parts and each block's hot neurons on `device`,

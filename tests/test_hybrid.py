@@ -222,3 +222,35 @@ def test_quantized_blocks_split_across_a_gpu_with_q8_0_down_rows(monkeypatch):
         with pytest.raises(ValueError, match="q8_0 down rows"):
             hybrid._check_quantized(ffn, torch.device("cuda"))
         hybrid._check_quantized(ffn, torch.device("cpu"))  # the CPU stand-in takes any
+
+
+@pytest.mark.parametrize("change", ["swap", "in place"])
+def test_weights_changed_after_the_split_are_split_again(change):
+    """The device holds copies of the hot rows: a block whose weights change after distribute
+    (storage swapped, or written in place) is split again, on the per-module path and through
+    the device decoder, and computes with the new weights."""
+    dense = zoo.make("llama_relu")
+    cm = _hybrid(dense, 0, 0.5)
+    ids = torch.randint(0, zoo.VOCAB, (1, 6), generator=torch.Generator().manual_seed(4))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    cm.generate(ids, **kw)  # builds the device decoder over the first split
+    ffn = cm.ffns()["model.layers.0.mlp.sparse_ffn"]
+    before = ffn.hybrid
+    with torch.no_grad():
+        if change == "swap":
+            ffn.w_down_t.data = ffn.w_down_t.data * 3
+        else:
+            ffn.w_down_t.mul_(3)
+        down = dense.model.layers[0].mlp.down_proj.weight
+        down.data = down.data * 3
+    with torch.no_grad():
+        torch.testing.assert_close(zoo.logits(cm, ids), zoo.logits(dense, ids), **TOL[torch.float32])
+    assert ffn.hybrid is not before
+    assert torch.equal(cm.generate(ids, **kw), dense.generate(ids, **kw))
+
+
+def test_a_refused_dtype_change_leaves_the_split_model_as_it_was():
+    cm = _hybrid(zoo.make("llama_relu"), 0, 0.5)
+    with pytest.raises(RuntimeError, match="cannot change afterwards"):
+        cm.half()
+    assert {p.dtype for p in cm.parameters()} == {torch.float32}

@@ -154,6 +154,12 @@ class HybridFFN:
         # wait for its input), wall_s (the block, from entry to the merged output; CUDA events on
         # a GPU). Reading the events waits for the device, so `timings()` resolves them afterwards.
         self.timeline: list[dict] | None = None
+        self._source = _weights_state(ffn)  # what the hot copies were made from
+
+    def stale(self, ffn: SparseFFN) -> bool:
+        """Whether `ffn`'s full weights changed since the split (storage swapped, or written in
+        place through the Parameters): the hot rows on the device are copies of the old ones."""
+        return _weights_state(ffn) != self._source
 
     def reset_stats(self) -> None:
         for side in (self.hot, self.cold):
@@ -318,6 +324,12 @@ class HybridFFN:
         for step in self.timeline:
             step["hot_bytes"] = int(step["hot_bytes"])
         return self.timeline
+
+
+def _weights_state(ffn: SparseFFN) -> tuple:
+    """(storage, in-place version) of each of ffn's weights and biases."""
+    return tuple(None if t is None else (t.data_ptr(), t._version)
+                 for t in (ffn.w_gate, ffn.w_up, ffn.w_down_t, ffn.b_gate, ffn.b_up, ffn.b_down))
 
 
 def _check_quantized(ffn: SparseFFN, device: torch.device) -> None:

@@ -390,6 +390,18 @@ class SparseFFN(KernelModule):
         return down_input(x_in, w_up, w_gate=w_gate, b_gate=self.b_gate, b_up=self.b_up,
                           act=self.act, drelu=self.drelu, compute_dtype=self.float_dtype)
 
+    def rebind_if_moved(self) -> bool:
+        """As KernelModule's; a block split across devices is split again where its weights
+        changed since (the device holds copies of its hot rows)."""
+        if self.hybrid is None:
+            return super().rebind_if_moved()
+        if not self.hybrid.stale(self):
+            return False
+        from picompile.runtime.hybrid import HybridFFN
+
+        self.hybrid = HybridFFN(self, self.hybrid.device, self.hybrid.n_hot)
+        return True
+
     def _check_movable(self) -> None:
         if self.hybrid is not None:
             raise RuntimeError(
@@ -441,6 +453,7 @@ class SparseFFN(KernelModule):
         tokens = x2.shape[0]
         self.total_pairs += tokens * self.n_ff
         if self.hybrid is not None:  # hot rows on the GPU, cold rows on the CPU
+            self.rebind_if_moved()  # split again if the weights changed since
             return self.hybrid(x2, predicted).to(x.dtype).reshape(shape)
         differentiable = torch.is_grad_enabled() and x.requires_grad  # the kernels have no backward
         if self.kernel is not None and not differentiable:
