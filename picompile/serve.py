@@ -563,8 +563,8 @@ class Server:
         if room < 1 or (asked is not None and asked > room):  # the prompt's fault if it fills it
             raise _bad(name if room >= 1 else "messages" if "messages" in body else "prompt",
                        f"the model's context is {self.context} tokens: the prompt has "
-                             f"{n_prompt} and {name} asks for {asked or 'at least 1'}; shorten "
-                             f"the prompt or ask for fewer tokens", code="context_length_exceeded")
+                       f"{n_prompt} and {name} asks for {asked or 'at least 1'}; shorten the "
+                       "prompt or ask for fewer tokens", code="context_length_exceeded")
         return asked or min(self.max_tokens, room)
 
     # replies

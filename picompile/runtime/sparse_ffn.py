@@ -452,12 +452,10 @@ class SparseFFN(KernelModule):
         x2 = x.reshape(-1, shape[-1])  # [T, d]
         tokens = x2.shape[0]
         self.total_pairs += tokens * self.n_ff
+        self.rebind_if_moved()  # the weights changed since binding or the split: again
         if self.hybrid is not None:  # hot rows on the GPU, cold rows on the CPU
-            self.rebind_if_moved()  # split again if the weights changed since
             return self.hybrid(x2, predicted).to(x.dtype).reshape(shape)
         differentiable = torch.is_grad_enabled() and x.requires_grad  # the kernels have no backward
-        if self.kernel is not None and not differentiable:
-            self.rebind_if_moved()  # a weight's storage swapped (.data = ...) since binding
         if tokens <= KERNEL_MAX_TOKENS and not differentiable:
             # Decode / small batch: one candidate list for all tokens (their union).
             if self.kernel is not None:
