@@ -57,8 +57,8 @@ def explain(cm: CompiledModel) -> str:
         return "-" if v is None else f"{v:.1%}"
 
     head = f"picompile: {len(plan.blocks)} FFN blocks, mode={plan.mode}"
-    if plan.target_sparsity and any(not b.exact for b in plan.blocks):
-        head += f", target sparsity {plan.target_sparsity:.0%}"
+    if plan.applied_sparsity:
+        head += f", target sparsity {plan.applied_sparsity:.0%}"
     if plan.calibration_tokens:
         head += f", calibrated on {plan.calibration_tokens} tokens"
     cols = f"  {'block':<34} {'kind':<8} {'act':<9} {'d x n_ff':<11} {'skips':<14} {'calib.':>6} {'run':>6}"

@@ -166,6 +166,14 @@ class Plan:
     def __post_init__(self):
         self.mode, self.predictors = Mode(self.mode), PredictorPolicy(self.predictors)
 
+    @property
+    def applied_sparsity(self) -> float | None:
+        """target_sparsity where it applies (the non-ReLU blocks; ReLU ones run exact), else
+        None: what explain() and the report show."""
+        if self.target_sparsity and any(not b.exact for b in self.blocks):
+            return self.target_sparsity
+        return None
+
     def block(self, name: str) -> BlockPlan:
         for b in self.blocks:
             if b.name == name:

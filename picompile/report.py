@@ -113,20 +113,12 @@ pre {{ font-size: 0.8em; overflow-x: auto; }}
 
 # -- sections -----------------------------------------------------------------------------------
 
-def _target_sparsity(plan) -> str:
-    """What `sparsity=` asks of the blocks it applies to (as explain() says it): the non-ReLU
-    ones; ReLU blocks are exact."""
-    if plan.target_sparsity and any(not b.exact for b in plan.blocks):
-        return f"{plan.target_sparsity:.0%}"
-    return "none"
-
-
 def _header(cm) -> str:
     plan = cm.plan
     rows = [("model", type(cm._orig_mod).__name__),
             ("FFN blocks", str(len(plan.blocks))),
             ("mode", plan.mode),
-            ("target sparsity", _target_sparsity(plan)),
+            ("target sparsity", f"{plan.applied_sparsity:.0%}" if plan.applied_sparsity else "none"),
             ("calibration tokens", f"{plan.calibration_tokens:,}" if plan.calibration_tokens
              else "none (no calibration data)"),
             ("decode step", cm._decoder.describe() if cm._decoder is not None
