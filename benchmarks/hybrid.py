@@ -255,6 +255,12 @@ def main():
     calib = torch.randint(0, vocab, (max(1, args.calibration_tokens // seq), seq),
                           generator=torch.Generator().manual_seed(2))
     results = {}
+    summary = []  # lines printed as measured (a run cut by its time limit keeps them) and again at the end
+
+    def note(line):
+        summary.append(line)
+        print(line, flush=True)
+
     plan_dir = tempfile.mkdtemp(prefix="picompile-plan-")
 
     # 1. picompile hybrid (and the dense model all on the GPU first, where it fits)
@@ -274,15 +280,15 @@ def main():
     cm = picompile.compile(model, mode="predicted", gpu_budget=budget, calibration=calib,
                            max_context=args.max_context, quantize=args.quantize, gptq=False,
                            quiet=not sys.stderr.isatty())
-    compile_s = time.perf_counter() - t0
+    note(f"compile (profile {calib.numel()} tokens + predictors + placement): "
+         f"{time.perf_counter() - t0:.0f} s")
     cm.save(plan_dir)
     if not gpu:
         cm.distribute("cpu")
     if all(f.hybrid is None for f in cm.ffns().values()):
         print("the fixed parts do not fit the budget: picompile runs all on the CPU", flush=True)
     print(picompile.explain(cm), flush=True)
-    host_rss = host_rss_bytes()  # the split model
-    peak = None
+    note(f"host memory (RSS) after the split: {host_rss_bytes() / 1e9:.2f} GB")
     if gpu:
         gc.collect()
         torch.cuda.empty_cache()
@@ -294,7 +300,8 @@ def main():
     results[label] = decode_tps(cm, ids, args.new_tokens)
     print(results, flush=True)
     if gpu:
-        peak = gpu_peak_bytes()
+        note(f"peak GPU memory (torch reserved + cupy pool + context) {gpu_peak_bytes() / 1e9:.2f} GB "
+             f"of budget {budget / 1e9:.2f} GB")
     dec = cm.decoder()
     print(f"decode step: {decode_step_line(cm)}", flush=True)
     for n in args.cold_threads:  # the same decoder, another team for the cold parts
@@ -302,7 +309,8 @@ def main():
         results[f"{label}, {n} cold threads"] = decode_tps(cm, ids, args.new_tokens)
         del os.environ[COLD_THREADS_ENV]
         print(results, flush=True)
-    overlap = decoder_overlap(cm, ids)
+    for line in decoder_overlap(cm, ids):
+        note(line)
     if getattr(dec, "graphs", None) is not None:  # the same decoder, its segments run eagerly
         os.environ[CUDA_GRAPHS_ENV] = "0"
         results[f"{label}, no CUDA graphs"] = decode_tps(cm, ids, args.new_tokens)
@@ -313,7 +321,8 @@ def main():
             f.hybrid.timeline = []
     _, tps = timed_generate(cm, ids, 8)
     results[f"{label}, per-module path timed per block"] = tps
-    overlap += overlap_report(cm)
+    for line in overlap_report(cm):
+        note(line)
     if args.profile:
         for f in cm.ffns().values():
             if f.hybrid is not None:
@@ -321,8 +330,8 @@ def main():
         profiler = cProfile.Profile()
         profiler.runcall(timed_generate, cm, ids, 8)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
-    sparsity = cm.sparsity()
-    hot_share = cm.plan.placement.expected_gpu_share
+    note(f"FFN sparsity while decoding {cm.sparsity():.1%}; expected share of firing neurons on "
+         f"the GPU {cm.plan.placement.expected_gpu_share:.1%}; weights {total / 1e9:.2f} GB")
     del cm, model
     gc.collect()
     if gpu:
@@ -368,6 +377,7 @@ def main():
         cpu_cm = picompile.load(dense, plan_dir, distribute=False)
         cpu_cm.use_predictors("all")
         results["picompile all on the CPU (predicted)"] = decode_tps(cpu_cm, ids, args.new_tokens)
+        print(results, flush=True)
         del cpu_cm, dense
         gc.collect()
 
@@ -376,14 +386,7 @@ def main():
     print("|---|---|")
     for label, tps in results.items():
         print(f"| {label} | {tps:.2f} |")
-    print(f"compile (profile {calib.numel()} tokens + predictors + placement): {compile_s:.0f} s")
-    print(f"FFN sparsity while decoding {sparsity:.1%}; expected share of firing neurons on the GPU "
-          f"{hot_share:.1%}; weights {total / 1e9:.2f} GB")
-    print(f"host memory (RSS) after the split: {host_rss / 1e9:.2f} GB")
-    if peak is not None:
-        print(f"peak GPU memory (torch reserved + cupy pool + context) {peak / 1e9:.2f} GB "
-              f"of budget {budget / 1e9:.2f} GB")
-    print("\n".join(overlap))
+    print("\n".join(summary))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@
 #   bash scripts/gpu_acceptance.sh llama-cpp               # on the same warm machine
 #
 # With no part named, runs them all (over 10 minutes in all). With 15 minutes of device time,
-# one command first (carry build/cuda-cubins.tar.xz): llama-13b, memory, tests, in that order,
+# one command first (carry build/cuda-cubins.tar.xz and .whl): llama-13b, memory, tests, in that order,
 # each under `timeout`; then, on the warm machine, what is left (quant-tests: the quantized
 # kernels have never run on a GPU; kernels, kernel-tests, opt-13b, llama-cpp-build + llama-cpp).
 #
@@ -46,6 +46,12 @@ if [ -f "$CUBINS" ] && [ "${1:-}" != cubins ] && command -v nvidia-smi >/dev/nul
     else
         echo "the carried cubins did not compute as NVRTC's build: NVRTC compiles each variant" >&2
     fi
+fi
+# picompile's GGUF block encoder (the quantized parts) and the llama.cpp peer need the gguf
+# reader, which that machine lacks: carry .whl (pip download --no-deps gguf -d .whl)
+if ! "$PY" -c "import gguf" 2>/dev/null && ls .whl/gguf-*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --target /tmp/gguf-site .whl/gguf-*.whl &&
+        export PYTHONPATH=$PYTHONPATH:/tmp/gguf-site
 fi
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(env kernels memory tests kernel-tests quant-tests sanitizer opt-13b llama-13b llama-cpp-build llama-cpp)
@@ -105,10 +111,9 @@ print(len(variants), 'variants compiled for sm_90')" &&
         timeout 520 cmake --build /tmp/llama-cuda --target llama-bench -j "$(nproc)" &&
         cp /tmp/llama-cuda/bin/llama-bench build/gpu-carry/ ;;
     llama-cpp)  # the peer: llama.cpp partial offload (-ngl) at the same budget, F16. Carry
-        # .whl (the gguf wheel: pip download --no-deps gguf -d .whl) and build/llama-offload
+        # .whl (the gguf wheel, above) and build/llama-offload
         # (benchmarks/llama_offload.py --save-vocab); build/gpu-carry from llama-cpp-build.
-        "$PY" -m pip install -q --no-index --no-deps --target /tmp/gguf-site .whl/gguf-*.whl &&
-        PYTHONPATH=/tmp/gguf-site:$PYTHONPATH timeout 570 "$PY" benchmarks/llama_offload.py \
+        timeout 570 "$PY" benchmarks/llama_offload.py \
             --shape llama-13b --budget-share 0.4 --gguf /tmp/llama-13b-f16.gguf ;;
     *)
         echo "unknown part $1" >&2; return 2 ;;
