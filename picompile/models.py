@@ -327,12 +327,13 @@ def check_memory(path: pathlib.Path, dtype: torch.dtype, copies: int = 1,
                                    f"available", f"free memory or use a smaller model{smaller}")
 
 
-def load(model: str | None = None, dtype: torch.dtype | None = None, copies: int = 1):
+def load(model: str | None = None, dtype: torch.dtype | None = None, copies: int = 1,
+         quiet: bool = False):
     """-> (model, tokenizer). `model`: None (the default), a GGUF file, or an HF directory;
     loaded with float weights of `dtype` (default float32), converted tensor by tensor, so a
     GGUF file never becomes a float32 model when another dtype is asked for. Raises
     ModelLoadError, naming the file, for a path that cannot be a loadable model, or whose
-    `copies` would not fit in memory."""
+    `copies` would not fit in memory. `quiet`: no progress bars of the libraries that load it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = dtype or torch.float32
@@ -343,7 +344,7 @@ def load(model: str | None = None, dtype: torch.dtype | None = None, copies: int
         path = path.parent
     else:
         kw = {}
-    with library_bars():  # no carriage-return bar into a pipe or a log
+    with library_bars(quiet):  # no carriage-return bar into a pipe or a log
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, **kw)
         with quiet_transformers():  # its load report (a table): said below in a line
             lm, info = AutoModelForCausalLM.from_pretrained(

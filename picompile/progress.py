@@ -59,20 +59,47 @@ def _lines(items: Iterable, desc: str, total: int | None, file) -> Iterator:
     print(f"picompile: {desc}: {of} done in {time.perf_counter() - t0:.1f}s", file=file, flush=True)
 
 
+class _WithoutBars:
+    """sys.stderr without the frames of tqdm bars that libraries draw with plain tqdm (each a
+    write holding a carriage return, and the newline that closes the bar), every other write
+    passed on: transformers' GGUF loader ("Converting and de-quantizing GGUF tensors") ignores
+    its own disable_progress_bar()."""
+
+    def __init__(self, stream):
+        self.stream, self.in_bar = stream, False
+
+    def write(self, text: str) -> int:
+        if "\r" in text or (self.in_bar and text == "\n"):
+            self.in_bar = "\r" in text
+        else:
+            self.in_bar = False
+            self.stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def __getattr__(self, name):  # isatty, fileno, encoding: the stream's
+        return getattr(self.stream, name)
+
+
 @contextlib.contextmanager
-def library_bars():
-    """Within it, Hugging Face's own bars (transformers' "Loading weights") show only where ours
-    would be a bar: not in a pipe or a log, nor under PICOMPILE_QUIET."""
+def library_bars(quiet: bool = False):
+    """Within it, Hugging Face's own bars (transformers' "Loading weights", its GGUF loader's)
+    show only where ours would be a bar: not in a pipe or a log, nor when quiet."""
     from transformers.utils import logging as hf_logging
 
-    hide = quiet_by_default() or not _interactive(sys.stderr)
+    hide = quiet or quiet_by_default() or not _interactive(sys.stderr)
     was_enabled = hf_logging.is_progress_bar_enabled()
-    if hide:
-        hf_logging.disable_progress_bar()
-    try:
+    if not hide:
         yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        with contextlib.redirect_stderr(_WithoutBars(sys.stderr)):
+            yield
     finally:
-        if hide and was_enabled:
+        if was_enabled:
             hf_logging.enable_progress_bar()
 
 

@@ -58,10 +58,11 @@ from dataclasses import dataclass
 
 import torch
 
+from picompile.conversation import TextDeltas, chat_prompt, end_tokens
+
 DEFAULT_MAX_TOKENS = 512
 DEFAULT_MAX_QUEUE = 16
 MAX_STOPS = 4
-DEFAULT_FORMAT_STOP = "\nuser:"
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Parameters picompile cannot honour -> the value that means "off" besides null / false / 0 /
 # empty (n=1 is the default, not "off": n=0 is refused like n=2).
@@ -225,12 +226,6 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def default_chat_format(messages: list[dict]) -> str:
-    """The prompt for a tokenizer without a chat template: "role: content" lines, then
-    "assistant:" for the model to continue (its reply ends at DEFAULT_FORMAT_STOP)."""
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-
-
 @dataclass
 class Params:
     """One checked request: what the worker needs to run it."""
@@ -252,55 +247,6 @@ class _Cancelled(Exception):
 
 class _Stopped(Exception):
     """Raised from the streamer: a stop string came out."""
-
-
-class _Text:
-    """Token ids -> text deltas. Decodes incrementally with a few tokens of context (as vLLM
-    does), so a step costs the same however long the reply; holds back an incomplete UTF-8
-    character and any tail that may be the start of a stop string, and cuts at a stop string."""
-
-    def __init__(self, tokenizer, stops, lock: threading.Lock):
-        self.tokenizer, self.stops, self.lock = tokenizer, tuple(stops), lock
-        self.ids: list[int] = []
-        self.prefix = self.read = 0  # ids[prefix:read] decoded already, kept as context
-        self.text = ""  # everything decoded so far
-        self.sent = 0  # characters of it handed out
-
-    def _decode(self, ids) -> str:
-        with self.lock:
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def add(self, token: int) -> tuple[str, bool]:
-        """-> (new text to send, whether a stop string ended the reply)."""
-        self.ids.append(token)
-        before = self._decode(self.ids[self.prefix:self.read])
-        after = self._decode(self.ids[self.prefix:])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.text += after[len(before):]
-            self.prefix, self.read = self.read, len(self.ids)
-        return self._release(final=False)
-
-    def flush(self) -> tuple[str, bool]:
-        """The rest at the end of the reply, incomplete characters included."""
-        before = self._decode(self.ids[self.prefix:self.read])
-        self.text += self._decode(self.ids[self.prefix:])[len(before):]
-        self.prefix = self.read = len(self.ids)
-        return self._release(final=True)
-
-    def _release(self, final: bool) -> tuple[str, bool]:
-        # No stop string starts before `sent`: a tail that could begin one is never sent.
-        hits = [i for i in (self.text.find(s, self.sent) for s in self.stops) if i >= 0]
-        end = min(hits) if hits else len(self.text) if final else len(self.text) - self._held()
-        delta, self.sent = self.text[self.sent:end], end
-        return delta, bool(hits)
-
-    def _held(self) -> int:
-        """Length of the longest unsent tail of text that is a proper prefix of a stop string."""
-        longest = max((len(s) for s in self.stops), default=1) - 1
-        for k in range(min(longest, len(self.text) - self.sent), 0, -1):
-            if any(s.startswith(self.text[-k:]) for s in self.stops):
-                return k
-        return 0
 
 
 class Job:
@@ -330,7 +276,7 @@ class _Streamer:
     stops generation at the next token once the job is cancelled, and turns tokens into text
     events for the job."""
 
-    def __init__(self, job: Job, text: _Text, eos: set[int]):
+    def __init__(self, job: Job, text: TextDeltas, eos: set[int]):
         self.job, self.text, self.eos = job, text, eos
         self.prompt_seen = False
         self.count = 0  # tokens generated
@@ -367,12 +313,7 @@ class Engine:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.model, self.tokenizer, self.max_queue = model, tokenizer, max_queue
         self.tokenizer_lock = threading.Lock()  # a fast tokenizer is not safe across threads
-        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        self.eos = set([eos] if isinstance(eos, int) else eos or [])
-        if tokenizer.eos_token_id is not None:
-            self.eos.add(tokenizer.eos_token_id)
-        pad = tokenizer.pad_token_id
-        self.pad = pad if pad is not None else min(self.eos, default=None)
+        self.eos, self.pad = end_tokens(model, tokenizer)
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: Job | None = None
@@ -437,7 +378,7 @@ class Engine:
 
     def _run(self, job: Job) -> None:
         p = job.params
-        streamer = _Streamer(job, _Text(self.tokenizer, p.stops, self.tokenizer_lock), self.eos)
+        streamer = _Streamer(job, TextDeltas(self.tokenizer, p.stops, self.tokenizer_lock), self.eos)
         ids = torch.tensor([p.ids])
         kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=p.max_tokens,
                       eos_token_id=sorted(self.eos) or None, pad_token_id=self.pad,
@@ -521,18 +462,11 @@ class Server:
         return job
 
     def _chat_ids(self, messages: list[dict]) -> tuple[list[int], list[str]]:
-        tok = self.tokenizer
         with self.engine.tokenizer_lock:
-            if not getattr(tok, "chat_template", None):
-                ids = tok(default_chat_format(messages))["input_ids"]
-                return list(ids), [DEFAULT_FORMAT_STOP]
             try:
-                text = tok.apply_chat_template(messages, add_generation_prompt=True,
-                                               tokenize=False)
-            except Exception as e:  # a template may refuse a conversation (roles, order)
-                raise _bad("messages", f"the model's chat template refused these messages: "
-                                       f"{type(e).__name__}: {e}") from None
-            return list(tok(text, add_special_tokens=False)["input_ids"]), []
+                return chat_prompt(self.tokenizer, messages)
+            except ValueError as e:
+                raise _bad("messages", str(e)) from None
 
     def _prompt_ids(self, prompt) -> list[int]:
         """A prompt: a string, a list of token ids, or a list holding one of those."""

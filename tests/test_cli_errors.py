@@ -51,6 +51,11 @@ def no_loading(monkeypatch):
     (["run", "--prompt", ""], ["--prompt", "empty"]),
     (["run", "--prompt", "  "], ["--prompt", "empty"]),
     (["serve", "--kv-cache", "int8"], ["--kv-cache", "invalid choice", "int8"]),
+    (["chat", "--temperature", "-1"], ["--temperature", ">= 0"]),
+    (["chat", "--temperature", "inf"], ["--temperature", ">= 0"]),
+    (["chat", "--top-p", "0"], ["--top-p", "(0, 1]"]),
+    (["chat", "--top-p", "x"], ["--top-p", "(0, 1]", "'x'"]),
+    (["chat", "--max-new-tokens", "0"], ["--max-new-tokens", "positive integer"]),
     (["explain", "--plan", "/nonexistent/plan"],
      ["--plan", "/nonexistent/plan", "no such directory"]),
 ])

@@ -70,3 +70,17 @@ def test_hugging_face_bars_are_off_into_a_pipe_and_back_on_after(capsys):
         list(hf_logging.tqdm(range(5), desc="Loading weights"))
     assert hf_logging.is_progress_bar_enabled()
     assert "Loading weights" not in capsys.readouterr().err
+
+
+def test_plain_tqdm_bars_of_libraries_are_dropped_into_a_pipe_and_other_lines_kept(capsys):
+    """transformers' GGUF loader draws a plain tqdm bar whatever disable_progress_bar() says."""
+    import sys
+
+    from tqdm.auto import tqdm
+
+    with library_bars():
+        list(tqdm(range(300), desc="Converting and de-quantizing GGUF tensors...",
+                  mininterval=0))
+        print("a warning on the way", file=sys.stderr)
+    print("after", file=sys.stderr)
+    assert capsys.readouterr().err == "a warning on the way\nafter\n"

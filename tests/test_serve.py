@@ -21,7 +21,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import picompile
-from picompile.serve import DEFAULT_FORMAT_STOP, default_chat_format, make_app
+from picompile.conversation import DEFAULT_FORMAT_STOP, default_chat_format
+from picompile.serve import make_app
 
 uvicorn = pytest.importorskip("uvicorn")
 

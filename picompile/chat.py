@@ -1,0 +1,197 @@
+"""`picompile chat`: a conversation with a compiled model on the terminal, as llama.cpp's
+llama-cli or `ollama run`.
+
+Each message goes to the model with the conversation before it (the tokenizer's chat template,
+or conversation.default_chat_format), and the reply streams as it is generated. Every turn
+prefills the whole conversation again (picompile's prefill is fast; no cache is kept between
+turns, so nothing can go stale). When the conversation and the reply's tokens no longer fit the
+model's context, the oldest turns are dropped, with a note. Lines:
+
+    /reset          forget the conversation (the system prompt stays)
+    /exit, /quit    end (so does Ctrl-D, or Ctrl-C at the prompt)
+    /help           these lines
+
+Ctrl-C while the model answers stops the answer; what it wrote stays in the conversation.
+Standard input that is not a terminal is read line by line, each a message, with no prompt
+shown, so a script can pipe messages in.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from picompile.conversation import TextDeltas, chat_prompt, end_tokens
+
+HELP = ("/reset forgets the conversation, /exit (or Ctrl-D) ends it; Ctrl-C stops an answer")
+
+
+class _Stopped(Exception):
+    """Raised from the streamer: a stop string came out."""
+
+
+class _Printer:
+    """generate()'s streamer (put(prompt), put(each token), end()): writes the reply's text to
+    `out` as it comes and clocks the tokens."""
+
+    def __init__(self, text: TextDeltas, out, ends: set[int]):
+        self.text, self.out, self.ends = text, out, ends
+        self.prompt_seen = False
+        self.count = 0  # tokens generated
+        self.first = self.last = None  # perf_counter at the first and the latest token
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.count += 1
+        self.last = time.perf_counter()
+        self.first = self.first or self.last
+        token = int(value.reshape(-1)[0])
+        if token in self.ends:
+            return
+        delta, stopped = self.text.add(token)
+        self._write(delta)
+        if stopped:
+            raise _Stopped
+
+    def end(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        self._write(self.text.flush()[0])
+        self._write("\n")
+
+    def _write(self, delta: str) -> None:
+        if delta:
+            self.out.write(delta)
+            self.out.flush()
+
+    def rate(self) -> float | None:
+        """Decode tokens/s over the tokens after the first (prefill not counted), or None."""
+        if self.count < 2 or self.last <= self.first:
+            return None
+        return (self.count - 1) / (self.last - self.first)
+
+
+class Chat:
+    """The conversation and how to answer it. `messages` holds the turns (the system prompt
+    first, where one is given)."""
+
+    def __init__(self, model, tokenizer, system: str | None = None, max_new_tokens: int = 512,
+                 temperature: float = 0.0, top_p: float = 1.0):
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got "
+                             f"{temperature} and {top_p}")
+        self.model, self.tokenizer = model, tokenizer
+        self.system = [{"role": "system", "content": system}] if system else []
+        self.messages = list(self.system)
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        self.ends, self.pad = end_tokens(model, tokenizer)
+
+    def reset(self) -> None:
+        self.messages = list(self.system)
+
+    def _fit(self, messages: list[dict]) -> tuple[list[int], list[str], int, list[dict]]:
+        """-> (prompt ids, stop strings, new tokens allowed, the turns kept): the oldest turns
+        dropped until the prompt and max_new_tokens fit the context, or only the last message
+        is left. ValueError if that alone leaves no room (or the chat template refuses)."""
+        first = len(self.system)
+        while True:
+            ids, stops = chat_prompt(self.tokenizer, messages)
+            room = self.max_new_tokens if self.context is None else self.context - len(ids)
+            if room >= self.max_new_tokens or len(messages) - first <= 1:
+                break
+            # the oldest turn: a user message and the reply to it
+            messages = messages[:first] + messages[first + min(2, len(messages) - first - 1):]
+        if room < 1:
+            raise ValueError(f"the message is {len(ids):,} tokens in the conversation's format, "
+                             f"no fewer than the model's context of {self.context:,}: send a "
+                             "shorter one")
+        return ids, stops, min(room, self.max_new_tokens), messages
+
+    def answer(self, message: str, out, note) -> _Printer:
+        """Write the reply to the user's `message` to `out` as it is generated; both join the
+        conversation (the reply also when Ctrl-C stops it: KeyboardInterrupt is raised on
+        after that). ValueError, the conversation unchanged, where the message cannot be
+        answered. `note(text)`: a line about what happened on the way."""
+        asked = self.messages + [{"role": "user", "content": message}]
+        ids, stops, new_tokens, kept = self._fit(asked)
+        dropped = len(asked) - len(kept)
+        if dropped:
+            note(f"{dropped} of the oldest messages dropped to fit the model's context of "
+                 f"{self.context:,} tokens")
+        printer = _Printer(TextDeltas(self.tokenizer, stops), out, self.ends)
+        ids = torch.tensor([ids])
+        kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                      eos_token_id=sorted(self.ends) or None, pad_token_id=self.pad,
+                      streamer=printer, do_sample=self.temperature > 0)
+        if self.temperature > 0:
+            kwargs.update(temperature=self.temperature, top_p=self.top_p)
+        try:
+            self.model.generate(ids, **kwargs)
+        except _Stopped:
+            pass
+        finally:  # Ctrl-C too: the answer so far is part of the conversation
+            printer.finish()
+            self.messages = kept + [{"role": "assistant", "content": printer.text.reply()}]
+        return printer
+
+
+def _read(prompt: str, stdin, interactive: bool) -> str:
+    """One line without its newline; EOFError at the end of the input."""
+    if interactive:
+        return input(prompt)  # line editing on a terminal
+    line = stdin.readline()
+    if not line:
+        raise EOFError
+    return line.rstrip("\n")
+
+
+def run(chat: Chat, stdin=None, stdout=None, stderr=None, quiet: bool = False) -> None:
+    """The conversation loop until /exit, the end of the input, or Ctrl-C at the prompt."""
+    stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    interactive = stdin is sys.stdin and stdin.isatty()
+
+    def note(text: str) -> None:
+        if not quiet:
+            print(f"picompile: {text}", file=stderr, flush=True)
+
+    if interactive:
+        note(f"chat ({HELP})")
+    while True:
+        try:
+            line = _read("> ", stdin, interactive)
+        except (EOFError, KeyboardInterrupt):
+            if interactive:
+                print(file=stdout)
+            return
+        command = line.strip()
+        if not command:
+            continue
+        if command in ("/exit", "/quit"):
+            return
+        if command == "/reset":
+            chat.reset()
+            note("the conversation is forgotten")
+            continue
+        if command == "/help":
+            note(HELP)
+            continue
+        try:
+            printer = chat.answer(line, stdout, note)
+        except ValueError as e:
+            note(str(e))
+            continue
+        except KeyboardInterrupt:
+            note("answer stopped (Ctrl-C)")
+            continue
+        rate = printer.rate()
+        note(f"{printer.count} tokens" + (f", {rate:.1f} tokens/s" if rate else ""))
+        if interactive:
+            print(file=stdout)

@@ -1,0 +1,149 @@
+"""`picompile chat`: the conversation loop (picompile/chat.py) on the tiny ReLU-Llama fixture,
+its replies checked against the compiled model's own generate() on the same prompts."""
+
+from __future__ import annotations
+
+import io
+import pathlib
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import picompile
+from picompile import chat
+from picompile.conversation import chat_prompt
+
+FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "relu_llama"
+TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def model():
+    dense = AutoModelForCausalLM.from_pretrained(FIXTURE, local_files_only=True).eval()
+    tok = AutoTokenizer.from_pretrained(FIXTURE, local_files_only=True)
+    tok.chat_template = TEMPLATE
+    return picompile.compile(dense, quiet=True), tok
+
+
+def talk(conversation: chat.Chat, *lines: str) -> tuple[str, str]:
+    """Run the loop over `lines` piped in -> (what it wrote on stdout, on stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    chat.run(conversation, stdin=io.StringIO("".join(f"{line}\n" for line in lines)),
+             stdout=out, stderr=err)
+    return out.getvalue(), err.getvalue()
+
+
+def greedy_reply(cm, tok, messages, new_tokens) -> str:
+    ids, _ = chat_prompt(tok, messages)
+    out = cm.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
+    return tok.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
+def test_each_turn_answers_the_whole_conversation_and_reset_forgets_it(model):
+    cm, tok = model
+    conversation = chat.Chat(cm, tok, system="Be brief.", max_new_tokens=6)
+    out, err = talk(conversation, "def add(a, b):", "", "  return", "/reset", "import os")
+    first = greedy_reply(cm, tok, [{"role": "system", "content": "Be brief."},
+                                   {"role": "user", "content": "def add(a, b):"}], 6)
+    history = [{"role": "system", "content": "Be brief."},
+               {"role": "user", "content": "def add(a, b):"},
+               {"role": "assistant", "content": first},
+               {"role": "user", "content": "  return"}]
+    second = greedy_reply(cm, tok, history, 6)
+    third = greedy_reply(cm, tok, [{"role": "system", "content": "Be brief."},
+                                   {"role": "user", "content": "import os"}], 6)
+    assert out == f"{first}\n{second}\n{third}\n"
+    assert second != greedy_reply(cm, tok, [history[0], history[3]], 6)  # the history mattered
+    assert err.count("picompile: 6 tokens, ") == 3 and "forgotten" in err
+    assert conversation.messages[-1] == {"role": "assistant", "content": third}
+    assert len(conversation.messages) == 3  # system, the last question, its answer
+
+
+def test_exit_ends_the_loop_and_help_is_a_note(model):
+    cm, tok = model
+    conversation = chat.Chat(cm, tok, max_new_tokens=2)
+    out, err = talk(conversation, "/help", "/exit", "never read")
+    assert out == "" and "/reset" in err
+    assert conversation.messages == []
+
+
+def test_old_turns_are_dropped_to_fit_the_context(model):
+    cm, tok = model
+    conversation = chat.Chat(cm, tok, max_new_tokens=4)
+    talk(conversation, "x = 1", "y = 2")
+    assert len(conversation.messages) == 4
+    second_turn = conversation.messages[2:]
+    ids, _ = chat_prompt(tok, second_turn + [{"role": "user", "content": "z = 3"}])
+    conversation.context = len(ids) + 4  # room for the last turn, not for the first
+    out, err = talk(conversation, "z = 3")
+    assert "2 of the oldest messages dropped" in err
+    assert conversation.messages[:3] == second_turn + [{"role": "user", "content": "z = 3"}]
+    assert len(conversation.messages) == 4
+
+
+def test_a_message_longer_than_the_context_is_refused_and_forgotten(model):
+    cm, tok = model
+    conversation = chat.Chat(cm, tok, max_new_tokens=4)
+    talk(conversation, "x = 1")
+    before = list(conversation.messages)
+    conversation.context = 20
+    out, err = talk(conversation, "word " * 40)
+    assert out == "" and "shorter" in err and "context of 20" in err
+    assert conversation.messages == before
+
+
+class StopsAfter:
+    """The compiled model, but Ctrl-C comes after `n` tokens of each answer."""
+
+    def __init__(self, cm, n):
+        self.cm, self.n = cm, n
+
+    def __getattr__(self, name):
+        return getattr(self.cm, name)
+
+    def generate(self, ids, streamer, **kwargs):
+        n = self.n
+
+        class Interrupting:
+            calls = 0
+
+            def put(self, value):
+                streamer.put(value)
+                Interrupting.calls += 1
+                if Interrupting.calls > n:  # the prompt, then n tokens
+                    raise KeyboardInterrupt
+
+            def end(self):
+                streamer.end()
+
+        return self.cm.generate(ids, streamer=Interrupting(), **kwargs)
+
+
+def test_ctrl_c_stops_the_answer_keeps_it_and_the_loop_goes_on(model):
+    cm, tok = model
+    conversation = chat.Chat(StopsAfter(cm, 3), tok, max_new_tokens=10)
+    out, err = talk(conversation, "for i in range(3):", "print(i)")
+    assert err.count("answer stopped") == 2
+    full = greedy_reply(cm, tok, [{"role": "user", "content": "for i in range(3):"}], 10)
+    partial = conversation.messages[1]["content"]
+    assert partial and full.startswith(partial) and len(partial) < len(full)
+    assert len(conversation.messages) == 4 and out.startswith(partial + "\n")
+
+
+def test_without_a_chat_template_the_plain_format_stops_before_the_next_user_turn(model):
+    cm, tok = model
+    plain = AutoTokenizer.from_pretrained(FIXTURE, local_files_only=True)
+    assert not getattr(plain, "chat_template", None)
+    conversation = chat.Chat(cm, plain, max_new_tokens=5)
+    out, _ = talk(conversation, "hello")
+    reply = greedy_reply(cm, plain, [{"role": "user", "content": "hello"}], 5).split("\nuser:")[0]
+    assert out == reply + "\n"
+
+
+def test_sampling_arguments_are_checked():
+    with pytest.raises(ValueError, match="top_p"):
+        chat.Chat(None, None, top_p=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        chat.Chat(None, None, max_new_tokens=0)
