@@ -96,7 +96,7 @@ print(len(variants), 'variants compiled for sm_90')" &&
         done ;;
     opt-13b|llama-13b)  # hybrid vs accelerate vs all-CPU vs all-GPU, budget 40% of the weights
         timeout 570 "$PY" benchmarks/hybrid.py --shape "$1" --budget-share 0.4 --new-tokens 16 \
-            --cold-threads 4 12 15 ;;
+            --cold-threads 4 8 12 15 ;;
     llama-13b-q4_0)  # the same, picompile on q4_0 blocks (PowerInfer's INT4 case) in a budget
         # of 0.2 of the float16 weights (about 0.7 of the q4_0 model)
         timeout 570 "$PY" benchmarks/hybrid.py --shape llama-13b --budget-share 0.2 \
