@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 from torch import nn
 
+from picompile.activations import module_activation
 from picompile.runtime.sparse_ffn import SparseFFN
 
 
@@ -35,7 +36,8 @@ def check_no_kwargs(kwargs: dict, module_name: str) -> None:
 class Tracer(fx.Tracer):
     """torch.fx tracer for picompile.
 
-    Leaves: every nn.Linear (also subclasses such as Falcon's), SparseFFN, and the `opaque`
+    Leaves: every nn.Linear (also subclasses such as Falcon's), SparseFFN, Hugging Face
+    activation modules detect reads by class (activations.MODULE_ACTIVATIONS), and the `opaque`
     modules (those that failed to trace). A `**kwargs` forward parameter is traced as empty;
     `guard_kwargs` then makes the graph raise if a caller passes anything through it."""
 
@@ -50,7 +52,8 @@ class Tracer(fx.Tracer):
         return super().trace(root, concrete_args)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if isinstance(m, (nn.Linear, SparseFFN)) or m in self.opaque:
+        if (isinstance(m, (nn.Linear, SparseFFN)) or m in self.opaque
+                or module_activation(m) is not None):
             return True
         return super().is_leaf_module(m, qualname)
 

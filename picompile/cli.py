@@ -55,7 +55,7 @@ def _compile(args, model, tokenizer):
     gguf, quantize = _quantization(args)
     t0 = time.perf_counter()
     if args.plan:  # the model was loaded in --dtype, as compile(dtype=) converted it before saving
-        cm = picompile.load(model, args.plan, gguf=gguf, kv_cache=args.kv_cache)
+        cm = picompile.load(model, args.plan, gguf=gguf, kv_cache=args.kv_cache, quiet=args.quiet)
         _say(f"loaded the plan of {len(cm.plan.blocks)} FFN blocks from {args.plan} in "
              f"{time.perf_counter() - t0:.1f}s", args)
         return cm

@@ -132,6 +132,8 @@ def compile(
     plan = Plan(mode=opts.mode, target_sparsity=opts.sparsity, predictors=opts.predictors,
                 fingerprint=saving.fingerprint(model), quantize=opts.quantize)
     plan.placement.budget_bytes = opts.budget
+    if opts.quantize == "gguf":
+        plan.gguf_types = gguf_weights.tensor_types(opts.gguf)
 
     captured = _capture(model, plan)
     try:
@@ -217,9 +219,13 @@ def _capture(model: nn.Module, plan: Plan) -> Captured:
     if not ffns:
         reasons = "; ".join(f"{u.module}: {u.reason}" for u in plan.unmatched[:5]) or (
             "no linear -> activation -> linear pattern anywhere in the traced graphs")
+        if any(type(m).__name__ == "Conv1D" for m in model.modules()):  # GPT-2's c_fc / c_proj
+            reasons = ("its projections are GPT-2-style Conv1D layers (weights [in, out]), not "
+                       f"nn.Linear, which picompile does not read; {reasons}")
         raise ValueError(
             f"picompile found no FFN block in {type(model).__name__} ({reasons}). Supported: "
-            "down(act(up x)), down(act(gate x) * up x), dReLU, fused gate_up; act in relu, silu, gelu"
+            "down(act(up x)), down(act(gate x) * up x), dReLU, fused gate_up; act in relu, silu, "
+            "gelu, gelu_tanh"
         )
     return Captured(model, graphs, ffns)
 
@@ -342,7 +348,8 @@ def _lower(captured: Captured, plan: Plan, gguf=None, rounding=None) -> Compiled
         linear_paths.update(quantized)
         quant_notes += notes
     if plan.quantize in quant.FORMATS:
-        quant_notes.append(quantize_pass.rounding_note(rounding, plan.quant_calibration_tokens))
+        quant_notes.append(quantize_pass.rounding_note(
+            rounding, plan.quant_calibration_tokens, quantize_pass.quantized_matrices(model, ffns)))
     # the weights the kernels stream, in huge pages (runtime/memory.py); the linears' kernels,
     # bound when they were lowered, bind to the moved tensors again
     linears = [m for m in model.modules() if isinstance(m, (DenseLinear, QuantLinear))]
@@ -363,7 +370,8 @@ def _lower(captured: Captured, plan: Plan, gguf=None, rounding=None) -> Compiled
 
 def _notes(cm: CompiledModel, opts: Options) -> None:
     """One line each for what the user may not expect: blocks left dense, predictors off, a
-    model on a GPU without a budget, a KV cache dtype the GPU decoder does not take."""
+    model on a GPU without a budget, a KV cache dtype the GPU decoder does not take, nothing
+    quantized."""
     blocks, ffns = cm.plan.blocks, cm.ffns()
     if opts.sparsity is None and any(not b.exact for b in blocks):  # (0: dense on purpose)
         note(f"{sum(not b.exact for b in blocks)} of {len(blocks)} blocks are not ReLU "
@@ -376,6 +384,9 @@ def _notes(cm: CompiledModel, opts: Options) -> None:
     if opts.kv_cache is not None and runs_hybrid(cm.plan):
         note(f"kv_cache={str(opts.kv_cache).removeprefix('torch.')} applies to the CPU decoder; "
              "the decoder split across the GPU keeps the model's dtype", opts.quiet)
+    if opts.quantize and not quantize_pass.quantized_matrices(cm._orig_mod, ffns):
+        note(f"quantize={opts.quantize!r} quantized no weight: every one stays float (explain() "
+             "says why for each; widths must be multiples of 32)", opts.quiet)
     used = sum(f.predictor.enabled for f in ffns.values() if f.predictor is not None)
     if opts.mode == Mode.PREDICTED and used < len(ffns):
         note(f"predictors run in {used} of {len(ffns)} blocks; the others decode faster exact "
@@ -383,12 +394,13 @@ def _notes(cm: CompiledModel, opts: Options) -> None:
 
 
 def load(model: nn.Module, directory, gguf=None, kv_cache=None,
-         distribute: bool = True) -> CompiledModel:
+         distribute: bool = True, quiet: bool = False) -> CompiledModel:
     """Rebuild a compiled model from `cm.save(directory)` without profiling: `model` must be
     the model the plan was made from (checked by fingerprint); `gguf`: its GGUF file, for a plan
     compiled with quantize="gguf"; kv_cache as compile's (a runtime choice, not saved). A plan
     made with a gpu_budget runs split across the GPU as planned where one is here, as after
-    compile; distribute=False keeps it all on the CPU (cm.distribute() splits it later)."""
+    compile; distribute=False keeps it all on the CPU (cm.distribute() splits it later).
+    quiet: no notes (as compile's)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"picompile.load needs the torch.nn.Module the plan was made for, got "
                         f"{type(model).__name__}")
@@ -404,15 +416,17 @@ def load(model: nn.Module, directory, gguf=None, kv_cache=None,
     plan = Plan(mode=saved.mode, target_sparsity=saved.target_sparsity,
                 fingerprint=saved.fingerprint, placement=saved.placement,
                 calibration_tokens=saved.calibration_tokens, predictors=saved.predictors,
-                quantize=saved.quantize, quant_calibration_tokens=saved.quant_calibration_tokens)
+                quantize=saved.quantize, quant_calibration_tokens=saved.quant_calibration_tokens,
+                gguf_types=saved.gguf_types)
     if plan.quantize == "gguf" and gguf is None:
         raise ValueError(f"the plan in {directory} keeps the GGUF file's quantized tensors: pass "
                          "gguf=<the file the model was loaded from>")
     if plan.quantize == "gguf":
         gguf_weights.check_model(gguf, getattr(model, "config", None))
+        gguf_weights.check_types(gguf, plan.gguf_types, directory)
     elif gguf is not None:
-        note(f"gguf= is not used: the plan in {directory} was compiled with quantize="
-             f"{plan.quantize!r}, not the GGUF file's own tensors")
+        note(f"the GGUF file's own quantized tensors are not used: the plan in {directory} "
+             f"was compiled with quantize={plan.quantize!r}", quiet)
     captured = _capture(model, plan)
     for gm in captured.graphs.values():
         gm.meta.pop("picompile_original", None)
@@ -444,7 +458,7 @@ def load(model: nn.Module, directory, gguf=None, kv_cache=None,
         cm.distribute("cuda")
     elif runs_hybrid(plan):
         note("the plan splits the model across a GPU and the CPU (gpu_budget); it runs on the "
-             "CPU until cm.distribute() puts it on the GPU as planned")
+             "CPU until cm.distribute() puts it on the GPU as planned", quiet)
     cm.decoder()
     return cm
 

@@ -42,7 +42,8 @@ KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}  # GGUF type -> picompil
 NEAREST = {"Q4_K": "q4_1", "IQ4_NL": "q4_1", "IQ4_XS": "q4_1", "Q2_K": "q4_0", "Q3_K": "q4_0",
            "IQ2_XXS": "q4_0", "IQ2_XS": "q4_0", "IQ2_S": "q4_0", "IQ3_XXS": "q4_0", "IQ3_S": "q4_0",
            "IQ1_S": "q4_0", "IQ1_M": "q4_0", "Q5_0": "q8_0", "Q5_1": "q8_0", "Q5_K": "q8_0",
-           "Q6_K": "q8_0", "Q8_1": "q8_0", "Q8_K": "q8_0"}
+           "Q6_K": "q8_0", "Q8_1": "q8_0", "Q8_K": "q8_0", "TQ1_0": "q4_0", "TQ2_0": "q4_0",
+           "Q1_0": "q4_0", "MXFP4": "q8_0", "NVFP4": "q8_0"}  # FP4 grids are not uniform: 8 bits
 FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
 # Architectures (general.architecture) whose linear weights transformers loads as the file holds
 # them ("llama": q and k rows permuted back, _unpermute_rows): their blocks can be kept. Others
@@ -54,10 +55,11 @@ MATCH_TOLERANCE = 0.3  # check_fits: largest relative L2 distance of a kept row 
 
 @dataclass
 class Blocks:
-    """One tensor of the file: `fmt` its picompile format; `data` uint8 [rows, row_bytes] in the
-    HF module's row order when the file's blocks are kept, else None (re-quantize to `fmt`)."""
+    """One tensor of the file: `fmt` its picompile format (None: its type has none, it runs
+    float); `data` uint8 [rows, row_bytes] in the HF module's row order when the file's blocks
+    are kept, else None (re-quantize to `fmt`)."""
 
-    fmt: str
+    fmt: str | None
     data: torch.Tensor | None
     gguf_type: str
 
@@ -127,9 +129,7 @@ def read(path, config=None, with_data: bool = True) -> tuple[FileTensors, list[s
     tensors = {t.name: t for t in reader.tensors}
     if "output.weight" not in tensors and "token_embd.weight" in tensors:
         tensors["output.weight"] = tensors["token_embd.weight"]  # tied LM head
-    types = {name: t.tensor_type.name for name, t in tensors.items()  # what picompile quantizes
-             if name.endswith(".weight") and name != "token_embd.weight"
-             and t.tensor_type.name not in FLOAT_TYPES}
+    types = _quantized_types(tensors)
     n_blocks = _field(reader, f"{arch}.block_count") or len(
         {m.group(1) for n in tensors if (m := re.match(r"blk\.(\d+)\.", n))})
     to_tensor = tensor_name(arch, int(n_blocks))
@@ -165,8 +165,43 @@ def read(path, config=None, with_data: bool = True) -> tuple[FileTensors, list[s
             out[name] = Blocks(NEAREST[kind], None, kind)
             notes.append(f"{name}: {kind} has no kernel here: re-quantized to {NEAREST[kind]}")
         else:
-            notes.append(f"{name}: {kind} is not supported: stays float")
+            out[name] = Blocks(None, None, kind)
+            notes.append(f"{name}: {kind} has no kernel and no nearest format here: runs as "
+                         "float weights; compile with quantize='q4_0' (--quantize q4_0) to run "
+                         "it quantized")
     return FileTensors(out, to_tensor, fallback), notes
+
+
+def _quantized_types(tensors: dict) -> dict[str, str]:
+    """GGUF tensor name -> its type, for the weights picompile quantizes that the file holds
+    quantized (the token embedding is looked up, not multiplied: left out)."""
+    return {name: t.tensor_type.name for name, t in tensors.items()
+            if name.endswith(".weight") and name != "token_embd.weight"
+            and t.tensor_type.name not in FLOAT_TYPES}
+
+
+def tensor_types(path) -> dict[str, str]:
+    """What a plan compiled with quantize="gguf" records of its file: the type of each weight
+    tensor the file holds quantized (no tensor data is read)."""
+    import gguf
+
+    return _quantized_types({t.name: t for t in gguf.GGUFReader(pathlib.Path(path)).tensors})
+
+
+def check_types(path, planned: dict[str, str], plan_dir) -> None:
+    """ValueError unless the GGUF file at `path` holds its weights in the types the plan in
+    `plan_dir` was compiled on (`planned`, tensor_types of that file): its kernels, thresholds
+    and predictors were made for those blocks. Plans saved before the types were recorded
+    ({}) are not checked."""
+    if not planned:
+        return
+    found = tensor_types(path)
+    for name in sorted(set(planned) | set(found)):
+        want, got = planned.get(name, "float"), found.get(name, "float")
+        if want != got:
+            raise ValueError(f"{path} is not the GGUF file the plan in {plan_dir} was compiled "
+                             f"with: its {name} is {got}, the plan's file had {want}; load the "
+                             "plan with that file, or compile again with this one")
 
 
 def check_model(path, config) -> None:

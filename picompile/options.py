@@ -146,11 +146,18 @@ def _corpus_ids(tokenizer, n_tokens: int) -> torch.Tensor:
 
     seq = 256
     rows = max(1, n_tokens // seq)
-    calib_rows = min(rows, corpus.available_tokens(tokenizer, "calibration") // seq)
-    parts = [corpus.token_batches(tokenizer, "calibration", calib_rows * seq, seq)]
-    if rows > calib_rows:
-        train_rows = min(rows - calib_rows, corpus.available_tokens(tokenizer, "train") // seq)
-        parts.append(corpus.token_batches(tokenizer, "train", train_rows * seq, seq))
+    parts = []
+    for split in ("calibration", "train"):  # the calibration split first, then train's
+        take = min(rows, corpus.available_tokens(tokenizer, split) // seq)
+        if take:
+            parts.append(corpus.token_batches(tokenizer, split, take * seq, seq))
+            rows -= take
+        if not rows:
+            break
+    if not parts:
+        raise ValueError(f"the built-in corpus gives fewer than {seq} tokens per split with this "
+                         "tokenizer, not one calibration row: pass calibration= (token ids "
+                         "[batch, seq]) or a tokenizer with a real vocabulary")
     return torch.cat(parts)
 
 

@@ -162,6 +162,8 @@ class Plan:
     fingerprint: str = ""  # of the model before compile rewrote it (see saving.fingerprint)
     quantize: str | None = None  # weight format the kernels read (picompile/quant.py), or float
     quant_calibration_tokens: int = 0  # tokens GPTQ's Hessians saw (0: rounded to nearest)
+    # quantize="gguf": the file's type of each weight tensor it holds quantized, which load checks
+    gguf_types: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         self.mode, self.predictors = Mode(self.mode), PredictorPolicy(self.predictors)
@@ -226,6 +228,7 @@ class Plan:
             fingerprint=data["fingerprint"],
             quantize=data.get("quantize"),  # plans from before quantize= are float
             quant_calibration_tokens=data.get("quant_calibration_tokens", 0),
+            gguf_types=data.get("gguf_types", {}),  # not recorded before; not checked then
         )
 
 
@@ -301,6 +304,7 @@ PLAN_FIELDS = {
     "fingerprint": _str(),
     "quantize": _optional(_choice(QUANT_FORMATS)),
     "quant_calibration_tokens": _int(0),
+    "gguf_types": _dict_of(_str(nonempty=True)),
 }
 PLAN_REQUIRED = ("mode", "target_sparsity", "blocks", "unmatched", "placement",
                  "calibration_tokens", "fingerprint")

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers as T
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -37,6 +38,26 @@ def test_exact_mode_equals_dense(arch, dtype, batch, seq, seed):
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
+def test_gelu_written_out_by_a_module_compiles_as_gelu_tanh():
+    """Phi-1/2's NewGELUActivation (GELU's tanh approximation as mul / tanh / pow, also GPT-J's):
+    kept whole by capture, read by detect, and the compiled model equals the dense one (it
+    was "no FFN block" before)."""
+    dense, cm = compile_pair("phi")
+    assert [b.act for b in cm.plan.blocks] == ["gelu_tanh"] * 2
+    ids = torch.randint(0, zoo.VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(zoo.logits(cm, ids), zoo.logits(dense, ids), **TOL[torch.float32])
+    want = dense.generate(ids[:1], max_new_tokens=8, do_sample=False)
+    assert torch.equal(cm.generate(ids[:1], max_new_tokens=8, do_sample=False), want)
+
+
+def test_gpt2_conv1d_layers_are_named_in_the_refusal():
+    model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=zoo.VOCAB, n_embd=32, n_layer=1, n_head=4,
+                                           n_positions=64, eos_token_id=0, bos_token_id=0))
+    with pytest.raises(ValueError, match="no FFN block.*GPT-2-style Conv1D"):
+        picompile.compile(model.eval(), quiet=True)
+
+
 @pytest.mark.parametrize("arch", ["llama_relu", "opt"])
 def test_greedy_generate_matches_dense_for_relu_models(arch):
     dense, cm = compile_pair(arch)
@@ -51,6 +72,7 @@ def test_greedy_generate_matches_dense_for_relu_models(arch):
     ("llama_relu", "gated", "relu", False), ("llama_silu", "gated", "silu", False),
     ("opt", "plain", "relu", True), ("falcon", "plain", "gelu", False),
     ("gpt_neox", "plain", "gelu", True), ("gemma", "gated", "gelu_tanh", False),
+    ("phi", "plain", "gelu_tanh", True),
     ("tiny_drelu", "drelu", "relu", False), ("tiny_fused_silu", "gated", "silu", False),
     ("tiny_plain_relu", "plain", "relu", True),
 ])

@@ -192,3 +192,13 @@ def test_fixture_ffn_sparsity(heldout_eval):
     assert overall >= SPARSITY_BOUND, f"overall FFN sparsity {overall:.4f} (measured {SPARSITY_MEASURED})"
     assert min(per_layer) >= LAYER_SPARSITY_BOUND, per_layer
     assert overall < 1.0  # not dead
+
+
+def test_a_tokenizer_too_coarse_for_one_calibration_row_is_a_clear_error(monkeypatch):
+    """Where neither split gives 256 tokens (a tokenizer of very long tokens), compile's corpus
+    calibration says so and what to pass, not "n_tokens must be positive"."""
+    from picompile import options
+
+    monkeypatch.setattr(corpus, "available_tokens", lambda tokenizer, split: 200)
+    with pytest.raises(ValueError, match="fewer than 256 tokens per split.*pass calibration="):
+        options._corpus_ids(object(), 4096)

@@ -113,6 +113,9 @@ def test_min_new_tokens_holds_eos_back(llama):
     got = generate(llama, ids, max_new_tokens=NEW, eos_token_id=eos, min_new_tokens=4)
     assert got.shape[1] >= 6 + 4 and not (got[0, 6:10] == eos).any()
     assert torch.equal(got, _hf(llama, ids, eos_token_id=eos, min_new_tokens=4))
+    outside = [eos, llama.config.vocab_size + 5]  # a config's id past the vocabulary: as HF
+    got = generate(llama, ids, max_new_tokens=NEW, eos_token_id=outside, min_new_tokens=4)
+    assert torch.equal(got, _hf(llama, ids, eos_token_id=outside, min_new_tokens=4))
 
 
 class _Recorder:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -178,13 +179,15 @@ def test_bad_quantize_arguments_are_refused_before_any_change():
     assert not any(isinstance(m, SparseFFN) for m in dense.modules())
 
 
-def test_widths_off_the_block_size_stay_float_with_a_note():
+def test_widths_off_the_block_size_stay_float_with_a_note(capsys):
     dense = zoo.make("llama_relu", hidden=48, n_ff=96)  # 48 is not a multiple of 32
-    cm = picompile.compile(dense, quantize="q8_0", quiet=True)
+    cm = picompile.compile(dense, quantize="q8_0")
+    assert "quantize='q8_0' quantized no weight" in capsys.readouterr().err
     assert not any(isinstance(m, QuantLinear) for m in cm._orig_mod.modules())
     assert all(f.qformat is None for f in cm._orig_mod.modules() if isinstance(f, SparseFFN))
     text = picompile.explain(cm)
     assert "stays float" in text and "not a multiple of 32" in text
+    assert "no weight quantized" in text and "pass calibration=" not in text
 
 
 def _file_blocks_of(w: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -210,15 +213,16 @@ def _llama_cpp_rows(rows: torch.Tensor, n_head: int) -> torch.Tensor:
     return rows.reshape(n_head, 2, rows.shape[0] // n_head // 2, -1).transpose(1, 2).reshape(rows.shape)
 
 
-def _write_gguf(model: nn.Module, arch: str, fmt: str, path, loadable: bool = False
-                ) -> dict[str, torch.Tensor]:
+def _write_gguf(model: nn.Module, arch: str, fmt: str, path, loadable: bool = False,
+                gate_fmt: str | None = None) -> dict[str, torch.Tensor]:
     """Write the model's linears as a GGUF file of `arch` the way llama.cpp's converter names
     them (gguf's name map; the LM head q8_0 under a 4-bit format, and where it is tied to the
     embedding only token_embd), every weight in `fmt` blocks (_file_blocks_of). The model's
     weights become those blocks dequantized (what transformers loads from the file).
     loadable: also what transformers needs to load the file: the config keys it reads, the
     shipped file's tokenizer, an untied embedding (q8_0), norms in float32 (Gemma's stored as
-    1 + weight). -> {module name: its blocks, in the model's row order}."""
+    1 + weight). gate_fmt: the FFN gate projections' format instead of `fmt`.
+    -> {module name: its blocks, in the model's row order}."""
     import gguf
 
     from picompile import gguf_weights
@@ -247,7 +251,8 @@ def _write_gguf(model: nn.Module, arch: str, fmt: str, path, loadable: bool = Fa
     blocks = {}
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear):
-            write(name, m, "q8_0" if m is head and fmt in FOUR_BIT else fmt,
+            m_fmt = gate_fmt if gate_fmt and name.endswith("gate_proj") else fmt
+            write(name, m, "q8_0" if m is head and fmt in FOUR_BIT else m_fmt,
                   "token_embd.weight" if m is head and tied else to_tensor(name))
     if loadable:
         if not tied:
@@ -359,6 +364,67 @@ def test_a_gguf_file_transformers_loads_keeps_its_blocks(arch, tmp_path):
     # reference's own distance from the float model, the same greedy tokens.
     assert (got - want).abs().max() < 0.5 * (want - dense).abs().max()
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_a_gguf_plan_loads_only_with_a_file_of_its_types(tmp_path):
+    """A plan compiled on a file's Q8_0 blocks, loaded with a Q4_0 file of the same weights
+    (which passes the rows' check, as a quantization of them): a clear error naming a tensor
+    and both types, not a model running blocks its plan was not made for. The plan's own file
+    loads, to the same logits."""
+    dense = zoo.make("qwen2", hidden=64, n_ff=96)
+    _write_gguf(copy.deepcopy(dense), "qwen2", "q4_0", tmp_path / "q4.gguf")
+    _write_gguf(dense, "qwen2", "q8_0", tmp_path / "q8.gguf")  # dense: as loaded from q8.gguf
+    cm = picompile.compile(copy.deepcopy(dense), gguf=tmp_path / "q8.gguf", quiet=True)
+    assert set(cm.plan.gguf_types.values()) == {"Q8_0"}
+    cm.save(tmp_path / "plan")
+    with pytest.raises(ValueError, match=r"not the GGUF file the plan .* is Q4_0, the plan's "
+                                         r"file had Q8_0"):
+        picompile.load(copy.deepcopy(dense), tmp_path / "plan", gguf=tmp_path / "q4.gguf")
+    loaded = picompile.load(copy.deepcopy(dense), tmp_path / "plan", gguf=tmp_path / "q8.gguf")
+    ids = torch.randint(0, zoo.VOCAB, (1, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(zoo.logits(loaded, ids), zoo.logits(cm, ids))
+
+
+def test_gguf_types_without_a_kernel_are_requantized_or_say_they_run_float(tmp_path):
+    """Ternary TQ1_0 has a nearest format (q4_0, re-quantized, with a note); a type with none
+    (an integer tensor here) runs float, and both the note and the layer's reason say so
+    (not "float in the GGUF file")."""
+    import gguf
+
+    from picompile import gguf_weights
+
+    writer = gguf.GGUFWriter(tmp_path / "m.gguf", "qwen2")
+    writer.add_block_count(1)
+    ternary = gguf.quants.quantize(np.random.randn(64, 256).astype(np.float32),
+                                   gguf.GGMLQuantizationType.TQ1_0)
+    writer.add_tensor("blk.0.ffn_up.weight", ternary, raw_dtype=gguf.GGMLQuantizationType.TQ1_0)
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((64, 64), np.int8),
+                      raw_dtype=gguf.GGMLQuantizationType.I8)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tensors, notes = gguf_weights.read(tmp_path / "m.gguf")
+    assert tensors.get("model.layers.0.mlp.up_proj").fmt == "q4_0"
+    assert "TQ1_0 has no kernel here: re-quantized to q4_0" in notes[0]
+    assert "I8 has no kernel" in notes[1] and "runs as float" in notes[1] and "quantize=" in notes[1]
+    layer = nn.Linear(64, 64)
+    assert quantize_pass._linear_format("model.layers.0.self_attn.q_proj", layer, "gguf", None,
+                                        tensors) == (None, "I8 in the GGUF file, a type with no "
+                                                           "kernel here")
+
+
+def test_a_gate_in_another_gguf_type_than_up_is_quantized_again_with_a_note(tmp_path):
+    dense = zoo.make("qwen2", hidden=64, n_ff=96)
+    blocks = _write_gguf(dense, "qwen2", "q4_0", tmp_path / "m.gguf", gate_fmt="q8_0")
+    cm = picompile.compile(copy.deepcopy(dense), gguf=tmp_path / "m.gguf", quiet=True)
+    ffn = cm.ffns()["model.layers.0.mlp.sparse_ffn"]
+    assert ffn.qformat == "q4_0"  # up's format
+    order = slice(None) if ffn.order is None else ffn.order
+    assert torch.equal(ffn.row_blocks("w_up"), blocks["model.layers.0.mlp.up_proj"][order])
+    assert any("model.layers.0.mlp: gate rows Q8_0 in the file, quantized again to q4_0" in n
+               for n in cm.quant_notes), cm.quant_notes
 
 
 def test_gguf_blocks_of_another_model_are_refused(tmp_path):
@@ -556,7 +622,9 @@ def test_calibrated_layer_by_layer_leaves_the_head_to_nearest():
     dense = zoo.make("llama_silu", dtype=torch.float16, hidden=64, n_ff=96)
     ids = torch.randint(0, zoo.VOCAB, (8, 32), generator=torch.Generator().manual_seed(1))
     cm = picompile.compile(copy.deepcopy(dense), quantize="q4_0", calibration=ids, quiet=True)
-    assert "blocks of 14 weights rounded by GPTQ" in picompile.explain(cm)  # 2 x (3 + 4), no head
+    # 2 x (3 + 4), not the head
+    assert "14 of 15 weight matrices rounded by GPTQ" in picompile.explain(cm)
+    assert "the other 1 to nearest" in picompile.explain(cm)
     head = cm._orig_mod.get_output_embeddings()
     assert torch.equal(head.row_blocks(), quant.quantize(dense.lm_head.weight, "q8_0"))
 
@@ -646,7 +714,8 @@ def test_gptq_goes_layer_by_layer_where_all_hessians_at_once_are_too_many(monkey
     monkeypatch.setattr(hessians, "MAX_BYTES", bound)
     ids = torch.randint(0, zoo.VOCAB, (8, 32), generator=torch.Generator().manual_seed(1))
     cm = picompile.compile(copy.deepcopy(dense), quantize="q4_0", calibration=ids, quiet=True)
-    assert "blocks of 14 weights rounded by GPTQ" in picompile.explain(cm)  # 2 x (3 + 4)
+    # 2 x (3 + 4), not the head
+    assert "14 of 15 weight matrices rounded by GPTQ" in picompile.explain(cm)
     assert not any("would take" in n for n in cm.quant_notes)
     head = cm._orig_mod.get_output_embeddings()
     assert torch.equal(head.row_blocks(), quant.quantize(dense.lm_head.weight, "q8_0"))
@@ -676,7 +745,7 @@ def test_gptq_leaves_weights_with_more_inputs_than_tokens_to_nearest():
     assert hessians_pass.estimate_bytes(model, ffns, max_width=n) == \
         hessians_pass.estimate_bytes(model, ffns) - 2 * 4 * 96 * 96  # the memory guard too
     rounding.count = 4
-    note = quantize_pass.rounding_note(rounding, n)
+    note = quantize_pass.rounding_note(rounding, n, 2 * 3 + 4 + 1)
     assert "2 weights with more inputs than calibration tokens (up to 96)" in note
     assert "pass at least 96 calibration tokens" in note
 

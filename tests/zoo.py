@@ -37,6 +37,8 @@ def hf_config(arch: str, hidden: int = 32, n_ff: int = 80, layers: int = 2):
     if arch == "falcon":
         return T.FalconConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers,
                               num_attention_heads=4)
+    if arch == "phi":  # Phi-1/2: GELU written out (NewGELUActivation), attention beside the MLP
+        return T.PhiConfig(**c, intermediate_size=n_ff, hidden_act="gelu_new")
     if arch == "gpt_neox":
         return T.GPTNeoXConfig(**c, intermediate_size=n_ff)
     if arch == "gemma":

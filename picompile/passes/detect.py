@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from networkx.algorithms.isomorphism import DiGraphMatcher
 from torch import nn
 
+from picompile.activations import module_activation
+
 RELU_FUNCS = {F.relu, torch.relu, torch.nn.functional.relu}
 SILU_FUNCS = {F.silu, torch.nn.functional.silu}
 GELU_FUNCS = {F.gelu, torch._C._nn.gelu}
@@ -60,7 +62,7 @@ def activation_of(gm: fx.GraphModule, node: fx.Node) -> str | None:
             return "silu"
         if isinstance(mod, nn.GELU):
             return "gelu_tanh" if mod.approximate == "tanh" else "gelu"
-        return None
+        return module_activation(mod)
     if node.op == "call_function":
         if node.target in RELU_FUNCS:
             return "relu"

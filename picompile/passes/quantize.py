@@ -82,7 +82,17 @@ def _block_format(ffn, fmt: str, file_tensors=None) -> tuple[str | None, str | N
         return fmt, None
     modules = _module_names(ffn)
     blocks = file_tensors.get(modules.get("up") or modules.get("gate_up", ""))
-    return (blocks.fmt, None) if blocks is not None else (None, "float in the GGUF file")
+    return _file_format(blocks)
+
+
+def _file_format(blocks) -> tuple[str | None, str | None]:
+    """(format, None) of a tensor of the GGUF file (gguf_weights.Blocks or None), or (None, why
+    it stays float)."""
+    if blocks is None:
+        return None, "float in the GGUF file"
+    if blocks.fmt is None:
+        return None, f"{blocks.gguf_type} in the GGUF file, a type with no kernel here"
+    return blocks.fmt, None
 
 
 def _module_names(ffn) -> dict[str, str]:
@@ -157,8 +167,7 @@ def _linear_format(qual: str, layer: nn.Module, fmt: str, head: nn.Module | None
     if why is not None:
         return None, why
     if file_tensors is not None:
-        blocks = file_tensors.get(qual)
-        return (blocks.fmt, None) if blocks is not None else (None, "float in the GGUF file")
+        return _file_format(file_tensors.get(qual))
     return (HIGH_PRECISION if layer is head else fmt), None
 
 
@@ -254,16 +263,29 @@ class Rounding:
         return blocks
 
 
-def rounding_note(rounding: Rounding | None, tokens: int) -> str:
-    """explain()'s line on how the blocks were chosen."""
+def quantized_matrices(model: nn.Module, ffns: dict) -> int:
+    """How many weight matrices are quantized: the quantized linear layers (a layer under two
+    names once) and each quantized FFN block's gate, up and down."""
+    linears = {id(m) for m in model.modules() if isinstance(m, QuantLinear)}
+    roles = sum(getattr(f, role) is not None for f in ffns.values() if f.qformat is not None
+                for role in ("w_gate", "w_up", "w_down_t"))
+    return len(linears) + roles
+
+
+def rounding_note(rounding: Rounding | None, tokens: int, total: int) -> str:
+    """explain()'s line on how the blocks of the `total` quantized weight matrices were chosen."""
+    if total == 0:
+        return "no weight quantized: each stays float, for the reason on its line above"
     if rounding is not None and rounding.skipped:
         return f"blocks rounded to nearest (gguf's reference): {rounding.skipped}"
     if rounding is None or not rounding.count:
         return ("blocks rounded to nearest (gguf's reference): pass calibration= or tokenizer= "
                 "for GPTQ rounding, calibrated on those tokens")
     how = "saved with the plan" if rounding.saved else "each layer's rounding errors compensated"
-    note = (f"blocks of {rounding.count} weights rounded by GPTQ on the Hessians of {tokens} "
-            f"calibration tokens ({how}); any other weight to nearest")
+    note = (f"{rounding.count} of {total} weight matrices rounded by GPTQ on the Hessians of "
+            f"{tokens} calibration tokens ({how})")
+    if rounding.count < total:
+        note += f"; the other {total - rounding.count} to nearest"
     if rounding.too_wide:
         widest = max(rounding.too_wide)
         note += (f"; {sum(rounding.too_wide.values())} weights with more inputs than "
@@ -300,7 +322,9 @@ def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None,
                 if blocks is not None:
                     given[role] = blocks
         if file_blocks is not None:
-            given.update(_file_rows(ffn, file_blocks, block_fmt))
+            rows, mixed = _file_rows(ffn, file_blocks, block_fmt)
+            given.update(rows)
+            notes += mixed
         ffn.quantize_(block_fmt, down_fmt, blocks=given)
     if requantized_down:
         how = ("re-quantized to", " (the file blocks them along n_ff)") if file_blocks is not None \
@@ -310,29 +334,34 @@ def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None,
     return notes
 
 
-def _file_rows(ffn, file_blocks, block_fmt: str) -> dict[str, torch.Tensor]:
-    """{"w_gate" | "w_up": the GGUF file's blocks of those rows, in the block's neuron order}
+def _file_rows(ffn, file_blocks, block_fmt: str) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """({"w_gate" | "w_up": the GGUF file's blocks of those rows, in the block's neuron order}
     where the file keeps them in block_fmt (its down rows lie along the other axis: quantized
-    again). A fused gate_up tensor [2 n_ff, d] gives both halves."""
+    again), a note for a gate in another type than up's, quantized again to up's). A fused
+    gate_up tensor [2 n_ff, d] gives both halves."""
     modules = _module_names(ffn)
     if "gate_up" in modules:
         fused = file_blocks.get(modules["gate_up"])
         if fused is None or fused.data is None:
-            return {}
+            return {}, []
         halves = fused.data.chunk(2)  # (halves of another size: check_fits says so)
         g = ffn.block.fused_gate_half
         found = {"w_gate": replace(fused, data=halves[g]), "w_up": replace(fused, data=halves[1 - g])}
     else:
         found = {f"w_{role}": file_blocks.get(modules.get(role, "")) for role in ("gate", "up")}
-    out = {}
+    out, notes = {}, []
     for role, blocks in found.items():
+        if blocks is not None and blocks.fmt != block_fmt:
+            notes.append(f"{ffn.block.module}: {role[2:]} rows {blocks.gguf_type} in the file, "
+                         f"quantized again to {block_fmt} (a block's gate and up rows share "
+                         "one format: the up projection's)")
         if blocks is None or blocks.data is None or blocks.fmt != block_fmt:
             continue  # quantized from the float weights
         rows = blocks.data if ffn.order is None else blocks.data[ffn.order]
         gguf_weights.check_fits(replace(blocks, data=rows), getattr(ffn, role),
                                 f"{ffn.block.module}: {role}")
         out[role] = rows
-    return out
+    return out, notes
 
 
 def quantize_linears(model: nn.Module, fmt: str, file_blocks: dict | None = None,

@@ -206,8 +206,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     n = max_new_tokens
     for i in range(max_new_tokens):
         scores = logits.float()
-        if eos is not None and i < min_new_tokens:
-            scores[:, eos] = float("-inf")
+        if eos is not None and i < min_new_tokens:  # ids past the vocabulary: none to hold back
+            scores[:, eos[(eos >= 0) & (eos < scores.shape[-1])]] = float("-inf")
         tokens = _pick(scores, do_sample, temperature, top_k, top_p, gen)
         if unfinished is not None:
             tokens = torch.where(unfinished, tokens, pad)
