@@ -115,12 +115,16 @@ class Uncaptured:
 
 
 def capture(
-    model: nn.Module, holds_block: Callable[[str, fx.GraphModule], bool]
+    model: nn.Module, holds_block: Callable[[str, fx.GraphModule], bool],
+    holds_part: Callable[[fx.GraphModule], bool] = lambda gm: True,
 ) -> tuple[list[Captured], list[Uncaptured]]:
     """Trace, post-order, every module with linear layers not yet inside a captured or opaque
-    child; keep those whose graph `holds_block`. Returns (captured, modules kept eager)."""
+    child; keep those whose graph `holds_block`. A module that traces but neither holds a
+    block nor `holds_part` of one (an attention) is a leaf for its parents: traced inline, its
+    branches on optional inputs (`if cache is not None`) would be fixed by the trace, and its
+    parent's graph would fail without them. Returns (captured, modules kept eager)."""
     opaque: set[nn.Module] = set()
-    done: set[nn.Module] = set()  # captured modules: leaves for their parents
+    done: set[nn.Module] = set()  # captured modules and modules with no part of a block: leaves
     captured: list[Captured] = []
     eager: list[Uncaptured] = []
 
@@ -147,6 +151,8 @@ def capture(
             return
         if holds_block(name, gm):
             captured.append(Captured(name, gm))
+            done.add(mod)
+        elif not holds_part(gm):
             done.add(mod)
 
     visit("", model)

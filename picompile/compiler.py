@@ -43,7 +43,7 @@ from picompile.passes import predictors as predictors_pass
 from picompile.passes import profile as profile_pass
 from picompile.passes import quantize as quantize_pass
 from picompile.passes import rewrite as rewrite_pass
-from picompile.passes.detect import detect
+from picompile.passes.detect import activation_of, detect
 from picompile.passes.profile import BlockProfile
 from picompile.plan import BlockPlan, Mode, Plan, Unmatched
 from picompile.progress import note
@@ -198,7 +198,11 @@ def _capture(model: nn.Module, plan: Plan) -> Captured:
         detections[name] = found = detect(gm)
         return bool(found.matches)
 
-    captured, eager = capture(model, holds_block)
+    def holds_part(gm: fx.GraphModule) -> bool:
+        """An activation: maybe a block's, with linears of a parent."""
+        return any(activation_of(gm, node) is not None for node in gm.graph.nodes)
+
+    captured, eager = capture(model, holds_block, holds_part)
     plan.unmatched += [Unmatched(u.name, u.reason) for u in eager]
     plan.unmatched += [Unmatched(name, why) for name, found in detections.items() for why in found.rejected]
 

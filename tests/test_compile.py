@@ -51,6 +51,24 @@ def test_gelu_written_out_by_a_module_compiles_as_gelu_tanh():
     assert torch.equal(cm.generate(ids[:1], max_new_tokens=8, do_sample=False), want)
 
 
+def test_opt_with_eager_attention_runs_without_a_cache():
+    """OPT's eager attention traces, and inline in its decoder layer the trace fixed its
+    `if cache is not None` branch: calibration and any call without a cache crashed. An
+    attention (no block, no activation) stays a module of its own in the layer's graph."""
+    config = zoo.hf_config("opt")
+    config._attn_implementation = "eager"  # as from_pretrained(attn_implementation="eager")
+    torch.manual_seed(0)
+    dense = T.OPTForCausalLM(config).eval()
+    ids = torch.randint(0, zoo.VOCAB, (2, 8), generator=torch.Generator().manual_seed(2))
+    cm = picompile.compile(copy.deepcopy(dense), sparsity=0.5, calibration=ids, quiet=True)
+    gm = cm.graphs["model.decoder.layers.0"]
+    assert any(n.op == "call_module" and n.target == "self_attn" for n in gm.graph.nodes)
+    exact = picompile.compile(copy.deepcopy(dense), quiet=True)
+    with torch.no_grad():
+        torch.testing.assert_close(exact(ids, use_cache=False).logits,
+                                   dense(ids, use_cache=False).logits, **TOL[torch.float32])
+
+
 def test_gpt2_conv1d_layers_are_named_in_the_refusal():
     model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=zoo.VOCAB, n_embd=32, n_layer=1, n_head=4,
                                            n_positions=64, eos_token_id=0, bos_token_id=0))

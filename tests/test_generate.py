@@ -243,3 +243,33 @@ def test_two_threads_generating_at_once_get_what_each_gets_alone():
     assert not errors
     for k in range(2):
         assert all(torch.equal(g, w) for g, w in zip(got[k], want[k], strict=True))
+
+
+def test_a_longrope_model_crossing_its_original_context_runs_hf_generate():
+    """Phi-3 128k's LongRoPE rotates with other factors past original_max_position_embeddings,
+    and its generate computes the cache again there: a call that crosses it goes to HF's
+    generate (the same tokens; picompile's loop kept the short factors' keys and differed), one
+    that starts past it runs picompile's loop."""
+    import transformers as T
+
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+            "long_factor": [float(1 + i) for i in range(8)], "original_max_position_embeddings": 64}
+    config = T.Phi3Config(vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, intermediate_size=160,
+                          max_position_embeddings=256, original_max_position_embeddings=64,
+                          pad_token_id=0, bos_token_id=1, eos_token_id=2, rope_parameters=rope)
+    torch.manual_seed(0)
+    dense = T.Phi3ForCausalLM(config).eval()
+    with torch.no_grad():  # larger weights: the factors change the greedy tokens
+        for p in dense.parameters():
+            if p.dim() == 2:
+                p.mul_(2.0)
+    cm = picompile.compile(copy.deepcopy(dense), quiet=True)
+    crossing = torch.randint(3, 256, (1, 60), generator=torch.Generator().manual_seed(60))
+    assert "LongRoPE" in supported(cm._orig_mod, dict(max_new_tokens=NEW), (crossing,))
+    assert torch.equal(cm.generate(crossing, max_new_tokens=NEW, do_sample=False),
+                       _hf(dense, crossing, eos_token_id=None))
+    past = torch.randint(3, 256, (1, 70), generator=torch.Generator().manual_seed(70))
+    assert supported(cm._orig_mod, dict(max_new_tokens=NEW), (past,)) is None
+    assert torch.equal(cm.generate(past, max_new_tokens=NEW, do_sample=False),
+                       _hf(dense, past, eos_token_id=None))

@@ -39,6 +39,9 @@ def hf_config(arch: str, hidden: int = 32, n_ff: int = 80, layers: int = 2):
                               num_attention_heads=4)
     if arch == "phi":  # Phi-1/2: GELU written out (NewGELUActivation), attention beside the MLP
         return T.PhiConfig(**c, intermediate_size=n_ff, hidden_act="gelu_new")
+    if arch == "glm":  # RoPE over interleaved pairs (GPT-J style), Llama's modules otherwise
+        return T.GlmConfig(**c, intermediate_size=n_ff, num_key_value_heads=2, head_dim=8,
+                           pad_token_id=0, eos_token_id=2, bos_token_id=1)
     if arch == "gpt_neox":
         return T.GPTNeoXConfig(**c, intermediate_size=n_ff)
     if arch == "gemma":

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import ctypes
 import inspect
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,17 @@ VERIFY_RTOL = {torch.float32: 1e-3, torch.float16: 0.1, torch.bfloat16: 0.15}
 # (SmolLM2 q8_0 at 50%: 0.021 of the largest logit, dense 6e-5): the tolerance of float16
 # activations applies.
 VERIFY_RTOL_INT8 = 0.1
+
+
+def rotated(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Heads t [..., hd] rotated over their first rot dimensions (cos, sin [T, rot]) as
+    Llama's apply_rotary_pos_emb: each half against the other (the decoders' RoPE, in C and
+    on the device), in t's dtype."""
+    rot = cos.shape[-1]
+    r, rest = t[..., :rot], t[..., rot:]
+    half = rot // 2
+    r = r * cos + torch.cat((-r[..., half:], r[..., :half]), dim=-1) * sin
+    return r if rest.shape[-1] == 0 else torch.cat((r, rest), dim=-1)
 
 
 class Unsupported(Exception):
@@ -297,6 +309,28 @@ class Stack:
             if widths or self.rot_dim % 2 or self.rot_dim > self.head_dim:
                 raise Unsupported(f"RoPE tables of widths {sorted(widths | {self.rot_dim})} "
                                   f"over heads of {self.head_dim}")
+            self._check_rope_style(layers[0].self_attn, f"{fam.stack}.layers.0.self_attn")
+
+    def _check_rope_style(self, attn: nn.Module, where: str) -> None:
+        """Unsupported unless the model's own apply_rotary_pos_emb (its modeling module's) turns
+        heads as `rotated` does: GLM and Helium rotate interleaved pairs (GPT-J style), which a
+        16-bit model's looser numeric check (verify) can let through. A model whose function
+        cannot be called so is left to that check."""
+        apply = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
+        if apply is None:
+            return
+        cos, sin = next(iter(self.rope_tables(5).values()))  # [5, rot_dim] float32
+        cos, sin = cos.cpu(), sin.cpu()
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 2, 5, self.head_dim, generator=g)
+        try:
+            theirs, _ = apply(q, q, cos[None], sin[None])
+        except (TypeError, ValueError, RuntimeError, IndexError):
+            return
+        if not torch.allclose(theirs, rotated(q, cos, sin), atol=1e-5, rtol=1e-4):
+            raise Unsupported(f"{where}: its RoPE ({type(attn).__module__}."
+                              "apply_rotary_pos_emb) does not rotate each half of a head against "
+                              "the other (e.g. interleaved pairs, GPT-J style)")
 
     def _layer(self, layer: nn.Module, where: str, linear_of, ffn_of) -> Layer:
         """One decoder layer's parts, checked: its norms, attention and one FFN block."""

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from picompile.config import KV_CACHE_STEP, cuda_graphs_enabled
-from picompile.runtime.decoder import Stack, Unsupported, ffn_block
+from picompile.runtime.decoder import Stack, Unsupported, ffn_block, rotated
 from picompile.runtime.hybrid import HybridFFN, copy_async
 from picompile.runtime.sparse_ffn import SparseFFN
 
@@ -90,16 +90,6 @@ def _capture_stream(device: torch.device) -> torch.cuda.Stream:
 def _post(norm, y: torch.Tensor) -> torch.Tensor:
     """y normed by a layer's post-norm (Gemma 2), or y where it has none."""
     return y if norm is None else norm.module(y)
-
-
-def _rotated(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Heads t [..., hd] rotated over their first rot dimensions (cos, sin [T, rot]) as HF's
-    apply_rotary_pos_emb, in the model's dtype."""
-    rot = cos.shape[-1]
-    r, rest = t[..., :rot], t[..., rot:]
-    half = rot // 2
-    r = r * cos + torch.cat((-r[..., half:], r[..., :half]), dim=-1) * sin
-    return r if rest.shape[-1] == 0 else torch.cat((r, rest), dim=-1)
 
 
 class DeviceDecoder(Stack):
@@ -231,7 +221,7 @@ class DeviceDecoder(Stack):
         rope, positions = self.tables[x.device.type]  # the device's, or the host layers'
         if self.learned_positions is None:  # RoPE, as HF's apply_rotary_pos_emb, model's dtype
             cos, sin = (t.index_select(0, pos) for t in rope[layer.rope])  # [T, rot]
-            q, k = _rotated(q, cos, sin), _rotated(k, cos, sin)
+            q, k = rotated(q, cos, sin), rotated(k, cos, sin)
         self.k_cache[i].index_copy_(2, pos, k)  # [1, KV, max_len, hd]
         self.v_cache[i].index_copy_(2, pos, v)
         visible = positions.view(1, -1) <= pos.view(-1, 1)  # [T, max_len]

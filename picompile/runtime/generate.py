@@ -341,6 +341,10 @@ def _resolve(model, args: tuple, kwargs: dict, quiet: bool) -> dict:
         max_new = max_length - s
     if max_new <= 0:
         raise _Unsupported(f"max_length {s + max_new} <= the prompt's {s} tokens")
+    switch = _long_rope_switch(model.config)
+    if switch is not None and s <= switch < s + max_new:
+        raise _Unsupported(f"a LongRoPE model crossing its original context of {switch} tokens "
+                           "(its generate computes the cache again there, with the long factors)")
     min_new = (gc.min_new_tokens if gc.min_new_tokens is not None
                else max(0, (gc.min_length or 0) - s))
 
@@ -360,6 +364,16 @@ def _resolve(model, args: tuple, kwargs: dict, quiet: bool) -> dict:
                 top_k=gc.top_k if sample and gc.top_k else None,
                 top_p=gc.top_p if sample else None,
                 eos_token_id=eos_list or None, pad_token_id=pad, streamer=streamer)
+
+
+def _long_rope_switch(config) -> int | None:
+    """The length past which a LongRoPE model (Phi-3 128k and the like) rotates with its long
+    factors, or None: keys cached before it were rotated with the short ones."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, dict) or params.get("rope_type", params.get("type")) != "longrope":
+        return None
+    return (getattr(config, "original_max_position_embeddings", None)
+            or params.get("original_max_position_embeddings"))
 
 
 def supported(model, kwargs: dict, args: tuple = ()) -> str | None:
