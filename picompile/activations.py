@@ -15,20 +15,31 @@ ACT_MACROS = {
 }
 ACTIVATIONS = tuple(ACT_MACROS)
 
-# Hugging Face activation modules (transformers.activations) that compute one of the above by
-# another formula: traced through, they would be a chain of mul / tanh / pow that no pattern
-# matches, so capture keeps them whole and detect reads them by class. NewGELU and FastGELU are
-# GELU's tanh approximation written out (GPT-2, Phi-1/2, ...), equal to F.gelu(approximate="tanh")
-# up to float rounding.
+# Hugging Face activation modules, by class: capture keeps them whole (traced through, GELU's
+# tanh approximation written out would be a chain of mul / tanh / pow that no pattern matches,
+# and an unknown one would say nothing), detect reads the ones below by class and names the
+# others as unsupported. NewGELU, FastGELU, AccurateGELU and Bloom's are GELU's tanh
+# approximation (GPT-2, GPT-J, Phi-1/2, Bloom), equal to F.gelu(approximate="tanh") up to float
+# rounding.
 MODULE_ACTIVATIONS = {
+    "GELUActivation": "gelu",
+    "GELUTanh": "gelu_tanh",
+    "PytorchGELUTanh": "gelu_tanh",
     "NewGELUActivation": "gelu_tanh",
     "FastGELUActivation": "gelu_tanh",
+    "AccurateGELUActivation": "gelu_tanh",
+    "SiLUActivation": "silu",
+    "BloomGelu": "gelu_tanh",
 }
+
+
+def library_activation(module) -> bool:
+    """An activation module of Hugging Face's (transformers.activations, or one named above)."""
+    cls = type(module)
+    return cls.__module__ == "transformers.activations" or (
+        cls.__module__.startswith("transformers.") and cls.__name__ in MODULE_ACTIVATIONS)
 
 
 def module_activation(module) -> str | None:
     """The activation a Hugging Face activation module computes, by our names, or None."""
-    cls = type(module)
-    if cls.__module__.startswith("transformers."):
-        return MODULE_ACTIVATIONS.get(cls.__name__)
-    return None
+    return MODULE_ACTIVATIONS.get(type(module).__name__) if library_activation(module) else None

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 from torch import nn
 
-from picompile.activations import module_activation
+from picompile.activations import library_activation
 from picompile.runtime.sparse_ffn import SparseFFN
 
 
@@ -36,9 +36,9 @@ def check_no_kwargs(kwargs: dict, module_name: str) -> None:
 class Tracer(fx.Tracer):
     """torch.fx tracer for picompile.
 
-    Leaves: every nn.Linear (also subclasses such as Falcon's), SparseFFN, Hugging Face
-    activation modules detect reads by class (activations.MODULE_ACTIVATIONS), and the `opaque`
-    modules (those that failed to trace). A `**kwargs` forward parameter is traced as empty;
+    Leaves: every nn.Linear (also subclasses such as Falcon's), SparseFFN, Hugging Face's
+    activation modules (detect reads them by class: activations.MODULE_ACTIVATIONS), and the
+    `opaque` modules (those that failed to trace). A `**kwargs` forward parameter is traced as empty;
     `guard_kwargs` then makes the graph raise if a caller passes anything through it."""
 
     def __init__(self, opaque: set[nn.Module] = frozenset()):
@@ -53,7 +53,7 @@ class Tracer(fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if (isinstance(m, (nn.Linear, SparseFFN)) or m in self.opaque
-                or module_activation(m) is not None):
+                or library_activation(m)):
             return True
         return super().is_leaf_module(m, qualname)
 

@@ -79,8 +79,9 @@ class CompiledModel(nn.Module):
                     steps = None
                 return fast.generate_hf(self._orig_mod, *args, decoder=decoder, steps=steps,
                                         **kwargs)
-        note(f"generate: Hugging Face's generate runs this call (picompile's loop does not "
-             f"handle {reason})")
+        if not reason.startswith(fast.INVALID):  # else HF's generate raises its own error
+            note(f"generate: Hugging Face's generate runs this call (picompile's loop does not "
+                 f"handle {reason})")
         return self._orig_mod.generate(*args, **kwargs)
 
     def decoder(self):

@@ -203,8 +203,9 @@ def _capture(model: nn.Module, plan: Plan) -> Captured:
         return any(activation_of(gm, node) is not None for node in gm.graph.nodes)
 
     captured, eager = capture(model, holds_block, holds_part)
-    plan.unmatched += [Unmatched(u.name, u.reason) for u in eager]
-    plan.unmatched += [Unmatched(name, why) for name, found in detections.items() for why in found.rejected]
+    kept_eager = [Unmatched(u.name, u.reason) for u in eager]
+    rejected = [Unmatched(name, why) for name, found in detections.items() for why in found.rejected]
+    plan.unmatched += kept_eager + rejected
 
     graphs: dict[str, fx.GraphModule] = {}
     ffns: dict[str, SparseFFN] = {}
@@ -221,17 +222,31 @@ def _capture(model: nn.Module, plan: Plan) -> Captured:
         cap.gm.meta["picompile_original"] = model.get_submodule(cap.name)  # for _restore
         model = replace_module(model, cap.name, cap.gm)
     if not ffns:
-        reasons = "; ".join(f"{u.module}: {u.reason}" for u in plan.unmatched[:5]) or (
+        shown = (rejected + kept_eager)[:5]  # detect's near-misses first: they say most
+        reasons = "; ".join([*_unsupported_kinds(model), *(f"{u.module}: {u.reason}"
+                                                          for u in shown)]) or (
             "no linear -> activation -> linear pattern anywhere in the traced graphs")
-        if any(type(m).__name__ == "Conv1D" for m in model.modules()):  # GPT-2's c_fc / c_proj
-            reasons = ("its projections are GPT-2-style Conv1D layers (weights [in, out]), not "
-                       f"nn.Linear, which picompile does not read; {reasons}")
         raise ValueError(
             f"picompile found no FFN block in {type(model).__name__} ({reasons}). Supported: "
             "down(act(up x)), down(act(gate x) * up x), dReLU, fused gate_up; act in relu, silu, "
             "gelu, gelu_tanh"
         )
     return Captured(model, graphs, ffns)
+
+
+def _unsupported_kinds(model: nn.Module) -> list[str]:
+    """Kinds of FFN picompile does not compile that `model` has, said first when it finds no
+    block: GPT-2's Conv1D projections, mixture-of-experts blocks."""
+    out = []
+    if any(type(m).__name__ == "Conv1D" for m in model.modules()):  # GPT-2's c_fc / c_proj
+        out.append("its projections are GPT-2-style Conv1D layers (weights [in, out]), not "
+                   "nn.Linear, which picompile does not read")
+    moe = next((f"{name}: {type(m).__name__}" for name, m in model.named_modules()
+                if any(k in type(m).__name__.lower() for k in ("moe", "experts"))), None)
+    if moe is not None:
+        out.append(f"its FFNs are mixture-of-experts blocks ({moe}), which picompile does not "
+                   "compile: only a dense model's FFN blocks (or an MoE's shared expert)")
+    return out
 
 
 def _restore(model, graphs: dict[str, fx.GraphModule]) -> None:

@@ -69,6 +69,35 @@ def test_opt_with_eager_attention_runs_without_a_cache():
                                    dense(ids, use_cache=False).logits, **TOL[torch.float32])
 
 
+def test_bloom_gelu_module_compiles_as_gelu_tanh():
+    config = T.BloomConfig(vocab_size=zoo.VOCAB, hidden_size=32, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    dense = T.BloomForCausalLM(config).eval()
+    cm = picompile.compile(copy.deepcopy(dense), quiet=True)
+    assert [b.act for b in cm.plan.blocks] == ["gelu_tanh"] * 2
+    ids = torch.randint(0, zoo.VOCAB, (2, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(zoo.logits(cm, ids), zoo.logits(dense, ids), **TOL[torch.float32])
+
+
+def test_refusals_name_the_ffn_picompile_does_not_compile():
+    """Squared ReLU (Nemotron): the block and its activation module, before the attention that
+    did not trace; a mixture of experts (Mixtral): said so, and that it is not compiled."""
+    nemotron = T.NemotronForCausalLM(T.NemotronConfig(
+        vocab_size=zoo.VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64))
+    with pytest.raises(ValueError, match=r"found no FFN block in NemotronForCausalLM "
+                                         r"\(model.layers.0.mlp: act_fn: activation "
+                                         r"ReLUSquaredActivation is not supported"):
+        picompile.compile(nemotron.eval(), quiet=True)
+    mixtral = T.MixtralForCausalLM(T.MixtralConfig(
+        vocab_size=zoo.VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, num_local_experts=4,
+        max_position_embeddings=64))
+    with pytest.raises(ValueError, match="mixture-of-experts blocks .*MixtralSparseMoeBlock"):
+        picompile.compile(mixtral.eval(), quiet=True)
+
+
 def test_gpt2_conv1d_layers_are_named_in_the_refusal():
     model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=zoo.VOCAB, n_embd=32, n_layer=1, n_head=4,
                                            n_positions=64, eos_token_id=0, bos_token_id=0))

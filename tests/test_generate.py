@@ -212,6 +212,16 @@ def test_unsupported_models_and_inputs_are_named(llama):
         generate(zoo.make("tiny_plain_relu"), ids, max_new_tokens=2)
 
 
+def test_a_call_hf_refuses_gets_hfs_error_without_a_note_and_an_empty_prompt_is_named(capsys):
+    cm = picompile.compile(zoo.make("llama_relu"), quiet=True)
+    ids = torch.ones(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        cm.generate(ids, max_new_tokens=0)
+    assert "picompile's loop does not handle" not in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"\(1, 0\) has no tokens"):
+        cm.generate(torch.ones(1, 0, dtype=torch.long), max_new_tokens=3)
+
+
 def test_two_threads_generating_at_once_get_what_each_gets_alone():
     """generate() from two threads: the compiled model's decoder (one KV cache, grown as a
     generation needs) serves one at a time, so each thread gets the tokens it gets alone (a

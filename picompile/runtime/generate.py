@@ -266,6 +266,9 @@ def _pick(scores: torch.Tensor, do_sample: bool, temperature: float, top_k: int 
 # ---- Hugging Face generate() arguments ------------------------------------------------------
 
 
+INVALID = "invalid arguments"  # a reason that is the call's fault: HF's generate says what
+
+
 def _resolve(model, args: tuple, kwargs: dict, quiet: bool) -> dict:
     """HF generate arguments -> generate()'s keyword arguments; raises _Unsupported(name)."""
     reason = model_reason(model)
@@ -294,6 +297,9 @@ def _resolve(model, args: tuple, kwargs: dict, quiet: bool) -> dict:
             raise _Unsupported(name)
     if not isinstance(inputs, torch.Tensor):
         raise _Unsupported("inputs_embeds" if "inputs_embeds" in extra else "input_ids missing")
+    if inputs.ndim == 2 and inputs.shape[0] > 0 and inputs.shape[1] == 0:
+        raise ValueError(f"input_ids of shape {tuple(inputs.shape)} has no tokens: generation "
+                         "needs at least one to start from")
     if inputs.ndim != 2 or inputs.dtype not in (torch.long, torch.int) or 0 in inputs.shape:
         raise _Unsupported(f"input_ids of shape {tuple(inputs.shape)} {inputs.dtype}")
 
@@ -306,7 +312,7 @@ def _resolve(model, args: tuple, kwargs: dict, quiet: bool) -> dict:
         with quiet_transformers() if quiet else contextlib.nullcontext():
             gc, model_kwargs = prepare(user_config, **extra)
     except (TypeError, ValueError) as e:
-        raise _Unsupported(f"invalid arguments ({type(e).__name__}: {e})") from None
+        raise _Unsupported(f"{INVALID} ({type(e).__name__}: {e})") from None
     attention_mask = model_kwargs.pop("attention_mask", None)
     for name, value in model_kwargs.items():
         if value is not None and name != "use_cache":
