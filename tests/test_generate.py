@@ -222,6 +222,15 @@ def test_a_call_hf_refuses_gets_hfs_error_without_a_note_and_an_empty_prompt_is_
         cm.generate(torch.ones(1, 0, dtype=torch.long), max_new_tokens=3)
 
 
+def test_generating_past_the_context_is_noted(llama, capsys):
+    limit = llama.config.max_position_embeddings
+    ids = _prompt(limit - 2, 5)[None]
+    generate_hf(llama, ids, max_new_tokens=4, do_sample=False)
+    assert f"more than the model's context of {limit}" in capsys.readouterr().err
+    generate_hf(llama, ids, max_new_tokens=2, do_sample=False)
+    assert "context" not in capsys.readouterr().err
+
+
 def test_two_threads_generating_at_once_get_what_each_gets_alone():
     """generate() from two threads: the compiled model's decoder (one KV cache, grown as a
     generation needs) serves one at a time, so each thread gets the tokens it gets alone (a

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from picompile.progress import quiet_transformers
+from picompile.progress import note, quiet_transformers
 
 # GenerationConfig fields the loop implements.
 _HANDLED = frozenset({"max_length", "max_new_tokens", "min_length", "min_new_tokens", "do_sample",
@@ -401,4 +401,9 @@ def generate_hf(model, *args, decoder=None, steps=None, **kwargs) -> torch.Tenso
     except _Unsupported as e:
         raise TypeError(f"picompile generate does not handle {e}; "
                         "use the model's own generate()") from None
+    limit = getattr(model.config, "max_position_embeddings", None)
+    total = call["input_ids"].shape[1] + call["max_new_tokens"]
+    if isinstance(limit, int) and total > limit:  # as HF's generate warns
+        note(f"generate: {total} tokens in all is more than the model's context of {limit}: "
+             "its tokens past there may mean little")
     return generate(model, **call, decoder=decoder, steps=steps)
