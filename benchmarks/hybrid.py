@@ -255,7 +255,7 @@ def main():
     calib = torch.randint(0, vocab, (max(1, args.calibration_tokens // seq), seq),
                           generator=torch.Generator().manual_seed(2))
     results = {}
-    summary = []  # lines printed as measured (a run cut by its time limit keeps them) and again at the end
+    summary = []  # printed as measured (a run cut by its limit keeps them), again at the end
 
     def note(line):
         summary.append(line)
@@ -300,8 +300,8 @@ def main():
     results[label] = decode_tps(cm, ids, args.new_tokens)
     print(results, flush=True)
     if gpu:
-        note(f"peak GPU memory (torch reserved + cupy pool + context) {gpu_peak_bytes() / 1e9:.2f} GB "
-             f"of budget {budget / 1e9:.2f} GB")
+        note(f"peak GPU memory (torch reserved + cupy pool + context) "
+             f"{gpu_peak_bytes() / 1e9:.2f} GB of budget {budget / 1e9:.2f} GB")
     dec = cm.decoder()
     print(f"decode step: {decode_step_line(cm)}", flush=True)
     for n in args.cold_threads:  # the same decoder, another team for the cold parts

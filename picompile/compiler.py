@@ -204,7 +204,8 @@ def _capture(model: nn.Module, plan: Plan) -> Captured:
 
     captured, eager = capture(model, holds_block, holds_part)
     kept_eager = [Unmatched(u.name, u.reason) for u in eager]
-    rejected = [Unmatched(name, why) for name, found in detections.items() for why in found.rejected]
+    rejected = [Unmatched(name, why) for name, found in detections.items()
+                for why in found.rejected]
     plan.unmatched += kept_eager + rejected
 
     graphs: dict[str, fx.GraphModule] = {}

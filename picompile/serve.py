@@ -378,7 +378,8 @@ class Engine:
 
     def _run(self, job: Job) -> None:
         p = job.params
-        streamer = _Streamer(job, TextDeltas(self.tokenizer, p.stops, self.tokenizer_lock), self.eos)
+        text = TextDeltas(self.tokenizer, p.stops, self.tokenizer_lock)
+        streamer = _Streamer(job, text, self.eos)
         ids = torch.tensor([p.ids])
         kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=p.max_tokens,
                       eos_token_id=sorted(self.eos) or None, pad_token_id=self.pad,
