@@ -73,7 +73,9 @@ def fingerprint(model: nn.Module) -> str:
     """A hash of the model's architecture and weights, taken before compile rewrites it.
 
     Every tensor's name, shape and dtype, the HF config if any, and a strided sample of up to
-    4096 values per tensor: cheap on a 7B model, and different weights give a different hash."""
+    4096 values per tensor: cheap on a 7B model, and another model's weights (or these
+    trained, converted or quantized) give a different hash; a change to single values outside
+    the sample does not."""
     h = hashlib.sha256(type(model).__name__.encode())
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_json_string"):
@@ -200,6 +202,10 @@ def check_target(target: str | os.PathLike) -> None:
         if os.path.lexists(target):
             raise SaveRefused(f"{target} is a symlink to nothing; picompile will not save through "
                               "it: remove the link or choose another path")
+        parent = next((p for p in target.parents if p.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise SaveRefused(f"{parent} is a file, so {target} cannot be made under it: choose "
+                              "another path")
         return
     if not target.is_dir():
         raise SaveRefused(f"{target} is a file, not a plan directory; picompile will not overwrite "
@@ -380,6 +386,10 @@ def read(directory: str | os.PathLike, model_fingerprint: str) -> tuple[dict, di
         raise PlanError(f"{d / 'plan.json'} is not valid JSON ({e}); compile the model again and "
                         "save it") from e
     plan = Plan.from_json(plan_json)
+    if plan.fingerprint != manifest["fingerprint"]:  # one model: a later save writes plan's
+        raise PlanError(f"{d / 'plan.json'} names another model than manifest.json (their "
+                        "fingerprints differ): the plan was edited; compile the model again and "
+                        "save it")
     try:
         tensors = load_bytes(data["tensors.safetensors"])
     except (SafetensorError, ValueError, RuntimeError) as e:

@@ -100,6 +100,19 @@ def test_damaged_artifact_is_rebuilt(fresh, how):
     assert len(builds) == 2
 
 
+def test_a_cache_path_that_is_a_file_names_the_variable_and_the_fix(fresh):
+    fresh.parent.mkdir(parents=True, exist_ok=True)
+    fresh.write_text("a user's file")
+    with pytest.raises(cache.CacheUnusable, match=r"cache .*PICOMPILE_CACHE_DIR.* point "):
+        cache.cached_build("int x;", suffix=".o", flags=[], build=lambda src, out: None)
+    assert fresh.read_text() == "a user's file"
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        ffn = make_ffn()
+        assert c.kernel_for(ffn) is None  # the reference path, saying why
+    assert "PICOMPILE_CACHE_DIR" in c.why_no_kernel(ffn)
+
+
 def test_empty_build_output_is_not_cached(fresh):
     with pytest.raises(RuntimeError, match="empty"):
         cache.cached_build("src", suffix=".so", flags=[], build=lambda s, o: o.write_bytes(b""))

@@ -103,6 +103,28 @@ def test_save_refuses_a_regular_file(compiled, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
+def test_save_under_a_regular_file_is_refused_naming_it(compiled, tmp_path):
+    _, cm = compiled
+    f = tmp_path / "notes.txt"
+    f.write_text("keep me")
+    with pytest.raises(saving.SaveRefused, match=r"notes.txt is a file, so .* cannot be made"):
+        cm.save(f / "plan")
+    assert f.read_text() == "keep me"
+
+
+def test_a_plan_json_naming_another_model_than_its_manifest_is_refused(compiled, tmp_path):
+    """A hand-edited plan.json with another fingerprint (checksums made again) would load, and
+    a later save would write its fingerprint into the new manifest."""
+    dense, cm = compiled
+    path = tmp_path / "plan"
+    cm.save(path)
+    data = json.loads((path / "plan.json").read_text())
+    data["fingerprint"] = "0" * 64
+    rewrite(path, "plan.json", json.dumps(data).encode())
+    with pytest.raises(saving.PlanError, match="names another model than manifest.json"):
+        picompile.load(copy.deepcopy(dense), path)
+
+
 @pytest.mark.parametrize("where", ["absent", "nested", "empty"])
 def test_save_into_a_new_or_empty_directory(compiled, tmp_path, where):
     dense, cm = compiled

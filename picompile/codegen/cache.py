@@ -55,11 +55,24 @@ _verified_lock = threading.Lock()
 
 
 def cache_dir() -> pathlib.Path:
-    """$PICOMPILE_CACHE_DIR, or ~/.cache/picompile; created if missing."""
+    """$PICOMPILE_CACHE_DIR, or ~/.cache/picompile; created if missing (CacheUnusable if it
+    cannot be)."""
     env = os.environ.get(CACHE_ENV, "")
     path = pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "picompile"
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CacheUnusable(path, e) from None
     return path
+
+
+class CacheUnusable(OSError):
+    """The kernel cache directory cannot be made or written: says which, and the fix."""
+
+    def __init__(self, path: pathlib.Path, error: OSError):
+        super().__init__(f"the kernel cache {path} (${CACHE_ENV}, default ~/.cache/picompile) "
+                         f"is not a directory picompile can write ({error.strerror or error}): "
+                         f"point ${CACHE_ENV} at a writable directory")
 
 
 def cache_key(source: str, flags: list[str], tag: str = "") -> str:
@@ -170,6 +183,8 @@ def cached_build(
     if verify(final) is None:
         return final
     src_ext = source_suffix or _source_suffix(source, tag)
+    if not os.access(root, os.W_OK):  # a full read-only cache serves what verify() accepted
+        raise CacheUnusable(root, PermissionError(13, "read-only"))
     with _locked(root / f"{key}.lock"):
         why = verify(final)
         if why is None:  # built by whoever held the lock before us
