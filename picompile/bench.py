@@ -48,8 +48,9 @@ class Row:
     ref: bool = False  # the table gets a column of every row's speed relative to this one
 
 
-def log(msg: str) -> None:
-    print(f"picompile: bench: {msg}", file=sys.stderr, flush=True)
+def log(msg: str, quiet: bool = False) -> None:
+    if not quiet:
+        print(f"picompile: bench: {msg}", file=sys.stderr, flush=True)
 
 
 # -- llama.cpp --------------------------------------------------------------------------------
@@ -133,7 +134,8 @@ def requantized(bins: pathlib.Path, src: pathlib.Path, kind: str, out: pathlib.P
 
 
 def llama_cpp_rows(gguf: pathlib.Path | None, dtype: torch.dtype, threads: int, n: int, *,
-                   weights: str | None = None, build: pathlib.Path = BUILD) -> list[Row]:
+                   weights: str | None = None, build: pathlib.Path = BUILD,
+                   quiet: bool = False) -> list[Row]:
     """llama.cpp on the GGUF file as given and, unless picompile runs the file's own blocks
     (weights "gguf"), requantized to what it runs: the format `weights` (q8_0 / q4_0 / q4_1), or
     float `dtype`; the row of picompile's weights is the reference. One row saying why not when
@@ -162,7 +164,7 @@ def llama_cpp_rows(gguf: pathlib.Path | None, dtype: torch.dtype, threads: int, 
         except subprocess.CalledProcessError as e:
             tail = (e.stderr or "").strip().splitlines()[-1:] or [f"exit code {e.returncode}"]
             rows.append(Row(label, None, f"failed: {pathlib.Path(e.cmd[0]).name}: {tail[0]}"))
-        log(f"{label}: {'-' if rows[-1].tps is None else f'{rows[-1].tps:.1f}'} tok/s")
+        log(f"{label}: {'-' if rows[-1].tps is None else f'{rows[-1].tps:.1f}'} tok/s", quiet)
     return rows
 
 
@@ -215,9 +217,11 @@ def describe(cm) -> str:
 
 
 def compare(model, tokenizer, compile_fn, *, gguf: pathlib.Path | None, new_tokens: int,
-            repeats: int, threads: int, build: pathlib.Path = BUILD) -> list[Row]:
+            repeats: int, threads: int, build: pathlib.Path = BUILD,
+            quiet: bool = False) -> list[Row]:
     """Rows for llama.cpp, the dense model and picompile (`compile_fn(model)` compiles it in
-    place) on one 32-token prompt from the corpus's held-out split, greedy, decode only."""
+    place) on one 32-token prompt from the corpus's held-out split, greedy, decode only; a line
+    per system as it is measured (not when quiet)."""
     from picompile import corpus
 
     torch.set_num_threads(threads)
@@ -228,17 +232,18 @@ def compare(model, tokenizer, compile_fn, *, gguf: pathlib.Path | None, new_toke
     dense.to(dtype)  # as compile_fn may have converted the model
     name = str(dtype).removeprefix("torch.")
     weights = cm.plan.quantize  # None (float), "gguf" (the file's blocks) or a block format
-    rows = llama_cpp_rows(gguf, dtype, threads, new_tokens, weights=weights, build=build)
+    rows = llama_cpp_rows(gguf, dtype, threads, new_tokens, weights=weights, build=build,
+                          quiet=quiet)
     rows.append(Row(f"dense, Hugging Face eager, {name}", best_tps(dense, prompt, new_tokens, repeats),
                     ref=True))
-    log(f"{rows[-1].system}: {rows[-1].tps:.1f} tok/s")
+    log(f"{rows[-1].system}: {rows[-1].tps:.1f} tok/s", quiet)
     del dense
     cm.reset_stats()
     tps = best_tps(cm, prompt, new_tokens, repeats)
     notes = [] if cm.sparsity() is None else [f"FFN sparsity {cm.sparsity():.1%}"]
     notes.append(decoder_note(cm, prompt, new_tokens, tps))
     rows.append(Row(f"picompile, {describe(cm)}, {weights or name}", tps, "; ".join(notes)))
-    log(f"{rows[-1].system}: {tps:.1f} tok/s")
+    log(f"{rows[-1].system}: {tps:.1f} tok/s", quiet)
     return rows
 
 

@@ -8,12 +8,15 @@ turns, so nothing can go stale). When the conversation and the reply's tokens no
 model's context, the oldest turns are dropped, with a note. Lines:
 
     /reset          forget the conversation (the system prompt stays)
-    /exit, /quit    end (so does Ctrl-D, or Ctrl-C at the prompt)
+    /exit, /quit    end (so does Ctrl-D; Ctrl-C at the prompt ends it as it ends any command)
     /help           these lines
 
-Ctrl-C while the model answers stops the answer; what it wrote stays in the conversation.
-Standard input that is not a terminal is read line by line, each a message, with no prompt
-shown, so a script can pipe messages in.
+Any other word after a slash is refused as an unknown command, not sent to the model (a message
+that starts with a slash and has more words is sent). Ctrl-C while the model answers stops the
+answer; what it wrote stays in the conversation. Standard input that is not a terminal is read
+line by line, each a message, with no prompt shown, so a script can pipe messages in; each answer
+ends with a blank line. A message that cannot be answered (longer than the context, refused by
+the chat template) gets an error line on stderr even with quiet, and run() counts them.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import torch
 
 from picompile.conversation import TextDeltas, chat_prompt, end_tokens
 
-HELP = ("/reset forgets the conversation, /exit (or Ctrl-D) ends it; Ctrl-C stops an answer")
+HELP = ("/reset forgets the conversation, /exit or /quit (or Ctrl-D) ends it, /help shows "
+        "this; Ctrl-C stops an answer")
+COMMANDS = ("/reset", "/exit", "/quit", "/help")
 
 
 class _Stopped(Exception):
@@ -153,45 +158,55 @@ def _read(prompt: str, stdin, interactive: bool) -> str:
     return line.rstrip("\n")
 
 
-def run(chat: Chat, stdin=None, stdout=None, stderr=None, quiet: bool = False) -> None:
-    """The conversation loop until /exit, the end of the input, or Ctrl-C at the prompt."""
+def run(chat: Chat, stdin=None, stdout=None, stderr=None, quiet: bool = False) -> int:
+    """The conversation loop until /exit or the end of the input (Ctrl-C at the prompt raises
+    KeyboardInterrupt, as in any command). -> how many messages got no answer."""
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     interactive = stdin is sys.stdin and stdin.isatty()
 
-    def note(text: str) -> None:
-        if not quiet:
-            print(f"picompile: {text}", file=stderr, flush=True)
+    def say(text: str) -> None:  # what the user asked for, or an error: even when quiet
+        print(f"picompile: {text}", file=stderr, flush=True)
 
+    def note(text: str) -> None:  # status
+        if not quiet:
+            say(text)
+
+    unanswered = 0
     if interactive:
         note(f"chat ({HELP})")
     while True:
         try:
             line = _read("> ", stdin, interactive)
-        except (EOFError, KeyboardInterrupt):
+        except EOFError:
             if interactive:
                 print(file=stdout)
-            return
+            return unanswered
         command = line.strip()
         if not command:
             continue
         if command in ("/exit", "/quit"):
-            return
+            return unanswered
         if command == "/reset":
             chat.reset()
-            note("the conversation is forgotten")
+            say("the conversation is forgotten")
             continue
         if command == "/help":
-            note(HELP)
+            say(HELP)
+            continue
+        if command.startswith("/") and " " not in command:
+            say(f"unknown command {command} (commands: {', '.join(COMMANDS)}); not sent")
+            unanswered += 1
             continue
         try:
             printer = chat.answer(line, stdout, note)
         except ValueError as e:
-            note(str(e))
+            say(f"error: {e}")
+            unanswered += 1
             continue
         except KeyboardInterrupt:
             note("answer stopped (Ctrl-C)")
+            print(file=stdout)
             continue
         rate = printer.rate()
         note(f"{printer.count} tokens" + (f", {rate:.1f} tokens/s" if rate else ""))
-        if interactive:
-            print(file=stdout)
+        print(file=stdout)  # a blank line after each answer

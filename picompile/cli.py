@@ -254,8 +254,8 @@ def cmd_chat(args) -> int:
     conversation = chat.Chat(cm, tokenizer, system=args.system,
                              max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              top_p=args.top_p)
-    chat.run(conversation, quiet=args.quiet)
-    return 0
+    unanswered = chat.run(conversation, quiet=args.quiet)
+    return 1 if unanswered else 0
 
 
 def cmd_explain(args) -> int:
@@ -308,7 +308,7 @@ def cmd_bench(args) -> int:
     threads = args.threads or torch.get_num_threads()
     rows = bench.compare(model, tokenizer, lambda m: _compile(args, m, tokenizer),
                          gguf=path if path.is_file() else None, new_tokens=args.new_tokens,
-                         repeats=args.repeats, threads=threads, build=build)
+                         repeats=args.repeats, threads=threads, build=build, quiet=args.quiet)
     print(f"\n{path.name} decode, {threads} threads, {args.new_tokens} new tokens after a "
           f"32-token prompt, best of {args.repeats}")
     print(bench.table(rows))

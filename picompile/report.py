@@ -295,7 +295,7 @@ def _predictor_section(cm, names: dict[str, str]) -> str:
 def _throughput_section(cm, names: dict[str, str], decode: dict | str) -> str:
     out = ['<h2 id="throughput">Bytes per token and tokens per second</h2>']
     ffns = cm.ffns()
-    rows, totals = [], [0, 0]
+    rows, totals = [], [0, 0, 0]  # dense, exact, runs
     unknown = []
     for b in cm.plan.blocks:
         ffn = ffns.get(b.name)
@@ -309,12 +309,13 @@ def _throughput_section(cm, names: dict[str, str], decode: dict | str) -> str:
         uses = ffn.predictor is not None and ffn.predictor.enabled
         runs = b.measured.decode_bytes_predicted if uses else exact
         totals[0] += dense
-        totals[1] += runs
+        totals[1] += exact
+        totals[2] += runs
         rows.append((names[b.name], f"{density:.1%}", f"{dense:,}", f"{exact:,}",
                      f"{b.measured.decode_bytes_predicted:,}" if b.decided.predictor_rank is not None else "-",
                      f"{runs:,} ({'predicted' if uses else 'exact'})"))
     if rows:
-        rows.append(("all blocks", "", f"{totals[0]:,}", "", "", f"{totals[1]:,}"))
+        rows.append(("all blocks", "", f"{totals[0]:,}", f"{totals[1]:,}", "", f"{totals[2]:,}"))
         out.append("<p>FFN weight bytes the CPU decode kernel reads per token: every row for a "
                    "dense block; with sparsity, each neuron's first row(s) and the rest only for "
                    "neurons that fire, at the density measured on calibration data (for blocks "

@@ -54,19 +54,48 @@ def test_each_turn_answers_the_whole_conversation_and_reset_forgets_it(model):
     second = greedy_reply(cm, tok, history, 6)
     third = greedy_reply(cm, tok, [{"role": "system", "content": "Be brief."},
                                    {"role": "user", "content": "import os"}], 6)
-    assert out == f"{first}\n{second}\n{third}\n"
+    assert out == f"{first}\n\n{second}\n\n{third}\n\n"  # a blank line after each answer
     assert second != greedy_reply(cm, tok, [history[0], history[3]], 6)  # the history mattered
     assert err.count("picompile: 6 tokens, ") == 3 and "forgotten" in err
     assert conversation.messages[-1] == {"role": "assistant", "content": third}
     assert len(conversation.messages) == 3  # system, the last question, its answer
 
 
-def test_exit_ends_the_loop_and_help_is_a_note(model):
+def test_exit_ends_the_loop_and_help_and_unknown_commands_are_not_sent(model):
     cm, tok = model
     conversation = chat.Chat(cm, tok, max_new_tokens=2)
-    out, err = talk(conversation, "/help", "/exit", "never read")
-    assert out == "" and "/reset" in err
+    out, err = talk(conversation, "/help", "/exti", "/exit", "never read")
+    assert out == "" and "/reset" in err and "/quit" in err
+    assert "unknown command /exti" in err
     assert conversation.messages == []
+
+
+def test_quiet_still_says_why_a_message_got_no_answer_and_counts_it(model):
+    """A script piping messages in must see that one was not answered: the error line stays
+    under quiet, the command's exit code says so (run's count)."""
+    cm, tok = model
+    conversation = chat.Chat(cm, tok, max_new_tokens=4)
+    conversation.context = 20
+    out, err = io.StringIO(), io.StringIO()
+    unanswered = chat.run(conversation, stdin=io.StringIO("word " * 40 + "\nx = 1\n/nope\n"),
+                          stdout=out, stderr=err, quiet=True)
+    assert unanswered == 2
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 2 and "error:" in lines[0] and "context of 20" in lines[0]
+    assert "unknown command /nope" in lines[1]
+    assert out.getvalue().endswith("\n\n") and len(conversation.messages) == 2
+
+
+def test_ctrl_c_at_the_prompt_ends_the_loop_as_any_command(model):
+    cm, tok = model
+
+    class Interrupted:
+        def readline(self):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        chat.run(chat.Chat(cm, tok), stdin=Interrupted(), stdout=io.StringIO(),
+                 stderr=io.StringIO())
 
 
 def test_old_turns_are_dropped_to_fit_the_context(model):
@@ -139,7 +168,7 @@ def test_without_a_chat_template_the_plain_format_stops_before_the_next_user_tur
     conversation = chat.Chat(cm, plain, max_new_tokens=5)
     out, _ = talk(conversation, "hello")
     reply = greedy_reply(cm, plain, [{"role": "user", "content": "hello"}], 5).split("\nuser:")[0]
-    assert out == reply + "\n"
+    assert out == reply + "\n\n"
 
 
 def test_sampling_arguments_are_checked():
