@@ -13,12 +13,13 @@
 #                                        # (or here, beforehand: llama-cpp-prebuild, carry build/gpu-carry)
 #   bash scripts/gpu_acceptance.sh llama-cpp               # on the same warm machine
 #
-# With no part named, runs them all (over 10 minutes in all). With 15 minutes of device time
-# (carry build/cuda-cubins.tar.xz and .whl), what no lent machine has measured yet first:
-#   S=scripts/gpu_acceptance.sh; timeout 370 bash $S llama-13b; timeout 170 bash $S kernels
-# then, on the warm machine: memory, tests (sessions 17 and 20 ran them), llama-cpp-build +
-# llama-cpp (the peer at the same budget: never run since session 6), opt-13b, kernel-tests.
-# llama-13b at 0.4 of the weights takes about 6 minutes (a 300 s limit cut it in session 20).
+# With no part named, runs them all (over 10 minutes in all). With 15 minutes of device time,
+# what no lent machine has measured yet first, in one command (carry build/cuda-cubins.tar.xz,
+# .whl, build/llama-offload and build/gpu-carry, where llama-cpp-prebuild put llama-bench):
+#   S=scripts/gpu_acceptance.sh; timeout 370 bash $S llama-13b; timeout 210 bash $S llama-cpp
+# then, on the warm machine: kernels (about 2 minutes), memory, tests (sessions 17 and 20 ran
+# them), opt-13b, kernel-tests. llama-13b at 0.4 of the weights takes about 6 minutes (a 300 s
+# limit cut it in session 20).
 #
 # Here, before a lent machine: `bash scripts/gpu_acceptance.sh cubins` compiles every CUDA kernel
 # variant for sm_90 with nvcc (no GPU needed) into build/cuda-cubins.tar.xz; carried along, the
