@@ -200,6 +200,9 @@ class Plan:
                 _check_fields(f"{where}.{part}", b.get(part, {}), spec, required=(), block=b.get("name"))
                 parts[part] = part_cls(**b.get(part, {}))
             block = BlockPlan(**{**b, **parts})
+            if block.exact and block.decided.threshold != 0:  # calibrate leaves ReLU blocks exact
+                _bad(f"{where}.decided.threshold", block.decided.threshold,
+                     "0 for a ReLU block (it skips only exact zeros)", block.name)
             if block.decided.hot_neurons > block.d_ff:
                 _bad(f"{where}.decided.hot_neurons", block.decided.hot_neurons,
                      f"at most the block's d_ff ({block.d_ff})", block.name)

@@ -406,6 +406,7 @@ INVALID = {
     "fingerprint": _set("fingerprint", 42),
     "blocks": _set("blocks", {"not": "a list"}),
     "threshold": _set("blocks.0.decided.threshold", -0.5),
+    "decided.threshold": _set("blocks.0.decided.threshold", 0.5),  # a ReLU block: 0 only
     "hot_neurons": _set("blocks.0.decided.hot_neurons", 81),  # d_ff is 80
     "d_ff": _set("blocks.0.d_ff", "80"),
     "d_model": _set("blocks.1.d_model", 0),
