@@ -296,6 +296,7 @@ def _throughput_section(cm, names: dict[str, str], decode: dict | str) -> str:
     out = ['<h2 id="throughput">Bytes per token and tokens per second</h2>']
     ffns = cm.ffns()
     rows, totals = [], [0, 0, 0]  # dense, exact, runs
+    bars = []  # (block, dense, runs) bytes per token, for the plot
     unknown = []
     for b in cm.plan.blocks:
         ffn = ffns.get(b.name)
@@ -311,6 +312,7 @@ def _throughput_section(cm, names: dict[str, str], decode: dict | str) -> str:
         totals[0] += dense
         totals[1] += exact
         totals[2] += runs
+        bars.append((names[b.name], dense, runs))
         rows.append((names[b.name], f"{density:.1%}", f"{dense:,}", f"{exact:,}",
                      f"{b.measured.decode_bytes_predicted:,}" if b.decided.predictor_rank is not None else "-",
                      f"{runs:,} ({'predicted' if uses else 'exact'})"))
@@ -323,6 +325,7 @@ def _throughput_section(cm, names: dict[str, str], decode: dict | str) -> str:
                    "Attention and the LM head are not counted."
                    + (" In the hybrid runtime the hot neurons' rows are read on the GPU."
                       if cm.plan.placement.budget_bytes is not None else "") + "</p>")
+        out.append(_bytes_plot(bars))
         out.append(_table(["block", "density (calibration)", "dense B/token", "exact B/token",
                            "predicted B/token", "runs B/token"], rows))
     if unknown:
@@ -345,6 +348,25 @@ def _throughput_section(cm, names: dict[str, str], decode: dict | str) -> str:
 
 
 # -- measuring ------------------------------------------------------------------------------------
+
+def _bytes_plot(bars: list[tuple[str, int, int]]) -> str:
+    """Per block, FFN weight bytes per token dense and as it runs (the table's first and last
+    columns), in model order: where sparsity saves reads."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 3.6), layout="constrained")
+    ax = fig.subplots()
+    x = np.arange(len(bars))
+    ax.bar(x, [d / 1e6 for _, d, _ in bars], color="#bbb", label="dense")
+    ax.bar(x, [r / 1e6 for _, _, r in bars], color="#3b75af", width=0.6, label="as it runs")
+    ax.set(xlabel="FFN block (model order)", ylabel="MB of weights read per token",
+           title="FFN weight bytes per decoded token")
+    step = max(1, len(bars) // 16)  # at most 16 labels
+    ax.set_xticks(x[::step], [name for name, _, _ in bars][::step], rotation=45, ha="right",
+                  fontsize="small")
+    ax.legend()
+    return _img(fig, "FFN weight bytes per token per block, dense and as it runs")
+
 
 def _measure_decode(cm, prompt_ids, n: int) -> dict | str:
     """A dict of what a short greedy decode measured, or why there was none."""

@@ -81,7 +81,10 @@ def test_exact_mode_report_says_which_sections_have_no_data(tmp_path):
     assert path == tmp_path / "r.html"
     page, text = read_report(path)
     assert all(s in page.ids for s in SECTIONS)
-    assert page.images == []  # no profile, no placement, no predictors: nothing to plot
+    # no profile, no placement, no predictors: their sections say so; the bytes per token of
+    # each block (measured on the calibration data) are plotted all the same
+    assert len(page.images) == 1
+    decode_png(page.images[0])
     assert NO_PROFILE in text and NO_BUDGET in text and NO_PREDICTORS in text
     assert "tokens per second" in text and "dense B/token" in text
     # the decode ran: sparsity of ReLU blocks on the decode's tokens
@@ -109,7 +112,7 @@ def test_predicted_mode_report_plots_every_section(tmp_path):
     page, text = read_report(cm.report(tmp_path / "r.html", decode_tokens=4))
     assert all(s in page.ids for s in SECTIONS)
     assert NO_PROFILE not in text and NO_BUDGET not in text and NO_PREDICTORS not in text
-    assert len(page.images) == 3  # firing, placement, predictors
+    assert len(page.images) == 4  # firing, placement, predictors, bytes per token
     for src in page.images:
         decode_png(src)
     for b in cm.plan.blocks:  # the numbers compile measured are the ones shown
@@ -123,9 +126,9 @@ def test_plain_module_without_generate_states_tok_s_not_measured(tmp_path):
     page, text = read_report(cm.report(tmp_path / "r.html"))
     assert "not measured: TinyLM has no generate()" in text
     assert "gpu_budget is 0" in text  # the placement's own note
-    for src in page.images:  # firing and placement
+    for src in page.images:  # firing, placement, bytes per token
         decode_png(src)
-    assert len(page.images) == 2
+    assert len(page.images) == 3
 
 
 @pytest.mark.parametrize("where, error", [
@@ -164,7 +167,8 @@ def test_cli_report_on_the_fixture_model(tmp_path, capsys):
                      "--output", str(out)])
     assert code == 0 and str(out) in capsys.readouterr().err
     page, text = read_report(out)
-    assert all(s in page.ids for s in SECTIONS) and len(page.images) == 2  # no budget: no placement plot
+    # no budget: no placement plot (firing, predictors, bytes per token)
+    assert all(s in page.ids for s in SECTIONS) and len(page.images) == 3
     for src in page.images:
         decode_png(src)
     assert NO_BUDGET in text and "LlamaForCausalLM" in text
