@@ -26,53 +26,34 @@ import time
 
 import torch
 
-from picompile.conversation import TextDeltas, chat_prompt, end_tokens
+from picompile.conversation import ReplyStreamer, StopString, TextDeltas, chat_prompt, end_tokens
 
 HELP = ("/reset forgets the conversation, /exit or /quit (or Ctrl-D) ends it, /help shows "
         "this; Ctrl-C stops an answer")
 COMMANDS = ("/reset", "/exit", "/quit", "/help")
 
 
-class _Stopped(Exception):
-    """Raised from the streamer: a stop string came out."""
-
-
-class _Printer:
-    """generate()'s streamer (put(prompt), put(each token), end()): writes the reply's text to
-    `out` as it comes and clocks the tokens."""
+class _Printer(ReplyStreamer):
+    """Writes the reply's text to `out` as it comes and clocks the tokens."""
 
     def __init__(self, text: TextDeltas, out, ends: set[int]):
-        self.text, self.out, self.ends = text, out, ends
-        self.prompt_seen = False
-        self.count = 0  # tokens generated
+        super().__init__(text, ends)
+        self.out = out
         self.first = self.last = None  # perf_counter at the first and the latest token
 
     def put(self, value: torch.Tensor) -> None:
-        if not self.prompt_seen:
-            self.prompt_seen = True
-            return
-        self.count += 1
-        self.last = time.perf_counter()
-        self.first = self.first or self.last
-        token = int(value.reshape(-1)[0])
-        if token in self.ends:
-            return
-        delta, stopped = self.text.add(token)
-        self._write(delta)
-        if stopped:
-            raise _Stopped
+        if self.prompt_seen:
+            self.last = time.perf_counter()
+            self.first = self.first or self.last
+        super().put(value)
 
-    def end(self) -> None:
-        pass
+    def on_text(self, delta: str) -> None:
+        self.out.write(delta)
+        self.out.flush()
 
-    def finish(self) -> None:
-        self._write(self.text.flush()[0])
-        self._write("\n")
-
-    def _write(self, delta: str) -> None:
-        if delta:
-            self.out.write(delta)
-            self.out.flush()
+    def finish_line(self) -> None:
+        """The rest of the reply's text, and its newline."""
+        self.on_text(self.text.flush()[0] + "\n")
 
     def rate(self) -> float | None:
         """Decode tokens/s over the tokens after the first (prefill not counted), or None."""
@@ -140,10 +121,10 @@ class Chat:
             kwargs.update(temperature=self.temperature, top_p=self.top_p)
         try:
             self.model.generate(ids, **kwargs)
-        except _Stopped:
+        except StopString:
             pass
         finally:  # Ctrl-C too: the answer so far is part of the conversation
-            printer.finish()
+            printer.finish_line()
             self.messages = kept + [{"role": "assistant", "content": printer.text.reply()}]
         return printer
 

@@ -1,6 +1,6 @@
 """What a chat needs besides the model, shared by the server (serve.py) and `picompile chat`
-(chat.py): a conversation's prompt tokens, the tokens that end a reply, and the reply's text
-as it grows token by token."""
+(chat.py): a conversation's prompt tokens, the tokens that end a reply, the reply's text as it
+grows token by token, and generate()'s streamer that feeds it."""
 
 from __future__ import annotations
 
@@ -95,3 +95,42 @@ class TextDeltas:
             if any(s.startswith(self.text[-k:]) for s in self.stops):
                 return k
         return 0
+
+
+class StopString(Exception):
+    """Raised from a ReplyStreamer: a stop string came out, the reply ends there."""
+
+
+class ReplyStreamer:
+    """generate()'s streamer (Hugging Face's protocol: put(prompt), put(each token), end()) for
+    one reply: counts its tokens, hands its text to `on_text` as it grows, and raises
+    StopString at a stop string; `finish` is "stop" (an end token or a stop string) or
+    "length". The reply's text is `text` (TextDeltas: flush() it after generate)."""
+
+    def __init__(self, text: TextDeltas, ends: set[int]):
+        self.text, self.ends = text, ends
+        self.prompt_seen = False
+        self.count = 0  # tokens generated
+        self.finish = "length"
+
+    def on_text(self, delta: str) -> None:
+        raise NotImplementedError
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.count += 1
+        token = int(value.reshape(-1)[0])
+        if token in self.ends:  # generate() ends here itself (one row)
+            self.finish = "stop"
+            return
+        delta, stopped = self.text.add(token)
+        if delta:
+            self.on_text(delta)
+        if stopped:
+            self.finish = "stop"
+            raise StopString
+
+    def end(self) -> None:
+        pass

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
-from picompile.conversation import TextDeltas, chat_prompt, end_tokens
+from picompile.conversation import ReplyStreamer, StopString, TextDeltas, chat_prompt, end_tokens
 
 DEFAULT_MAX_TOKENS = 512
 DEFAULT_MAX_QUEUE = 16
@@ -245,10 +245,6 @@ class _Cancelled(Exception):
     """Raised from the streamer: the client went away."""
 
 
-class _Stopped(Exception):
-    """Raised from the streamer: a stop string came out."""
-
-
 class Job:
     """A request on its way through the queue. The worker sends events to the request's event
     loop through `events`: ("text", delta), then ("done", finish_reason, prompt_tokens,
@@ -271,37 +267,21 @@ class Job:
             pass
 
 
-class _Streamer:
-    """generate()'s streamer (Hugging Face's protocol: put(prompt), put(each token), end()):
-    stops generation at the next token once the job is cancelled, and turns tokens into text
-    events for the job."""
+class _Streamer(ReplyStreamer):
+    """The reply's text as events for the job; generation stops at the next token once the
+    job is cancelled."""
 
-    def __init__(self, job: Job, text: TextDeltas, eos: set[int]):
-        self.job, self.text, self.eos = job, text, eos
-        self.prompt_seen = False
-        self.count = 0  # tokens generated
-        self.finish = "length"
+    def __init__(self, job: Job, text: TextDeltas, ends: set[int]):
+        super().__init__(text, ends)
+        self.job = job
 
     def put(self, value: torch.Tensor) -> None:
         if self.job.cancelled.is_set():
             raise _Cancelled
-        if not self.prompt_seen:
-            self.prompt_seen = True
-            return
-        self.count += 1
-        token = int(value.reshape(-1)[0])
-        if token in self.eos:  # generate() ends here itself (one row)
-            self.finish = "stop"
-            return
-        delta, stopped = self.text.add(token)
-        if delta:
-            self.job.emit("text", delta)
-        if stopped:
-            self.finish = "stop"
-            raise _Stopped
+        super().put(value)
 
-    def end(self) -> None:
-        pass
+    def on_text(self, delta: str) -> None:
+        self.job.emit("text", delta)
 
 
 class Engine:
@@ -397,7 +377,7 @@ class Engine:
                 streamer.finish = "stop"
         except _Cancelled:
             return
-        except _Stopped:
+        except StopString:
             pass
         except Exception as e:  # the request fails, the server goes on
             log.exception("picompile serve: generation failed")
