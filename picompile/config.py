@@ -45,6 +45,16 @@ def decoder_enabled() -> bool:
     return os.environ.get(DECODER_ENV, "1").strip() not in ("0", "false", "no")
 
 
+# Set PICOMPILE_PROMPT_CACHE=0 to prefill every prompt from its first token instead of reusing
+# the keys and values the C decoder's KV cache holds for its leading tokens (runtime/decoder.py,
+# Decoder.cached_prefix): for comparing the two, or bisecting.
+PROMPT_CACHE_ENV = "PICOMPILE_PROMPT_CACHE"
+
+
+def prompt_cache_enabled() -> bool:
+    return os.environ.get(PROMPT_CACHE_ENV, "1").strip() not in ("0", "false", "no")
+
+
 # Set PICOMPILE_CUDA_GRAPHS=0 to run the GPU decode step's segments eagerly instead of replaying
 # them as CUDA graphs (runtime/device_decoder.py): for comparing the two, or debugging.
 CUDA_GRAPHS_ENV = "PICOMPILE_CUDA_GRAPHS"

@@ -46,7 +46,8 @@ import torch
 from torch import nn
 
 from picompile import quant
-from picompile.config import DECODER_ENV, cuda_graphs_enabled, decoder_enabled
+from picompile.config import (DECODER_ENV, cuda_graphs_enabled, decoder_enabled,
+                              prompt_cache_enabled)
 from picompile.codegen import c as c_codegen
 from picompile.codegen import decoder as native
 from picompile.runtime.kernel_module import KernelModule
@@ -456,6 +457,23 @@ class Stack:
         """Let go of what the decoder holds beyond its model (the device decoder: graphs, KV
         cache) when it is replaced; the C decoder's memory is the host's, freed with it."""
 
+    held = None  # the prompt cache's tokens (Decoder's); here none
+    prompt_reused = 0  # positions the last generate took from the prompt cache
+
+    def cached_prefix(self, tokens: torch.Tensor, total: int) -> int:
+        """How many leading positions of the prompt tokens [S] (of a call that runs `total`
+        positions) the KV cache already holds (the prompt cache; Decoder's): here none, the
+        decoder prefills from position 0."""
+        return 0
+
+    def forget(self) -> None:
+        """Drop what the prompt cache holds: the next generate prefills from position 0."""
+        self.held = None
+
+    def hold(self, tokens: torch.Tensor, total: int) -> None:
+        """Note that the KV cache now holds the positions of tokens [n], after a call that ran
+        `total` positions (the prompt cache)."""
+
     def reset_counts(self) -> None:
         """Forget the active pairs counted since the last flush_stats (each decoder keeps them
         in `n_active`, one count per layer)."""
@@ -463,6 +481,12 @@ class Stack:
 
 
 _KV_DTYPES = {torch.float16: 1, torch.bfloat16: 2}  # kernels/decoder.c's kv_dtype (0: float32)
+
+
+def _weights_version(model: nn.Module) -> tuple:
+    """(storage, in-place version) of each parameter and buffer of `model`: what cached keys
+    and values were computed from (an edit in place or a swapped storage changes it)."""
+    return tuple((t.data_ptr(), t._version) for t in (*model.parameters(), *model.buffers()))
 
 
 def _pointers(norm: Norm | None) -> tuple[int | None, int | None]:
@@ -488,6 +512,12 @@ class Decoder(Stack):
         if want in _KV_DTYPES and self.head_dim % 8 == 0 and self.lib.pi_decoder_kv_16bit():
             self.kv_dtype = want
         self.max_len = 0
+        # The prompt cache, as llama.cpp's server keeps one: the token ids whose keys and
+        # values positions 0..n-1 of the KV cache hold after the last generate, and the weights
+        # they were computed from. A prompt that starts with them (a chat's next turn) prefills
+        # only the rest: cached_prefix.
+        self.held: torch.Tensor | None = None  # [n] long
+        self._held_weights: tuple | None = None
         self.n_active = torch.zeros(len(self.layers), dtype=torch.int64)  # [n_layers]
         self.x = torch.empty(1, self.d)  # [1, d] float32: the embedding in
         self.logits = torch.empty(1, self.vocab)  # [1, vocab] float32
@@ -532,9 +562,11 @@ class Decoder(Stack):
         if max_len <= self.max_len:
             return True
         max_len = self.room(max(max_len, 2 * self.max_len, 64))  # grow geometrically
-        L, hd = len(self.layers), self.head_dim
-        self.k_cache = torch.zeros(L, self.n_kv_heads, max_len, hd, dtype=self.kv_dtype)
-        self.v_cache = torch.zeros(L, self.n_kv_heads, max_len, hd, dtype=self.kv_dtype)
+        L, hd, old = len(self.layers), self.head_dim, self.max_len
+        k, v = (torch.zeros(L, self.n_kv_heads, max_len, hd, dtype=self.kv_dtype) for _ in "kv")
+        if old:  # the positions cached so far stay (the prompt cache reads them)
+            k[:, :, :old], v[:, :, :old] = self.k_cache, self.v_cache
+        self.k_cache, self.v_cache = k, v  # [L, kv_heads, max_len, head_dim]
         if self.learned_positions is None:
             self.rope = self.rope_tables(max_len)  # {kind: cos, sin [max_len, rot_dim]}
         else:  # [n, d] float32 (the table itself where the model is float32)
@@ -602,9 +634,9 @@ class Decoder(Stack):
                 setattr(lib, attr, nt)
 
     # ---- running ------------------------------------------------------------------------
-    def load_cache(self, cache, n: int) -> None:
-        """Copy positions 0..n-1 of an HF cache (StaticCache / DynamicCache of batch 1, right
-        after a prefill of n tokens) in. A sliding-window layer's cache holds only the last
+    def load_cache(self, cache, n: int, start: int = 0) -> None:
+        """Copy positions start..n-1 of an HF cache (StaticCache / DynamicCache of batch 1, right
+        after a prefill up to n tokens) in. A sliding-window layer's cache holds only the last
         positions, in order: they go to their places (its window reads no earlier one)."""
         if n > self.max_len:
             raise ValueError(f"{n} cached positions, room for {self.max_len} (reserve first)")
@@ -613,10 +645,46 @@ class Decoder(Stack):
                              f"{len(self.layers)}")
         for i, (layer, ours) in enumerate(zip(cache.layers, self.layers)):
             held = min(n, layer.keys.shape[-2])
-            if held < n and not (ours.window and held >= ours.window - 1):
+            if held < n and not (ours.window and held >= ours.window - 1 and not start):
                 raise ValueError(f"layer {i}'s cache holds {held} of {n} positions")
-            self.k_cache[i, :, n - held : n] = layer.keys[0, :, :held]
-            self.v_cache[i, :, n - held : n] = layer.values[0, :, :held]
+            first = max(n - held, start)
+            self.k_cache[i, :, first:n] = layer.keys[0, :, first - n + held : held]
+            self.v_cache[i, :, first:n] = layer.values[0, :, first - n + held : held]
+
+    def cached_prefix(self, tokens: torch.Tensor, total: int) -> int:
+        """How many leading positions of the prompt tokens [S] the KV cache holds for these very
+        tokens, computed from the weights as they are now (at most S - 1: the last position is
+        prefilled for its logits); 0 where none. The caller writes the cache next, so the
+        decoder forgets what it held until hold()."""
+        held, weights = self.held, self._held_weights
+        self.held = self._held_weights = None
+        self.prompt_reused = 0
+        if (held is None or not prompt_cache_enabled() or not self._unwindowed(total)
+                or weights != _weights_version(self.model)):
+            return 0
+        n = min(len(held), len(tokens) - 1)
+        differs = (held[:n] != tokens[:n].cpu()).nonzero()
+        self.prompt_reused = int(differs[0]) if len(differs) else n
+        return self.prompt_reused
+
+    def prefix_into(self, cache, n: int, dtype: torch.dtype) -> None:
+        """Write positions 0..n-1 of the KV cache into an empty HF cache (a StaticCache of batch
+        1), as the model's own prefill of those tokens would have, in the model's dtype."""
+        where = {"cache_position": torch.arange(n)}  # transformers 4.x's StaticCache reads it
+        for i in range(len(self.layers)):
+            cache.update(self.k_cache[i, :, :n].unsqueeze(0).to(dtype),
+                         self.v_cache[i, :, :n].unsqueeze(0).to(dtype), i, where)
+
+    def hold(self, tokens: torch.Tensor, total: int) -> None:
+        if self._unwindowed(total):
+            self.held = tokens.cpu().clone()
+            self._held_weights = _weights_version(self.model)
+
+    def _unwindowed(self, total: int) -> bool:
+        """Whether no sliding window is shorter than a call's `total` positions. Where one is,
+        Hugging Face's cache for that layer keeps only the window's last positions, so neither
+        its prefill fills every position of ours nor can it take ours back whole."""
+        return all(not ly.window or ly.window >= total for ly in self.layers)
 
     def step(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
         """tokens [1] (long) at position pos -> logits [1, vocab] float32 (a buffer reused by

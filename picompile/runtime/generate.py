@@ -1,7 +1,8 @@
 """picompile's own generate loop for Hugging Face decoder-only models (gpt-fast shape).
 
     prefill: the whole prompt through the model once, into a transformers StaticCache sized
-             prompt + max_new_tokens, keeping the last position's logits only;
+             prompt + max_new_tokens, keeping the last position's logits only (with the C
+             decoder, only the prompt's tokens after those its prompt cache holds);
     decode:  one token per step; per step there is a model call, the pick (argmax or sampling)
              and a few in-place tensor updates. Nothing is reallocated per step: the output
              ids, the position ids and the 2D attention mask are preallocated.
@@ -184,14 +185,22 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     if cache_pos:
         prefill["cache_position"] = torch.arange(s, device=device)
         step_cache_pos = torch.tensor([s], device=device)
+    # The prompt's leading positions whose keys and values the decoder's cache holds from the
+    # last call (a chat's earlier turns): only the rest is prefilled.
+    reused = 0 if decoder is None else decoder.cached_prefix(input_ids[0], total)
     if decoder is not None and decoder.prefills:  # into its own cache: the model's stays unused
         logits = decoder.prefill(input_ids)
     elif steps is not None:
         logits = steps.prefill(input_ids)
     else:
+        if reused:
+            decoder.prefix_into(cache, reused, next(model.parameters()).dtype)
+            prefill.update(input_ids=input_ids[:, reused:], position_ids=pos[:, reused:])
+            if cache_pos:
+                prefill["cache_position"] = torch.arange(reused, s, device=device)
         logits = model(**prefill).logits[:, -1]
         if decoder is not None:
-            decoder.load_cache(cache, s)
+            decoder.load_cache(cache, s, start=reused)
     if decoder is not None:
         decoder.set_threads()
 
@@ -237,6 +246,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
         next_pos = next_pos + 1
     if decoder is not None:
         decoder.flush_stats(n - 1)  # the steps it ran: every new token but the first
+        decoder.hold(out[0, : s + n - 1], total)  # the last token's keys and values were never made
     if streamer is not None:
         streamer.end()
     return out if n == max_new_tokens else out[:, : s + n].clone()

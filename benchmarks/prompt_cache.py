@@ -1,0 +1,102 @@
+"""A multi-turn chat with the prompt cache and without it: time to the first token per turn.
+
+    .venv/bin/python benchmarks/prompt_cache.py                  # SmolLM2-135M-Instruct, 6 turns
+    .venv/bin/python benchmarks/prompt_cache.py --turns 8 --new-tokens 32 --rounds 2
+
+Each turn sends the whole conversation so far through the model's chat template, as
+`picompile chat` and a client of `picompile serve` do: the user's message (a paragraph of the
+built-in corpus's held-out split), then a greedy reply of --new-tokens tokens that is kept in
+the conversation. With the prompt cache (runtime/decoder.py, Decoder.cached_prefix) a turn
+prefills only the tokens after those the C decoder's KV cache holds from the turn before; with
+PICOMPILE_PROMPT_CACHE=0 it prefills the whole conversation. The two conversations run one after
+the other, --rounds times (cache on first, then off), and must produce the same replies (the
+script stops if not). Printed per turn: prompt tokens, positions reused, medians of the time from
+the generate() call to the first new token (prefill + first pick), and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+import picompile
+from picompile import corpus, models
+from picompile.config import PROMPT_CACHE_ENV
+from picompile.conversation import chat_prompt, end_tokens
+
+
+class _FirstToken:
+    """A generate() streamer noting when the first new token comes (the first put is the prompt)."""
+
+    def __init__(self):
+        self.puts, self.first = 0, None
+
+    def put(self, value):
+        self.puts += 1
+        if self.puts == 2:
+            self.first = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+def conversation(cm, tokenizer, messages: list[str], new_tokens: int, cache: bool):
+    """-> [(prompt tokens, positions reused, seconds to the first token)], the replies."""
+    os.environ[PROMPT_CACHE_ENV] = "1" if cache else "0"
+    ends, pad = end_tokens(cm, tokenizer)
+    chat, rows, replies = [], [], []
+    cm.decoder().forget()  # a new conversation: nothing of it cached
+    for text in messages:
+        chat.append({"role": "user", "content": text})
+        ids = torch.tensor([chat_prompt(tokenizer, chat)[0]])
+        clock = _FirstToken()
+        start = time.perf_counter()
+        out = cm.generate(ids, max_new_tokens=new_tokens, do_sample=False, streamer=clock,
+                          eos_token_id=sorted(ends), pad_token_id=pad)
+        rows.append((ids.shape[1], cm.decoder().prompt_reused, clock.first - start))
+        reply = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        replies.append(reply)
+        chat.append({"role": "assistant", "content": reply})
+    return rows, replies
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--sparsity", type=float, default=0.5)
+    args = ap.parse_args()
+
+    model, tokenizer = models.load(None, quiet=True)
+    cm = picompile.compile(model, sparsity=args.sparsity, tokenizer=tokenizer, quiet=True)
+    if cm.decoder() is None:
+        raise SystemExit(f"no C decoder runs this model ({cm.decoder_reason}): no prompt cache")
+    texts = [t for t in corpus.default_texts("heldout") if 600 < len(t) < 2400]
+    messages = [t[:1500] for t in texts[: args.turns]]
+    conversation(cm, tokenizer, texts[-1:], 4, cache=True)  # warm-up
+    runs, first = {True: [], False: []}, None
+    for _ in range(args.rounds):
+        for cache in (True, False):
+            rows, replies = conversation(cm, tokenizer, messages, args.new_tokens, cache)
+            runs[cache].append(rows)
+            first = first or replies
+            if replies != first:
+                raise SystemExit("the replies differ with and without the prompt cache")
+    print(f"{torch.get_num_threads()} threads, {args.turns} turns, {args.new_tokens} new tokens "
+          f"a turn, medians of {args.rounds} rounds")
+    print("| turn | prompt tokens | reused | first token, cache (ms) | without (ms) | ratio |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for t in range(args.turns):
+        on = statistics.median(r[t][2] for r in runs[True])
+        off = statistics.median(r[t][2] for r in runs[False])
+        n, reused = runs[True][0][t][:2]
+        print(f"| {t + 1} | {n} | {reused} | {on * 1e3:.0f} | {off * 1e3:.0f} | {off / on:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

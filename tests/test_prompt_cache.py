@@ -1,0 +1,139 @@
+"""The prompt cache (runtime/decoder.py, Decoder.cached_prefix): a generate whose prompt starts
+with the tokens of the last one (a chat's next turn) prefills only the rest, over the keys and
+values the C decoder's KV cache holds. What it must give: the tokens and the KV cache of a
+prefill from position 0 (PICOMPILE_PROMPT_CACHE=0), and no reuse where what is cached could be
+stale (weights edited) or is not whole (sliding windows)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import picompile
+from tests import zoo
+from tests.test_decoder import _compile_kw, _model
+
+NEW = 6
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, zoo.VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _compiled(arch: str, how: str = "exact"):
+    cm = picompile.compile(_model(arch, layers=2), **_compile_kw(how))
+    assert cm.decoder() is not None, cm.decoder_reason
+    return cm
+
+
+def _generate_both(cm, prompt: torch.Tensor, monkeypatch, max_new_tokens: int = NEW):
+    """(tokens, KV cache positions it filled) with the prompt cache, then without it, and the
+    positions the first took from the cache. Each run starts from the same cached state."""
+    dec = cm.decoder()
+    held = dec.held
+    out = cm.generate(prompt, max_new_tokens=max_new_tokens)
+    reused, n = dec.prompt_reused, out.shape[1] - 1
+    kv = dec.k_cache[:, :, :n].clone(), dec.v_cache[:, :, :n].clone()
+    dec.held = held
+    with monkeypatch.context() as m:
+        m.setenv("PICOMPILE_PROMPT_CACHE", "0")
+        want = cm.generate(prompt, max_new_tokens=max_new_tokens)
+        assert dec.prompt_reused == 0
+    torch.testing.assert_close(kv, (dec.k_cache[:, :, :n], dec.v_cache[:, :, :n]),
+                               rtol=1e-4, atol=1e-5)
+    assert torch.equal(out, want)
+    return out, reused
+
+
+@pytest.mark.parametrize("arch", ["llama_relu", "qwen3", "phi3", "opt", "gemma2"])
+@pytest.mark.parametrize("how", ["exact", "threshold"])
+def test_a_next_turn_prefills_only_its_new_tokens(arch, how, monkeypatch):
+    cm = _compiled(arch, how)
+    first = cm.generate(_ids(10, 1), max_new_tokens=NEW)  # [1, 16]
+    assert len(cm.decoder().held) == first.shape[1] - 1  # the last token was never fed
+    turn = torch.cat([first, _ids(5, 2)], 1)
+    out, reused = _generate_both(cm, turn, monkeypatch)
+    assert reused == first.shape[1] - 1
+    assert torch.equal(out[:, : turn.shape[1]], turn)
+
+
+def test_a_prompt_that_differs_reuses_the_common_part(monkeypatch):
+    cm = _compiled("llama_relu")
+    a = _ids(12, 1)
+    cm.generate(a, max_new_tokens=NEW)
+    b = torch.cat([a[:, :7], _ids(9, 3)], 1)
+    b[0, 7] = (a[0, 7] + 1) % zoo.VOCAB  # differs from position 7 on
+    _, reused = _generate_both(cm, b, monkeypatch)
+    assert reused == 7
+
+
+def test_the_same_prompt_again_prefills_its_last_position(monkeypatch):
+    cm = _compiled("llama_relu")
+    a = _ids(12, 1)
+    first = cm.generate(a, max_new_tokens=NEW)
+    out, reused = _generate_both(cm, a, monkeypatch)
+    assert reused == 11
+    assert torch.equal(out, first)
+
+
+def test_weights_edited_in_place_are_not_reused(monkeypatch):
+    cm = _compiled("llama_relu")
+    a = _ids(12, 1)
+    first = cm.generate(a, max_new_tokens=NEW)
+    with torch.no_grad():
+        cm.model.norm.weight.mul_(1.5)  # every cached key and value is still the old model's
+    _, reused = _generate_both(cm, torch.cat([first, _ids(4, 2)], 1), monkeypatch)
+    assert reused == 0
+
+
+def test_the_cache_keeps_its_positions_when_it_grows(monkeypatch):
+    cm = _compiled("llama_relu")
+    first = cm.generate(_ids(10, 1), max_new_tokens=NEW)
+    size = cm.decoder().max_len
+    turn = torch.cat([first, _ids(size, 2)], 1)  # needs more room than reserved
+    _, reused = _generate_both(cm, turn, monkeypatch)
+    assert cm.decoder().max_len > size
+    assert reused == first.shape[1] - 1
+
+
+def test_calls_the_decoder_does_not_run_leave_the_cache_as_it_was(monkeypatch):
+    cm = _compiled("llama_relu")
+    first = cm.generate(_ids(10, 1), max_new_tokens=NEW)
+    cm.generate(torch.cat([_ids(16, 4), _ids(16, 5)]), max_new_tokens=3)  # a batch: per module
+    _, reused = _generate_both(cm, torch.cat([first, _ids(4, 2)], 1), monkeypatch)
+    assert reused == first.shape[1] - 1
+
+
+def test_sliding_windows_are_reused_until_a_call_runs_past_one(monkeypatch):
+    cm = _compiled("gemma3")  # a sliding layer of 64 positions and a global one
+    assert min(layer.window or 1e9 for layer in cm.decoder().layers) == 64
+    first = cm.generate(_ids(30, 1), max_new_tokens=NEW)
+    turn, reused = _generate_both(cm, torch.cat([first, _ids(4, 2)], 1), monkeypatch)
+    assert reused == first.shape[1] - 1
+    # 46 positions, then 52 + 14 > 64: the window slides in HF's cache, no reuse; nor after
+    _, reused = _generate_both(cm, torch.cat([turn, _ids(6, 3)], 1), monkeypatch, 14)
+    assert reused == 0
+    assert cm.decoder().held is None
+
+
+def test_a_call_that_fails_forgets_the_cache(monkeypatch):
+    cm = _compiled("llama_relu")
+    first = cm.generate(_ids(10, 1), max_new_tokens=NEW)
+
+    class Interrupted:  # Ctrl-C in a chat after two new tokens: the cache half written
+        def __init__(self):
+            self.puts = 0
+
+        def put(self, tokens):
+            self.puts += 1
+            if self.puts == 3:
+                raise KeyboardInterrupt
+
+        def end(self):
+            pass
+
+    with pytest.raises(KeyboardInterrupt):
+        cm.generate(torch.cat([first, _ids(4, 2)], 1), max_new_tokens=NEW, streamer=Interrupted())
+    assert cm.decoder().held is None
+    _, reused = _generate_both(cm, torch.cat([first, _ids(4, 2)], 1), monkeypatch)
+    assert reused == 0
