@@ -1,8 +1,9 @@
-"""The prompt cache (runtime/decoder.py, Decoder.cached_prefix): a generate whose prompt starts
+"""The prompt cache (runtime/decoder.py, Stack.cached_prefix): a generate whose prompt starts
 with the tokens of the last one (a chat's next turn) prefills only the rest, over the keys and
-values the C decoder's KV cache holds. What it must give: the tokens and the KV cache of a
-prefill from position 0 (PICOMPILE_PROMPT_CACHE=0), and no reuse where what is cached could be
-stale (weights edited) or is not whole (sliding windows)."""
+values the decoder's KV cache holds (the C decoder's, and the device decoder's on the CPU
+stand-in). What it must give: the tokens and the KV cache of a prefill from position 0
+(PICOMPILE_PROMPT_CACHE=0), and no reuse where what is cached could be stale (weights edited, a
+call interrupted) or is not whole (the C decoder past a sliding window)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import pytest
 import torch
 
 import picompile
+from picompile.runtime.device_decoder import DeviceDecoder
 from tests import zoo
 from tests.test_decoder import _compile_kw, _model
+from tests.test_device_decoder import _split
 
 NEW = 6
 
@@ -26,6 +29,13 @@ def _compiled(arch: str, how: str = "exact"):
     return cm
 
 
+def _cached(dec, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of positions 0..n-1, [layers, kv heads, n, head dim] each, from either
+    decoder's layout (the C one's [L, KV, max_len, hd]; the device one's per layer)."""
+    return tuple(torch.stack([c.reshape(c.shape[-3:])[:, :n].float() for c in caches])
+                 for caches in (dec.k_cache, dec.v_cache))
+
+
 def _generate_both(cm, prompt: torch.Tensor, monkeypatch, max_new_tokens: int = NEW):
     """(tokens, KV cache positions it filled) with the prompt cache, then without it, and the
     positions the first took from the cache. Each run starts from the same cached state."""
@@ -33,14 +43,13 @@ def _generate_both(cm, prompt: torch.Tensor, monkeypatch, max_new_tokens: int = 
     held = dec.held
     out = cm.generate(prompt, max_new_tokens=max_new_tokens)
     reused, n = dec.prompt_reused, out.shape[1] - 1
-    kv = dec.k_cache[:, :, :n].clone(), dec.v_cache[:, :, :n].clone()
+    kv = _cached(dec, n)
     dec.held = held
     with monkeypatch.context() as m:
         m.setenv("PICOMPILE_PROMPT_CACHE", "0")
         want = cm.generate(prompt, max_new_tokens=max_new_tokens)
         assert dec.prompt_reused == 0
-    torch.testing.assert_close(kv, (dec.k_cache[:, :, :n], dec.v_cache[:, :, :n]),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(kv, _cached(dec, n), rtol=1e-4, atol=1e-5)
     assert torch.equal(out, want)
     return out, reused
 
@@ -137,3 +146,19 @@ def test_a_call_that_fails_forgets_the_cache(monkeypatch):
     assert cm.decoder().held is None
     _, reused = _generate_both(cm, torch.cat([first, _ids(4, 2)], 1), monkeypatch)
     assert reused == 0
+
+
+@pytest.mark.parametrize("arch", ["llama_relu", "gemma3"])
+def test_the_device_decoder_prefills_only_the_new_tokens_too(arch, monkeypatch):
+    config = zoo.hf_config(arch)
+    if arch == "gemma3":
+        config.sliding_window = 4  # its cache is whole: windows are masks there
+    _, cm = _split(arch, (0.5,), config=config)
+    assert isinstance(cm.decoder(), DeviceDecoder), cm.decoder_reason
+    first = cm.generate(_ids(10, 1), max_new_tokens=NEW)
+    turn, reused = _generate_both(cm, torch.cat([first, _ids(5, 2)], 1), monkeypatch)
+    assert reused == first.shape[1] - 1
+    size = cm.decoder().max_len  # and once more, past the room reserved
+    _, reused = _generate_both(cm, torch.cat([turn, _ids(size, 3)], 1), monkeypatch)
+    assert cm.decoder().max_len > size
+    assert reused == turn.shape[1] - 1

@@ -457,22 +457,45 @@ class Stack:
         """Let go of what the decoder holds beyond its model (the device decoder: graphs, KV
         cache) when it is replaced; the C decoder's memory is the host's, freed with it."""
 
-    held = None  # the prompt cache's tokens (Decoder's); here none
+    # ---- the prompt cache, as llama.cpp's server keeps one ---------------------------------
+    # After a generate the KV cache holds the keys and values of the prompt and the reply: the
+    # token ids they belong to (`held`, [n] long on the CPU) and the weights they were computed
+    # from. A prompt that starts with them (a chat's next turn) prefills only the rest.
+    held: torch.Tensor | None = None
+    _held_weights: tuple | None = None
     prompt_reused = 0  # positions the last generate took from the prompt cache
 
     def cached_prefix(self, tokens: torch.Tensor, total: int) -> int:
         """How many leading positions of the prompt tokens [S] (of a call that runs `total`
-        positions) the KV cache already holds (the prompt cache; Decoder's): here none, the
-        decoder prefills from position 0."""
-        return 0
-
-    def forget(self) -> None:
-        """Drop what the prompt cache holds: the next generate prefills from position 0."""
-        self.held = None
+        positions) the KV cache holds for these very tokens, computed from the weights as they
+        are now (at most S - 1: the last position is prefilled for its logits); 0 where none.
+        The caller writes the cache next, so the decoder forgets what it held until hold()."""
+        held, weights = self.held, self._held_weights
+        self.forget()
+        if (held is None or not prompt_cache_enabled() or not self._cacheable(total)
+                or weights != _weights_version(self.model)):
+            return 0
+        n = min(len(held), len(tokens) - 1)
+        differs = (held[:n] != tokens[:n].cpu()).nonzero()
+        self.prompt_reused = int(differs[0]) if len(differs) else n
+        return self.prompt_reused
 
     def hold(self, tokens: torch.Tensor, total: int) -> None:
         """Note that the KV cache now holds the positions of tokens [n], after a call that ran
-        `total` positions (the prompt cache)."""
+        `total` positions."""
+        if self._cacheable(total):
+            self.held = tokens.cpu().clone()
+            self._held_weights = _weights_version(self.model)
+
+    def forget(self) -> None:
+        """Drop what the prompt cache holds: the next generate prefills from position 0."""
+        self.held = self._held_weights = None
+        self.prompt_reused = 0
+
+    def _cacheable(self, total: int) -> bool:
+        """Whether a call of `total` positions leaves every cached position whole (Decoder's
+        sliding windows may not)."""
+        return True
 
     def reset_counts(self) -> None:
         """Forget the active pairs counted since the last flush_stats (each decoder keeps them
@@ -512,12 +535,6 @@ class Decoder(Stack):
         if want in _KV_DTYPES and self.head_dim % 8 == 0 and self.lib.pi_decoder_kv_16bit():
             self.kv_dtype = want
         self.max_len = 0
-        # The prompt cache, as llama.cpp's server keeps one: the token ids whose keys and
-        # values positions 0..n-1 of the KV cache hold after the last generate, and the weights
-        # they were computed from. A prompt that starts with them (a chat's next turn) prefills
-        # only the rest: cached_prefix.
-        self.held: torch.Tensor | None = None  # [n] long
-        self._held_weights: tuple | None = None
         self.n_active = torch.zeros(len(self.layers), dtype=torch.int64)  # [n_layers]
         self.x = torch.empty(1, self.d)  # [1, d] float32: the embedding in
         self.logits = torch.empty(1, self.vocab)  # [1, vocab] float32
@@ -651,22 +668,6 @@ class Decoder(Stack):
             self.k_cache[i, :, first:n] = layer.keys[0, :, first - n + held : held]
             self.v_cache[i, :, first:n] = layer.values[0, :, first - n + held : held]
 
-    def cached_prefix(self, tokens: torch.Tensor, total: int) -> int:
-        """How many leading positions of the prompt tokens [S] the KV cache holds for these very
-        tokens, computed from the weights as they are now (at most S - 1: the last position is
-        prefilled for its logits); 0 where none. The caller writes the cache next, so the
-        decoder forgets what it held until hold()."""
-        held, weights = self.held, self._held_weights
-        self.held = self._held_weights = None
-        self.prompt_reused = 0
-        if (held is None or not prompt_cache_enabled() or not self._unwindowed(total)
-                or weights != _weights_version(self.model)):
-            return 0
-        n = min(len(held), len(tokens) - 1)
-        differs = (held[:n] != tokens[:n].cpu()).nonzero()
-        self.prompt_reused = int(differs[0]) if len(differs) else n
-        return self.prompt_reused
-
     def prefix_into(self, cache, n: int, dtype: torch.dtype) -> None:
         """Write positions 0..n-1 of the KV cache into an empty HF cache (a StaticCache of batch
         1), as the model's own prefill of those tokens would have, in the model's dtype."""
@@ -675,15 +676,10 @@ class Decoder(Stack):
             cache.update(self.k_cache[i, :, :n].unsqueeze(0).to(dtype),
                          self.v_cache[i, :, :n].unsqueeze(0).to(dtype), i, where)
 
-    def hold(self, tokens: torch.Tensor, total: int) -> None:
-        if self._unwindowed(total):
-            self.held = tokens.cpu().clone()
-            self._held_weights = _weights_version(self.model)
-
-    def _unwindowed(self, total: int) -> bool:
-        """Whether no sliding window is shorter than a call's `total` positions. Where one is,
-        Hugging Face's cache for that layer keeps only the window's last positions, so neither
-        its prefill fills every position of ours nor can it take ours back whole."""
+    def _cacheable(self, total: int) -> bool:
+        """No sliding window shorter than the call's `total` positions: where one is, Hugging
+        Face's cache for that layer keeps only the window's last positions, so neither does its
+        prefill fill every position of ours nor can it take ours back whole."""
         return all(not ly.window or ly.window >= total for ly in self.layers)
 
     def step(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:

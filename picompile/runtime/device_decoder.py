@@ -129,6 +129,7 @@ class DeviceDecoder(Stack):
         self.cold_out = [None if s is None else torch.empty(1, self.d, device=self.device)
                          for s in self.stages]  # [1, d] float32: a cold part's output, landed
         self.max_len = 0
+        self.k_cache, self.v_cache = [], []  # per layer [1, KV, max_len, hd], where it runs
         # [] to time each segment of the steps that follow (timings() resolves them); None: off.
         # Timing waits for each segment's device work before the next is launched.
         self.timeline: list[dict] | None = None
@@ -371,16 +372,17 @@ class DeviceDecoder(Stack):
         return self.logits
 
     @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [1, S] (long, on the device) at positions 0..S-1 into the KV cache (reserved
-        for S positions and more) -> logits [1, vocab] float32 of the last. Eager, through the
-        model's own FFN modules (each side of a split block batched), so the cache the decode
-        steps read is the only one on the device."""
+    def prefill(self, input_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """input_ids [1, S] (long, on the device) at positions start..S-1 into the KV cache
+        (reserved for S positions and more; positions 0..start-1 already there: the prompt
+        cache) -> logits [1, vocab] float32 of the last. Eager, through the model's own FFN
+        modules (each side of a split block batched), so the cache the decode steps read is the
+        only one on the device."""
         S = input_ids.shape[-1]
         if S > self.max_len:
             raise IndexError(f"{S} prompt positions, room for {self.max_len} (reserve first)")
-        pos = torch.arange(S, device=self.device)
-        x = self._embedded(input_ids.reshape(S), pos)  # [S, d]
+        pos = torch.arange(start, S, device=self.device)
+        x = self._embedded(input_ids.reshape(S)[start:], pos)  # [S - start, d]
         for i in range(len(self.layers)):
             where = "cpu" if self.on_host[i] else self.device
             x = x.to(where)
@@ -412,8 +414,15 @@ class DeviceDecoder(Stack):
         max_len = self.room(-(-max_len // KV_CACHE_STEP) * KV_CACHE_STEP)
         shape = (1, self.n_kv_heads, max_len, self.head_dim)  # per layer, where it runs
         where = ["cpu" if h else self.device for h in self.on_host]
-        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=w) for w in where]
-        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=w) for w in where]
+        old = self.max_len
+
+        def grown(caches: list[torch.Tensor]) -> list[torch.Tensor]:
+            new = [torch.zeros(shape, dtype=self.dtype, device=w) for w in where]
+            for n, c in zip(new, caches if old else []):  # the positions cached so far stay
+                n[:, :, :old] = c  # (the prompt cache reads them)
+            return new
+
+        self.k_cache, self.v_cache = grown(self.k_cache), grown(self.v_cache)
         rope = {}  # {kind: cos, sin [max_len, rot]}, the model's dtype
         if self.learned_positions is None:
             rope = {kind: (cos.to(self.dtype), sin.to(self.dtype))

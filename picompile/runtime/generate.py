@@ -189,7 +189,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     # last call (a chat's earlier turns): only the rest is prefilled.
     reused = 0 if decoder is None else decoder.cached_prefix(input_ids[0], total)
     if decoder is not None and decoder.prefills:  # into its own cache: the model's stays unused
-        logits = decoder.prefill(input_ids)
+        logits = decoder.prefill(input_ids, start=reused)
     elif steps is not None:
         logits = steps.prefill(input_ids)
     else:
