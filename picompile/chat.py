@@ -140,6 +140,16 @@ def _read(prompt: str, stdin, interactive: bool) -> str:
     return line.rstrip("\n")
 
 
+def _as_unicode(line: str) -> str:
+    """The line with each byte that was not UTF-8 as U+FFFD (Python reads such bytes from
+    standard input as lone surrogates, which no tokenizer takes)."""
+    try:
+        raw = line.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate that did not come from a byte
+        raw = line.encode("utf-8", "replace")
+    return raw.decode("utf-8", "replace")
+
+
 def run(chat: Chat, stdin=None, stdout=None, stderr=None, quiet: bool = False) -> int:
     """The conversation loop until /exit or the end of the input (Ctrl-C at the prompt raises
     KeyboardInterrupt, as in any command). -> how many messages got no answer."""
@@ -163,6 +173,9 @@ def run(chat: Chat, stdin=None, stdout=None, stderr=None, quiet: bool = False) -
             if interactive:
                 print(file=stdout)
             return unanswered
+        if _as_unicode(line) != line:
+            line = _as_unicode(line)
+            say("the message is not valid UTF-8: its other bytes are read as U+FFFD")
         command = line.strip()
         if not command:
             continue

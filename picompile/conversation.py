@@ -71,9 +71,10 @@ class TextDeltas:
         return self._release(final=False)
 
     def flush(self) -> tuple[str, bool]:
-        """The rest at the end of the reply, incomplete characters included."""
+        """The rest at the end of the reply, less a last character the reply left incomplete
+        (the bytes of half an emoji: vLLM drops them too, rather than end on U+FFFD)."""
         before = self._decode(self.ids[self.prefix:self.read])
-        self.text += self._decode(self.ids[self.prefix:])[len(before):]
+        self.text += self._decode(self.ids[self.prefix:])[len(before):].removesuffix("\ufffd")
         self.prefix = self.read = len(self.ids)
         return self._release(final=True)
 

@@ -66,11 +66,18 @@ MAX_STOPS = 4
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Parameters picompile cannot honour -> the value that means "off" besides null / false / 0 /
 # empty (n=1 is the default, not "off": n=0 is refused like n=2).
+# Beside OpenAI's own, llama.cpp's and vLLM's names for samplers and constraints a client may
+# send expecting them to act (other unknown fields are ignored, as both servers do).
 _UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": None, "top_logprobs": None, "echo": None,
                 "suffix": None, "logit_bias": None, "presence_penalty": None,
                 "frequency_penalty": None, "repetition_penalty": None, "tools": None,
-                "tool_choice": None, "functions": None, "function_call": None,
-                "response_format": {"type": "text"}}
+                "tool_choice": "none", "functions": None, "function_call": "none",
+                "response_format": {"type": "text"},
+                "repeat_penalty": None, "min_p": None, "typical_p": None, "tfs_z": None,
+                "mirostat": None, "dry_multiplier": None, "xtc_probability": None,
+                "grammar": None, "json_schema": None, "min_tokens": None, "ignore_eos": None,
+                "stop_token_ids": None, "guided_json": None, "guided_regex": None,
+                "guided_choice": None, "guided_grammar": None}
 _DISCONNECT_POLL_S = 0.5  # how often a waiting non-streaming request checks for its client
 
 log = logging.getLogger("picompile.serve")
@@ -169,11 +176,13 @@ def _field(body: dict, name: str, kind: type, default=None, low=None, high=None)
     return value
 
 
-def _check_unsupported(body: dict) -> None:
+def _check_unsupported(body: dict, chat: bool) -> None:
     for name, off in _UNSUPPORTED.items():
         value = body.get(name)
         if value is None or value == off or (off is None and value in (False, 0, "", [], {})):
-            continue
+            # a completion's logprobs=0 asks for the chosen tokens' log-probabilities
+            if not (name == "logprobs" and not chat and value == 0 and value is not False):
+                continue
         raise _bad(name, f"{name}={_show(value)} is not supported by picompile's server",
                    code="unsupported_parameter")
 
@@ -187,17 +196,28 @@ def _stops(body: dict) -> list[str]:
             or not all(isinstance(s, str) and s for s in stops)):
         raise _bad("stop", f"stop must be a non-empty string or a list of at most {MAX_STOPS} "
                            f"non-empty strings, got {_show(stop)}")
-    return stops
+    return [_unicode(s, "stop") for s in stops]
+
+
+def _unicode(text: str, where: str) -> str:
+    """`text`, if it is valid Unicode: JSON's escapes can carry half of a surrogate pair (a
+    client that cut a string through an emoji), which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _bad(where, f"{where} holds {text[e.start]!r} at character {e.start}, half of a "
+                          "UTF-16 surrogate pair: not valid Unicode text") from None
+    return text
 
 
 def _text_content(content, where: str) -> str:
     """A message's content: a string, or a list of {"type": "text", "text": ...} parts."""
     if isinstance(content, str):
-        return content
+        return _unicode(content, where)
     if isinstance(content, list) and all(
             isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
             for p in content):
-        return "\n".join(p["text"] for p in content)
+        return _unicode("\n".join(p["text"] for p in content), where)
     raise _bad(where, f"{where} must be a string or a list of text parts "
                       f"({{\"type\": \"text\", \"text\": ...}}; picompile serves text only), "
                       f"got {_show(content)}")
@@ -248,7 +268,7 @@ class _Cancelled(Exception):
 class Job:
     """A request on its way through the queue. The worker sends events to the request's event
     loop through `events`: ("text", delta), then ("done", finish_reason, prompt_tokens,
-    completion_tokens) or ("error", message). `cancelled` is set when the client goes away."""
+    completion_tokens) or ("error", message, HTTP status). `cancelled` is set when the client goes away."""
 
     def __init__(self, params: Params, chat: bool, stream: bool, include_usage: bool,
                  loop: asyncio.AbstractEventLoop):
@@ -312,7 +332,7 @@ class Engine:
             for job in [*self._waiting, self._running]:
                 if job is not None:
                     job.cancelled.set()
-                    job.emit("error", "the server is shutting down")
+                    job.emit("error", "the server is shutting down", 503)
             self._waiting.clear()
             self._cond.notify_all()
         if self._thread is not None:
@@ -381,7 +401,7 @@ class Engine:
             pass
         except Exception as e:  # the request fails, the server goes on
             log.exception("picompile serve: generation failed")
-            job.emit("error", f"generation failed: {type(e).__name__}: {e}")
+            job.emit("error", f"generation failed: {type(e).__name__}: {e}", 500)
             return
         job.emit("done", streamer.finish, len(p.ids), streamer.count)
 
@@ -420,7 +440,7 @@ class Server:
         if not isinstance(body, dict):
             raise _bad(None, f"the request body must be a JSON object, got {_show(body)}")
         _field(body, "model", str)
-        _check_unsupported(body)
+        _check_unsupported(body, chat)
         stream = _field(body, "stream", bool, False)
         options = body.get("stream_options")
         if options is not None and not isinstance(options, dict):
@@ -454,6 +474,7 @@ class Server:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
+            _unicode(prompt, "prompt")
             with self.engine.tokenizer_lock:
                 ids = list(self.tokenizer(prompt)["input_ids"])
             if not ids:
@@ -497,8 +518,11 @@ class Server:
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        return {"id": job.id, "object": "chat.completion.chunk" if job.chat else "text_completion",
-                "created": job.created, "model": self.name, "choices": [choice]}
+        chunk = {"id": job.id, "object": "chat.completion.chunk" if job.chat else "text_completion",
+                 "created": job.created, "model": self.name, "choices": [choice]}
+        if job.include_usage:  # OpenAI's: null in every chunk but the last one's
+            chunk["usage"] = None
+        return chunk
 
     async def events(self, job: Job) -> AsyncIterator[str]:
         """The job's reply as server-sent events (the caller cancels the job when done)."""
@@ -520,7 +544,7 @@ class Server:
                                "usage": self._usage(prompt, completion)})
                 break
             else:
-                yield sse(APIError(500, event[1], "server_error").body())
+                yield sse(APIError(event[2], event[1], "server_error").body())
                 break
         yield "data: [DONE]\n\n"
 
@@ -543,7 +567,7 @@ class Server:
                     parts.append(event[1])
                     continue
                 if event[0] == "error":
-                    raise APIError(500, event[1], "server_error")
+                    raise APIError(event[2], event[1], "server_error")
                 _, finish, prompt, completion = event
                 break
         finally:

@@ -176,3 +176,27 @@ def test_sampling_arguments_are_checked():
         chat.Chat(None, None, top_p=0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         chat.Chat(None, None, max_new_tokens=0)
+
+
+def test_bytes_that_are_not_utf8_are_read_as_replacement_characters(model):
+    cm, tok = model  # Python reads such bytes from a pipe as lone surrogates ("\udce9")
+    out, err = talk(chat.Chat(cm, tok, max_new_tokens=4), "caf\udce9 au lait?")
+    want = greedy_reply(cm, tok, [{"role": "user", "content": "caf\ufffd au lait?"}], 4)
+    assert out == f"{want}\n\n" and "not valid UTF-8" in err
+
+
+class _ByteTokenizer:
+    """Token id = one byte of UTF-8."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", "replace")
+
+
+def test_a_reply_cut_inside_a_character_does_not_end_on_a_replacement_character():
+    from picompile.conversation import TextDeltas
+
+    emoji = list("🙂".encode())
+    text = TextDeltas(_ByteTokenizer())
+    sent = [text.add(t)[0] for t in [*b"ok ", *emoji, *emoji[:2]]]
+    assert "".join(sent) + text.flush()[0] == "ok 🙂"
+    assert text.reply() == "ok 🙂"

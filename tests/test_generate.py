@@ -292,3 +292,12 @@ def test_a_longrope_model_crossing_its_original_context_runs_hf_generate():
     assert supported(cm._orig_mod, dict(max_new_tokens=NEW), (past,)) is None
     assert torch.equal(cm.generate(past, max_new_tokens=NEW, do_sample=False),
                        _hf(dense, past, eos_token_id=None))
+
+
+def test_a_tiny_temperature_decodes_greedily():
+    model = zoo.make("llama_relu")
+    ids = torch.randint(3, zoo.VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    greedy = generate(model, ids, max_new_tokens=5)
+    for t in (1e-6, 1e-300):  # 1e-300 is 0 in float32: the logits / t would be nan
+        assert torch.equal(generate(model, ids, max_new_tokens=5, do_sample=True,
+                                    temperature=t, seed=1), greedy)

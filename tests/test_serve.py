@@ -298,6 +298,13 @@ MALFORMED = [
     ("POST", COMPLETIONS, {"prompt": [5, 10**9]}, "token ids"),
     ("POST", COMPLETIONS, {"prompt": ["a", "b"]}, "one prompt"),
     ("POST", COMPLETIONS, {"prompt": "", "max_tokens": 4}, "no tokens"),
+    ("POST", COMPLETIONS, b'{"prompt": "hi \\ud800 there", "max_tokens": 2}', "surrogate"),
+    ("POST", CHAT, b'{"messages": [{"role": "user", "content": "caf\\udce9"}]}', "surrogate"),
+    ("POST", CHAT, {"messages": USER, "repeat_penalty": 1.1}, "repeat_penalty"),  # llama.cpp's
+    ("POST", CHAT, {"messages": USER, "min_p": 0.05}, "min_p"),
+    ("POST", CHAT, {"messages": USER, "guided_json": {"type": "object"}}, "guided_json"),  # vLLM's
+    ("POST", CHAT, {"messages": USER, "tool_choice": "auto"}, "tool_choice"),
+    ("POST", COMPLETIONS, {"prompt": "a", "logprobs": 0}, "logprobs"),  # the chosen tokens'
     ("GET", CHAT, None, "Method Not Allowed"),
     ("POST", "/v1/nothing-here", {}, "Not Found"),
 ]
@@ -325,6 +332,13 @@ def test_bad_field_names_its_param(url, model):
     long = [5] * model[0].config.max_position_embeddings
     r = httpx.post(f"{url}{COMPLETIONS}", json={"prompt": long, "max_tokens": 3})
     assert assert_openai_error(r, 400)["param"] == "prompt"
+
+
+def test_what_means_off_and_a_tiny_temperature_are_answered(client):
+    r = client.chat.completions.create(model="m", messages=USER, max_tokens=3, temperature=1e-300,
+                                       tool_choice="none", logprobs=False)
+    greedy = client.chat.completions.create(model="m", messages=USER, max_tokens=3, temperature=0)
+    assert r.choices[0].message.content == greedy.choices[0].message.content
 
 
 def test_openai_client_raises_bad_request(client):
@@ -474,7 +488,7 @@ def test_ctrl_c_ends_the_running_and_waiting_requests_at_once():
     finally:
         proc.kill()
     assert "Traceback" not in out
-    assert [r.status_code for r in replies] == [500, 500]
+    assert [r.status_code for r in replies] == [503, 503]
     assert all("shutting down" in r.json()["error"]["message"] for r in replies)
 
 

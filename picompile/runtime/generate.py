@@ -52,6 +52,9 @@ _HF_ONLY = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
             "custom_generate", "assistant_tokenizer", "use_model_defaults")
 
 
+GREEDY_BELOW = 1e-5  # a sampling temperature below this decodes greedily (vLLM's _SAMPLING_EPS)
+
+
 class _Unsupported(Exception):
     pass
 
@@ -133,6 +136,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
         raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
     if top_p is not None and not 0 <= top_p <= 1:
         raise ValueError(f"top_p must be in [0, 1], got {top_p}")
+    if do_sample and temperature < GREEDY_BELOW:  # vLLM's rule: the logits divided by such a
+        do_sample = False  # temperature overflow float32, and sampling would be argmax anyway
     device = next(model.parameters()).device
     input_ids = input_ids.to(device=device, dtype=torch.long)
     b, s = input_ids.shape
