@@ -179,6 +179,21 @@ def test_chat_greedy_uses_default_format_and_equals_generate(client, model):
     assert r.usage.prompt_tokens == len(ids) and 1 <= r.usage.completion_tokens <= 24
 
 
+def test_a_conversation_sent_again_prefills_only_its_new_message(client, model):
+    cm, tok = model
+    messages = [{"role": "user", "content": "What does len return?"}]
+    first = client.chat.completions.create(model="m", messages=messages, max_tokens=8,
+                                           temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And sorted?"}]
+    second = client.chat.completions.create(model="m", messages=messages, max_tokens=8,
+                                            temperature=0)
+    assert cm.decoder().prompt_reused >= first.usage.prompt_tokens  # the first prompt at least
+    ids = tok(default_chat_format(messages))["input_ids"]
+    assert second.choices[0].message.content == reference(model, ids, 8)[0].split(
+        DEFAULT_FORMAT_STOP)[0]
+
+
 def test_chat_streaming_matches_non_streaming(client):
     kw = dict(model="relu_llama", messages=[{"role": "user", "content": "Tell me about lists"}],
               max_tokens=16, temperature=0)
