@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from picompile.compiled_model import CompiledModel
 from picompile.conversation import ReplyStreamer, StopString, TextDeltas, chat_prompt, end_tokens
 
 HELP = ("/reset forgets the conversation, /exit or /quit (or Ctrl-D) ends it, /help shows "
@@ -37,9 +38,10 @@ COMMANDS = ("/reset", "/exit", "/quit", "/help")
 class _Printer(ReplyStreamer):
     """Writes the reply's text to `out` as it comes and clocks the tokens."""
 
-    def __init__(self, text: TextDeltas, out, ends: set[int]):
+    def __init__(self, text: TextDeltas, out, ends: set[int], prompt_tokens: int):
         super().__init__(text, ends)
-        self.out = out
+        self.out, self.prompt_tokens = out, prompt_tokens
+        self.start = time.perf_counter()  # the prompt handed to generate()
         self.first = self.last = None  # perf_counter at the first and the latest token
 
     def put(self, value: torch.Tensor) -> None:
@@ -84,6 +86,16 @@ class Chat:
     def reset(self) -> None:
         self.messages = list(self.system)
 
+    def prompt_line(self, printer: _Printer) -> str:
+        """'; prompt N tokens (K cached), first token after S s' for the last answer: how much
+        of the conversation the prompt cache held (a compiled model's decoder, where one ran)."""
+        if printer.first is None:
+            return ""
+        decoder = self.model.decoder() if isinstance(self.model, CompiledModel) else None
+        cached = "" if decoder is None else f" ({decoder.prompt_reused:,} cached)"
+        return (f"; prompt {printer.prompt_tokens:,} tokens{cached}, first token after "
+                f"{printer.first - printer.start:.2f} s")
+
     def _fit(self, messages: list[dict]) -> tuple[list[int], list[str], int, list[dict]]:
         """-> (prompt ids, stop strings, new tokens allowed, the turns kept): the oldest turns
         dropped until the prompt and max_new_tokens fit the context, or only the last message
@@ -113,7 +125,7 @@ class Chat:
         if dropped:
             note(f"{dropped} of the oldest messages dropped to fit the model's context of "
                  f"{self.context:,} tokens")
-        printer = _Printer(TextDeltas(self.tokenizer, stops), out, self.ends)
+        printer = _Printer(TextDeltas(self.tokenizer, stops), out, self.ends, len(ids))
         ids = torch.tensor([ids])
         kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                       eos_token_id=sorted(self.ends) or None, pad_token_id=self.pad,
@@ -203,5 +215,6 @@ def run(chat: Chat, stdin=None, stdout=None, stderr=None, quiet: bool = False) -
             print(file=stdout)
             continue
         rate = printer.rate()
-        note(f"{printer.count} tokens" + (f", {rate:.1f} tokens/s" if rate else ""))
+        note(f"{printer.count} tokens" + (f", {rate:.1f} tokens/s" if rate else "")
+             + chat.prompt_line(printer))
         print(file=stdout)  # a blank line after each answer

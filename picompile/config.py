@@ -25,8 +25,8 @@ def reference_forced() -> bool:
     return os.environ.get(REFERENCE_ENV, "") not in ("", "0")
 
 
-# OpenMP threads for the hybrid runtime's cold part (runtime/hybrid.py); unset: torch's thread
-# count less one for the thread that launches the GPU part.
+# OpenMP threads for the hybrid runtime's cold part (runtime/hybrid.py, cold_threads); unset:
+# half of torch's thread count.
 COLD_THREADS_ENV = "PICOMPILE_COLD_THREADS"
 
 

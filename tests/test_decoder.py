@@ -382,3 +382,21 @@ def test_kv_cache_option_refuses_other_dtypes():
 def test_compile_refuses_other_dtypes():
     with pytest.raises(ValueError, match="dtype must be one of"):
         picompile.compile(_model("llama_relu"), dtype="int8", quiet=True)
+
+
+def test_keys_past_float16s_range_raise_rather_than_pick_from_nan():
+    """kv_cache="float16" on a float32 model whose keys and values reach 1e5 for one token."""
+    model = zoo.make("llama_relu", layers=2)
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight
+        emb[:, 0] = 0
+        emb[7] = 0
+        emb[7, 0] = 1.0
+        attn = model.model.layers[0].self_attn
+        attn.k_proj.weight[:, 0] = 1.2e4
+        attn.v_proj.weight[:, 0] = 1.2e4
+    cm = picompile.compile(model, kv_cache="float16", quiet=True)
+    assert cm.decoder() is not None, cm.decoder_reason  # the probe's tokens stay in range
+    ids = torch.tensor([[3, 5, 7, 9, 11]])
+    with pytest.raises(FloatingPointError, match="float16 KV cache"):
+        cm.generate(ids, max_new_tokens=4)

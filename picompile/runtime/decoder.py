@@ -684,14 +684,26 @@ class Decoder(Stack):
 
     def step(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
         """tokens [1] (long) at position pos -> logits [1, vocab] float32 (a buffer reused by
-        the next step). The KV cache holds positions 0..pos-1."""
+        the next step; values of the model's dtype). The KV cache holds positions 0..pos-1.
+        FloatingPointError where they are not finite (a 16-bit KV cache overflowed)."""
         self.x.copy_(self.embedding[tokens])
         rc = self.lib.pi_decoder_step(ctypes.byref(self._struct), pos, self.x.data_ptr(),
                                       self.logits.data_ptr())
         if rc:
             raise (IndexError(f"position {pos} outside the reserved {self.max_len}") if rc == -1
                    else MemoryError("picompile decoder step: an FFN kernel ran out of memory"))
+        if self.embedding.dtype != torch.float32:  # rounded as the model's own LM head rounds
+            self.logits.copy_(self.logits.to(self.embedding.dtype))  # them (its greedy ties)
+        if not bool(torch.isfinite(self.logits).all()):  # never a token picked from NaN
+            raise FloatingPointError(f"picompile decoder step: the logits at position {pos} "
+                                     f"are not finite{self._overflow_hint()}")
         return self.logits
+
+    def _overflow_hint(self) -> str:
+        if self.kv_dtype == torch.float16 and self.embedding.dtype != torch.float16:
+            return (": keys or values past float16's range (65504) overflow the float16 KV "
+                    "cache (kv_cache='float16'); compile without it to keep the model's dtype")
+        return ""
 
 @torch.no_grad()
 def verify(model: nn.Module, decoder: Stack) -> None:
@@ -726,7 +738,10 @@ def verify(model: nn.Module, decoder: Stack) -> None:
             decoder.load_cache(cache, n - 1)
             prefill_err = 0.0
         decoder.set_threads()
-        got = decoder.step(ids[0, -1:], n - 1)[0]
+        try:
+            got = decoder.step(ids[0, -1:], n - 1)[0]
+        except FloatingPointError as e:  # the probe overflowed a 16-bit KV cache
+            raise Unsupported(str(e)) from None
     finally:
         for m, (active, total) in zip(counted, stats):
             m.active_pairs, m.total_pairs = active, total
