@@ -337,21 +337,18 @@ def main():
     if gpu:
         torch.cuda.empty_cache()
 
-    # 2. picompile all on the GPU: the same plan, every neuron hot (no profile again)
-    if gpu and "gpu" not in args.skip:
-        model = build(args.shape, dtype, device, args.layers)
-        all_gpu = picompile.load(model, plan_dir, distribute=False)
-        for f in all_gpu.ffns().values():
-            f.block.decided.hot_neurons = f.n_ff
-        all_gpu.plan.placement.host_layers, all_gpu.plan.placement.fixed_on_gpu = [], True
-        all_gpu.distribute("cuda")
-        results["picompile all on the GPU (same plan, every neuron hot)"] = decode_tps(
-            all_gpu, ids, args.new_tokens)
-        print(f"decode step: {decode_step_line(all_gpu)}", flush=True)
+    # 2. picompile all on the CPU, same plan (loaded, not profiled again): the target's
+    # ratio first, so that a run cut by its time limit still has it
+    if "cpu" not in args.skip:
+        dense = build(args.shape, dtype, device, args.layers).to("cpu")
+        if gpu:
+            torch.cuda.empty_cache()
+        cpu_cm = picompile.load(dense, plan_dir, distribute=False)
+        cpu_cm.use_predictors("all")
+        results["picompile all on the CPU (predicted)"] = decode_tps(cpu_cm, ids, args.new_tokens)
         print(results, flush=True)
-        del all_gpu, model
+        del cpu_cm, dense
         gc.collect()
-        torch.cuda.empty_cache()
 
     # 3. accelerate offloading at the same budget (dense, layers moved to the GPU per step)
     if gpu and "accelerate" not in args.skip:
@@ -369,17 +366,21 @@ def main():
         gc.collect()
         torch.cuda.empty_cache()
 
-    # 4. picompile all on the CPU, same plan (loaded, not profiled again)
-    if "cpu" not in args.skip:
-        dense = build(args.shape, dtype, device, args.layers).to("cpu")
-        if gpu:
-            torch.cuda.empty_cache()
-        cpu_cm = picompile.load(dense, plan_dir, distribute=False)
-        cpu_cm.use_predictors("all")
-        results["picompile all on the CPU (predicted)"] = decode_tps(cpu_cm, ids, args.new_tokens)
+    # 4. picompile all on the GPU: the same plan, every neuron hot (no profile again)
+    if gpu and "gpu" not in args.skip:
+        model = build(args.shape, dtype, device, args.layers)
+        all_gpu = picompile.load(model, plan_dir, distribute=False)
+        for f in all_gpu.ffns().values():
+            f.block.decided.hot_neurons = f.n_ff
+        all_gpu.plan.placement.host_layers, all_gpu.plan.placement.fixed_on_gpu = [], True
+        all_gpu.distribute("cuda")
+        results["picompile all on the GPU (same plan, every neuron hot)"] = decode_tps(
+            all_gpu, ids, args.new_tokens)
+        print(f"decode step: {decode_step_line(all_gpu)}", flush=True)
         print(results, flush=True)
-        del cpu_cm, dense
+        del all_gpu, model
         gc.collect()
+        torch.cuda.empty_cache()
 
     print()
     print("| run | decode tok/s |")
