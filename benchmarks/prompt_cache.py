@@ -7,7 +7,7 @@
 Each turn sends the whole conversation so far through the model's chat template, as
 `picompile chat` and a client of `picompile serve` do: the user's message (a paragraph of the
 built-in corpus's held-out split), then a greedy reply of --new-tokens tokens that is kept in
-the conversation (--message-chars: how much of the paragraph). With the prompt cache (runtime/decoder.py, Decoder.cached_prefix) a turn
+the conversation (--message-chars: how much of the paragraph). With the prompt cache (runtime/decoder.py, Stack.cached_prefix) a turn
 prefills only the tokens after those the C decoder's KV cache holds from the turn before; with
 PICOMPILE_PROMPT_CACHE=0 it prefills the whole conversation. The two conversations run one after
 the other, --rounds times (cache on first, then off), over the same prompts: the first run's

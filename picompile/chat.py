@@ -5,7 +5,7 @@ Each message goes to the model with the conversation before it (the tokenizer's 
 or conversation.default_chat_format), and the reply streams as it is generated. A turn prefills
 only the tokens after those the decoder's prompt cache holds from the turn before (the
 conversation so far, where the template renders it as it was: runtime/decoder.py,
-Decoder.cached_prefix). When the conversation and the reply's tokens no longer fit the
+Stack.cached_prefix). When the conversation and the reply's tokens no longer fit the
 model's context, the oldest turns are dropped, with a note. Lines:
 
     /reset          forget the conversation (the system prompt stays)

@@ -668,10 +668,11 @@ class Decoder(Stack):
             self.k_cache[i, :, first:n] = layer.keys[0, :, first - n + held : held]
             self.v_cache[i, :, first:n] = layer.values[0, :, first - n + held : held]
 
-    def prefix_into(self, cache, n: int, dtype: torch.dtype) -> None:
+    def prefix_into(self, cache, n: int) -> None:
         """Write positions 0..n-1 of the KV cache into an empty HF cache (a StaticCache of batch
         1), as the model's own prefill of those tokens would have, in the model's dtype."""
         where = {"cache_position": torch.arange(n)}  # transformers 4.x's StaticCache reads it
+        dtype = self.embedding.dtype
         for i in range(len(self.layers)):
             cache.update(self.k_cache[i, :, :n].unsqueeze(0).to(dtype),
                          self.v_cache[i, :, :n].unsqueeze(0).to(dtype), i, where)

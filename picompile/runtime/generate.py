@@ -1,8 +1,8 @@
 """picompile's own generate loop for Hugging Face decoder-only models (gpt-fast shape).
 
     prefill: the whole prompt through the model once, into a transformers StaticCache sized
-             prompt + max_new_tokens, keeping the last position's logits only (with the C
-             decoder, only the prompt's tokens after those its prompt cache holds);
+             prompt + max_new_tokens, keeping the last position's logits only (with a
+             whole-step decoder, only the prompt's tokens after those its prompt cache holds);
     decode:  one token per step; per step there is a model call, the pick (argmax or sampling)
              and a few in-place tensor updates. Nothing is reallocated per step: the output
              ids, the position ids and the 2D attention mask are preallocated.
@@ -199,7 +199,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
         logits = steps.prefill(input_ids)
     else:
         if reused:
-            decoder.prefix_into(cache, reused, next(model.parameters()).dtype)
+            decoder.prefix_into(cache, reused)
             prefill.update(input_ids=input_ids[:, reused:], position_ids=pos[:, reused:])
             if cache_pos:
                 prefill["cache_position"] = torch.arange(reused, s, device=device)
