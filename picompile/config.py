@@ -46,7 +46,7 @@ def decoder_enabled() -> bool:
 
 
 # Set PICOMPILE_PROMPT_CACHE=0 to prefill every prompt from its first token instead of reusing
-# the keys and values the C decoder's KV cache holds for its leading tokens (runtime/decoder.py,
+# the keys and values the decoder's KV cache holds for its leading tokens (runtime/decoder.py,
 # Stack.cached_prefix): for comparing the two, or bisecting.
 PROMPT_CACHE_ENV = "PICOMPILE_PROMPT_CACHE"
 
