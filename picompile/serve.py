@@ -65,9 +65,9 @@ DEFAULT_MAX_QUEUE = 16
 MAX_STOPS = 4
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Parameters picompile cannot honour -> the value that means "off" besides null / false / 0 /
-# empty (n=1 is the default, not "off": n=0 is refused like n=2).
-# Beside OpenAI's own, llama.cpp's and vLLM's names for samplers and constraints a client may
-# send expecting them to act (other unknown fields are ignored, as both servers do).
+# empty (n=1 is the default, not "off": n=0 is refused like n=2). Beside OpenAI's own,
+# llama.cpp's and vLLM's names for samplers and constraints a client may send expecting them to
+# act (other unknown fields are ignored, as both servers do).
 _UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": None, "top_logprobs": None, "echo": None,
                 "suffix": None, "logit_bias": None, "presence_penalty": None,
                 "frequency_penalty": None, "repetition_penalty": None, "tools": None,
@@ -179,12 +179,17 @@ def _field(body: dict, name: str, kind: type, default=None, low=None, high=None)
 def _check_unsupported(body: dict, chat: bool) -> None:
     for name, off in _UNSUPPORTED.items():
         value = body.get(name)
-        if value is None or value == off or (off is None and value in (False, 0, "", [], {})):
-            # a completion's logprobs=0 asks for the chosen tokens' log-probabilities
-            if not (name == "logprobs" and not chat and value == 0 and value is not False):
-                continue
-        raise _bad(name, f"{name}={_show(value)} is not supported by picompile's server",
-                   code="unsupported_parameter")
+        if not _is_off(name, value, off, chat):
+            raise _bad(name, f"{name}={_show(value)} is not supported by picompile's server",
+                       code="unsupported_parameter")
+
+
+def _is_off(name: str, value, off, chat: bool) -> bool:
+    if value is None or value == off:
+        return True
+    if name == "logprobs" and not chat and type(value) is int:  # a completion's logprobs=N,
+        return False  # 0 too, asks for the chosen tokens' log-probabilities
+    return off is None and value in (False, 0, "", [], {})
 
 
 def _stops(body: dict) -> list[str]:
@@ -268,7 +273,8 @@ class _Cancelled(Exception):
 class Job:
     """A request on its way through the queue. The worker sends events to the request's event
     loop through `events`: ("text", delta), then ("done", finish_reason, prompt_tokens,
-    completion_tokens) or ("error", message, HTTP status). `cancelled` is set when the client goes away."""
+    completion_tokens) or ("error", message, HTTP status). `cancelled` is set when the client
+    goes away."""
 
     def __init__(self, params: Params, chat: bool, stream: bool, include_usage: bool,
                  loop: asyncio.AbstractEventLoop):
