@@ -200,3 +200,15 @@ def test_a_reply_cut_inside_a_character_does_not_end_on_a_replacement_character(
     sent = [text.add(t)[0] for t in [*b"ok ", *emoji, *emoji[:2]]]
     assert "".join(sent) + text.flush()[0] == "ok 🙂"
     assert text.reply() == "ok 🙂"
+
+
+def test_the_status_line_says_how_much_of_the_prompt_was_cached(model):
+    import re
+
+    cm, tok = model
+    cm.decoder().forget()  # what earlier tests left cached
+    _, err = talk(chat.Chat(cm, tok, max_new_tokens=4), "def add(a, b):", "  return")
+    turns = [(int(p), int(c)) for p, c in re.findall(r"prompt (\d+) tokens \((\d+) cached\)", err)]
+    assert len(turns) == 2 and turns[0][1] == 0
+    assert turns[0][0] <= turns[1][1] < turns[1][0]  # the second turn reused the first prompt
+    assert err.count("first token after") == 2
