@@ -79,6 +79,8 @@ class CompiledModel(nn.Module):
                     steps = None
                 return fast.generate_hf(self._orig_mod, *args, decoder=decoder, steps=steps,
                                         **kwargs)
+        if self._decoder is not None:  # HF's generate runs it: nothing taken from the cache
+            self._decoder.prompt_reused = 0
         if not reason.startswith(fast.INVALID):  # else HF's generate raises its own error
             note(f"generate: Hugging Face's generate runs this call (picompile's loop does not "
                  f"handle {reason})")

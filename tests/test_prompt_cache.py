@@ -2,8 +2,9 @@
 with the tokens of the last one (a chat's next turn) prefills only the rest, over the keys and
 values the decoder's KV cache holds (the C decoder's, and the device decoder's on the CPU
 stand-in). What it must give: the tokens and the KV cache of a prefill from position 0
-(PICOMPILE_PROMPT_CACHE=0), and no reuse where what is cached could be stale (weights edited, a
-call interrupted) or is not whole (the C decoder past a sliding window)."""
+(PICOMPILE_PROMPT_CACHE=0), and no reuse where what is cached could be stale (weights edited,
+in place, through .data or during the call) or is not whole (the C decoder past a sliding
+window); a reply a streamer stops (a stop string, Ctrl-C) keeps what it cached."""
 
 from __future__ import annotations
 
@@ -125,27 +126,56 @@ def test_sliding_windows_are_reused_until_a_call_runs_past_one(monkeypatch):
     assert cm.decoder().held is None
 
 
-def test_a_call_that_fails_forgets_the_cache(monkeypatch):
+class _StopAfter:
+    """A streamer that raises (as a stop string or Ctrl-C does) at its n-th new token, after
+    `edit()` where one is given."""
+
+    def __init__(self, n: int, edit=None):
+        self.puts, self.n, self.edit = 0, n, edit
+
+    def put(self, tokens):
+        self.puts += 1  # the first put is the prompt
+        if self.puts == self.n + 1:
+            if self.edit is not None:
+                self.edit()
+            raise KeyboardInterrupt
+
+    def end(self):
+        pass
+
+
+def test_a_reply_a_streamer_stops_keeps_what_it_cached(monkeypatch):
     cm = _compiled("llama_relu")
-    first = cm.generate(_ids(10, 1), max_new_tokens=NEW)
+    first = cm.generate(_ids(10, 1), max_new_tokens=NEW)  # [1, 16]
+    turn = torch.cat([first, _ids(4, 2)], 1)  # [1, 20]
+    with pytest.raises(KeyboardInterrupt):  # at its third new token: two were stepped
+        cm.generate(turn, max_new_tokens=NEW, streamer=_StopAfter(3))
+    held = cm.decoder().held
+    assert len(held) == turn.shape[1] + 2 and torch.equal(held[:20], turn[0])
+    _, reused = _generate_both(cm, torch.cat([held[None], _ids(3, 3)], 1), monkeypatch)
+    assert reused == len(held)
 
-    class Interrupted:  # Ctrl-C in a chat after two new tokens: the cache half written
-        def __init__(self):
-            self.puts = 0
 
-        def put(self, tokens):
-            self.puts += 1
-            if self.puts == 3:
-                raise KeyboardInterrupt
-
-        def end(self):
-            pass
-
-    with pytest.raises(KeyboardInterrupt):
-        cm.generate(torch.cat([first, _ids(4, 2)], 1), max_new_tokens=NEW, streamer=Interrupted())
-    assert cm.decoder().held is None
+def test_weights_edited_through_data_are_not_reused(monkeypatch):
+    """`.data` edits (how LoRA merges are made) bump no version counter."""
+    cm = _compiled("llama_relu")
+    first = cm.generate(_ids(12, 1), max_new_tokens=NEW)
+    for layer in cm.model.layers:
+        layer.self_attn.k_proj.weight.data += 0.5
     _, reused = _generate_both(cm, torch.cat([first, _ids(4, 2)], 1), monkeypatch)
     assert reused == 0
+
+
+def test_weights_edited_during_a_call_are_not_held():
+    cm = _compiled("llama_relu")
+
+    def edit():
+        with torch.no_grad():
+            cm.model.norm.weight.mul_(2)
+
+    with pytest.raises(KeyboardInterrupt):
+        cm.generate(_ids(12, 1), max_new_tokens=NEW, streamer=_StopAfter(3, edit))
+    assert cm.decoder().held is None
 
 
 @pytest.mark.parametrize("arch", ["llama_relu", "gemma3"])

@@ -462,7 +462,8 @@ class Stack:
     # token ids they belong to (`held`, [n] long on the CPU) and the weights they were computed
     # from. A prompt that starts with them (a chat's next turn) prefills only the rest.
     held: torch.Tensor | None = None
-    _held_weights: tuple | None = None
+    _held_weights: tuple | None = None  # _weights_state when they were computed
+    _call_weights: tuple | None = None  # _weights_state when the running call began
     prompt_reused = 0  # positions the last generate took from the prompt cache
 
     def cached_prefix(self, tokens: torch.Tensor, total: int) -> int:
@@ -472,8 +473,9 @@ class Stack:
         The caller writes the cache next, so the decoder forgets what it held until hold()."""
         held, weights = self.held, self._held_weights
         self.forget()
+        self._call_weights = now = _weights_state(self.model)
         if (held is None or not prompt_cache_enabled() or not self._cacheable(total)
-                or weights != _weights_version(self.model)):
+                or not _same_weights(weights, now)):
             return 0
         n = min(len(held), len(tokens) - 1)
         differs = (held[:n] != tokens[:n].cpu()).nonzero()
@@ -481,11 +483,13 @@ class Stack:
         return self.prompt_reused
 
     def hold(self, tokens: torch.Tensor, total: int) -> None:
-        """Note that the KV cache now holds the positions of tokens [n], after a call that ran
-        `total` positions."""
-        if self._cacheable(total):
-            self.held = tokens.cpu().clone()
-            self._held_weights = _weights_version(self.model)
+        """Note that the KV cache now holds the positions of tokens [n], computed by the call
+        cached_prefix began (that ran `total` positions), unless the weights changed in place
+        since it began."""
+        began, self._call_weights = self._call_weights, None
+        if (self._cacheable(total) and began is not None
+                and _weights_state(self.model, sampled=False)[0] == began[0]):
+            self.held, self._held_weights = tokens.cpu().clone(), began
 
     def forget(self) -> None:
         """Drop what the prompt cache holds: the next generate prefills from position 0."""
@@ -506,10 +510,19 @@ class Stack:
 _KV_DTYPES = {torch.float16: 1, torch.bfloat16: 2}  # kernels/decoder.c's kv_dtype (0: float32)
 
 
-def _weights_version(model: nn.Module) -> tuple:
-    """(storage, in-place version) of each parameter and buffer of `model`: what cached keys
-    and values were computed from (an edit in place or a swapped storage changes it)."""
-    return tuple((t.data_ptr(), t._version) for t in (*model.parameters(), *model.buffers()))
+def _weights_state(model: nn.Module, sampled: bool = True) -> tuple[tuple, list]:
+    """What cached keys and values were computed from: each parameter's and buffer's storage and
+    in-place version (a swapped storage or an edit in place changes them), and 16 of its values
+    spread over it (an edit through `.data`, as LoRA merges are made, keeps both)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    versions = tuple((t.data_ptr(), t._version) for t in tensors)
+    if not sampled:
+        return versions, []
+    return versions, [t.detach().reshape(-1)[:: max(1, t.numel() // 16)].clone() for t in tensors]
+
+
+def _same_weights(a: tuple | None, b: tuple) -> bool:
+    return a is not None and a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
 
 
 def _pointers(norm: Norm | None) -> tuple[int | None, int | None]:

@@ -179,6 +179,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
 
     cache = _new_cache(model, total)
     if decoder is not None and not (b == 1 and mask is None and decoder.reserve(total)):
+        decoder.prompt_reused = 0  # its cache untouched: what it holds stays
         decoder = None  # batches, padding, past its learned positions: the model's own steps
     if steps is not None and (decoder is not None or not steps.fits(b, total, mask is not None)):
         steps = None
@@ -218,40 +219,45 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     unfinished = torch.ones(b, dtype=torch.bool, device=device) if eos is not None else None
     pad = torch.tensor(pad_token_id if pad_token_id is not None else 0, device=device)
     n = max_new_tokens
-    for i in range(max_new_tokens):
-        scores = logits.float()
-        if eos is not None and i < min_new_tokens:  # ids past the vocabulary: none to hold back
-            scores[:, eos[(eos >= 0) & (eos < scores.shape[-1])]] = float("-inf")
-        tokens = _pick(scores, do_sample, temperature, top_k, top_p, gen)
-        if unfinished is not None:
-            tokens = torch.where(unfinished, tokens, pad)
-        out[:, s + i] = tokens
-        if streamer is not None:
-            streamer.put(tokens.cpu())
-        if callback is not None:
-            callback(tokens)
-        if unfinished is not None:
-            unfinished &= ~torch.isin(tokens, eos)
-            if not bool(unfinished.any()):  # the one host sync per step (EOS only)
-                n = i + 1
+    cached = s  # the decoder's cache holds the keys and values of out[:, :cached]
+    try:
+        for i in range(max_new_tokens):
+            scores = logits.float()
+            if eos is not None and i < min_new_tokens:  # (ids past the vocabulary: none held)
+                scores[:, eos[(eos >= 0) & (eos < scores.shape[-1])]] = float("-inf")
+            tokens = _pick(scores, do_sample, temperature, top_k, top_p, gen)
+            if unfinished is not None:
+                tokens = torch.where(unfinished, tokens, pad)
+            out[:, s + i] = tokens
+            if streamer is not None:
+                streamer.put(tokens.cpu())
+            if callback is not None:
+                callback(tokens)
+            if unfinished is not None:
+                unfinished &= ~torch.isin(tokens, eos)
+                if not bool(unfinished.any()):  # the one host sync per step (EOS only)
+                    n = i + 1
+                    break
+            if i + 1 == max_new_tokens:
                 break
-        if i + 1 == max_new_tokens:
-            break
-        if decoder is not None:
-            logits = decoder.step(tokens, s + i)
-            continue
-        if steps is not None:
-            logits = steps.decode(tokens, s + i)
-            continue
-        step = dict(common, input_ids=tokens.unsqueeze(1), position_ids=next_pos)
-        if cache_pos:
-            step["cache_position"] = step_cache_pos
-            step_cache_pos = step_cache_pos + 1
-        logits = model(**step).logits[:, -1]
-        next_pos = next_pos + 1
+            if decoder is not None:
+                logits = decoder.step(tokens, s + i)
+                cached = s + i + 1
+                continue
+            if steps is not None:
+                logits = steps.decode(tokens, s + i)
+                continue
+            step = dict(common, input_ids=tokens.unsqueeze(1), position_ids=next_pos)
+            if cache_pos:
+                step["cache_position"] = step_cache_pos
+                step_cache_pos = step_cache_pos + 1
+            logits = model(**step).logits[:, -1]
+            next_pos = next_pos + 1
+    finally:  # also where a streamer ends the reply (a stop string, Ctrl-C): what is cached
+        if decoder is not None:  # stays for the next call
+            decoder.hold(out[0, :cached], total)
     if decoder is not None:
         decoder.flush_stats(n - 1)  # the steps it ran: every new token but the first
-        decoder.hold(out[0, : s + n - 1], total)  # the last token's keys and values were never made
     if streamer is not None:
         streamer.end()
     return out if n == max_new_tokens else out[:, : s + n].clone()
