@@ -31,21 +31,7 @@ import picompile
 from picompile import corpus, models
 from picompile.config import PROMPT_CACHE_ENV
 from picompile.conversation import chat_prompt, end_tokens
-
-
-class _FirstToken:
-    """A generate() streamer noting when the first new token comes (the first put is the prompt)."""
-
-    def __init__(self):
-        self.puts, self.first = 0, None
-
-    def put(self, value):
-        self.puts += 1
-        if self.puts == 2:
-            self.first = time.perf_counter()
-
-    def end(self):
-        pass
+from picompile.timing import FirstTokenClock
 
 
 def conversation(cm, tokenizer, messages: list[str], new_tokens: int, cache: bool,
@@ -60,7 +46,7 @@ def conversation(cm, tokenizer, messages: list[str], new_tokens: int, cache: boo
     for i, text in enumerate(messages):
         chat.append({"role": "user", "content": text})
         ids = torch.tensor([chat_prompt(tokenizer, chat)[0]])
-        clock = _FirstToken()
+        clock = FirstTokenClock()
         start = time.perf_counter()
         out = cm.generate(ids, max_new_tokens=new_tokens, do_sample=False, streamer=clock,
                           eos_token_id=sorted(ends), pad_token_id=pad)

@@ -185,8 +185,9 @@ def run(chat: Chat, stdin=None, stdout=None, stderr=None, quiet: bool = False) -
             if interactive:
                 print(file=stdout)
             return unanswered
-        if _as_unicode(line) != line:
-            line = _as_unicode(line)
+        text = _as_unicode(line)
+        if text != line:
+            line = text
             say("the message is not valid UTF-8: its other bytes are read as U+FFFD")
         command = line.strip()
         if not command:

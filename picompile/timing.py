@@ -9,7 +9,7 @@ import time
 import torch
 
 
-class _FirstTokenClock:
+class FirstTokenClock:
     """A generate() streamer that notes when the first new token comes and forwards to another."""
 
     def __init__(self, inner=None):
@@ -32,7 +32,7 @@ def timed_generate(model, ids: torch.Tensor, new_tokens: int, streamer=None,
                    exact_length: bool = False) -> tuple[torch.Tensor, float]:
     """Greedy decode -> (new tokens [n], decode tokens/s over the tokens after the first; NaN
     when fewer than two came: no decode step to time)."""
-    clock = _FirstTokenClock(streamer)
+    clock = FirstTokenClock(streamer)
     kw = dict(min_new_tokens=new_tokens) if exact_length else {}
     out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, streamer=clock, **kw)
     end = time.perf_counter()

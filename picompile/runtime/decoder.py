@@ -719,6 +719,7 @@ class Decoder(Stack):
                     "cache (kv_cache='float16'); compile without it to keep the model's dtype")
         return ""
 
+
 @torch.no_grad()
 def verify(model: nn.Module, decoder: Stack) -> None:
     """One decode step through `decoder` (after its own prefill, where it has one) against the
