@@ -6,10 +6,11 @@ import copy
 
 import pytest
 import torch
-from transformers import GenerationConfig, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 import picompile
 from picompile.runtime.generate import generate, generate_hf, supported
+from picompile.runtime.sampling import FrequencyPresencePenalty
 from tests import zoo
 
 NEW = 12
@@ -72,6 +73,13 @@ def test_compiled_model_equals_dense_hf(arch):
     assert torch.equal(generate(cm._orig_mod, batch, mask, max_new_tokens=NEW), _hf(dense, batch, mask))
     # cm.generate with HF arguments: picompile's loop once CompiledModel.generate is wired to it
     assert torch.equal(_hf(cm, batch, mask), _hf(dense, batch, mask))
+    # penalties act on the logits of the C decoder's steps as on HF's
+    assert cm.decoder() is not None, cm.decoder_reason
+    for kw in (dict(repetition_penalty=1.4), dict(do_sample=True, min_p=0.1, temperature=1.5)):
+        torch.manual_seed(9)
+        got = _hf(cm, ids, **kw)
+        torch.manual_seed(9)
+        assert torch.equal(got, _hf(dense, ids, **kw)), kw
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +174,75 @@ def test_sampling_warpers_equal_hf_under_the_same_rng(llama):
     assert torch.equal(generate(llama, ids, **kw), want)
 
 
+def test_repetition_penalty_equals_hf_greedy_and_left_padded(llama):
+    """HF's penalty over the prompt and the reply, skipping each row's left padding."""
+    ids, mask = _left_padded([_prompt(5, 60), _prompt(9, 61), _prompt(3, 62)])
+    free = generate(llama, ids, mask, max_new_tokens=NEW)
+    for penalty in (1.5, 0.7):
+        got = generate(llama, ids, mask, max_new_tokens=NEW, repetition_penalty=penalty)
+        assert torch.equal(got, _hf(llama, ids, mask, repetition_penalty=penalty)), penalty
+        assert not torch.equal(got, free), penalty  # the penalty acted
+    with pytest.raises(ValueError, match="repetition_penalty must be > 0"):
+        generate(llama, ids, mask, max_new_tokens=NEW, repetition_penalty=0.0)
+
+
+def test_min_p_and_penalties_sampling_equal_hf_under_the_same_rng(llama):
+    ids = _prompt(6, 63)[None]
+    kw = dict(max_new_tokens=NEW, do_sample=True, temperature=1.4, top_k=40, min_p=0.05,
+              repetition_penalty=1.3)
+    torch.manual_seed(5)
+    want = _hf(llama, ids, **kw)
+    torch.manual_seed(5)
+    assert torch.equal(generate(llama, ids, **kw), want)
+    assert torch.equal(generate(llama, ids, max_new_tokens=NEW, do_sample=True, seed=2,
+                                min_p=1.0), generate(llama, ids, max_new_tokens=NEW))
+    with pytest.raises(ValueError, match="min_p must be in"):
+        generate(llama, ids, max_new_tokens=NEW, do_sample=True, min_p=1.5)
+
+
+def test_logits_processors_run_as_hfs_do(llama):
+    """A caller's processor (OpenAI's penalties, serve's) sees the prompt and reply so far, in
+    HF's generate and in the loop alike, after the repetition penalty."""
+    ids, mask = _left_padded([_prompt(4, 64), _prompt(7, 65)])
+    free = generate(llama, ids, mask, max_new_tokens=NEW)
+    penalties = FrequencyPresencePenalty(ids.shape[1], frequency=1.5, presence=2.0)
+    got = generate(llama, ids, mask, max_new_tokens=NEW, logits_processor=[penalties],
+                   repetition_penalty=1.1)
+    want = _hf(llama, ids, mask, logits_processor=LogitsProcessorList([penalties]),
+               repetition_penalty=1.1)
+    assert torch.equal(got, want) and not torch.equal(got, free)
+    assert supported(llama, dict(input_ids=ids, logits_processor=[penalties])) is None
+    assert torch.equal(generate_hf(llama, ids, attention_mask=mask, max_new_tokens=NEW,
+                                   pad_token_id=0, logits_processor=[penalties],
+                                   repetition_penalty=1.1), want)
+
+
+def test_frequency_presence_penalty_counts_the_reply_only():
+    """Against a loop over the reply's tokens (OpenAI's definition)."""
+    ids = torch.tensor([[5, 5, 7, 1, 1, 1, 2], [3, 4, 5, 6, 6, 0, 9]])  # prompts of 3, replies of 4
+    scores = torch.randn(2, 10, generator=torch.Generator().manual_seed(0))
+    got = FrequencyPresencePenalty(3, frequency=0.5, presence=0.25)(ids, scores.clone())
+    want = scores.clone()
+    for b in range(2):
+        reply = ids[b, 3:].tolist()
+        for t in set(reply):
+            want[b, t] -= 0.5 * reply.count(t) + 0.25
+    assert torch.allclose(got, want)
+    assert torch.equal(FrequencyPresencePenalty(7, 1.0, 1.0)(ids, scores.clone()), scores)
+
+
+def test_a_models_repetition_penalty_default_runs_the_loop(llama):
+    """Qwen2.5's generation_config sets repetition_penalty=1.05: such a model's calls run
+    picompile's loop (they fell back to HF's generate), with HF's tokens."""
+    model = copy.deepcopy(llama)
+    model.generation_config = GenerationConfig(repetition_penalty=1.6, pad_token_id=0)
+    ids = _prompt(6, 66)[None]
+    assert supported(model, dict(input_ids=ids, max_new_tokens=NEW)) is None
+    got = generate_hf(model, ids, max_new_tokens=NEW)
+    assert torch.equal(got, model.generate(ids, max_new_tokens=NEW))
+    assert not torch.equal(got, generate(llama, ids, max_new_tokens=NEW))
+
+
 @pytest.mark.filterwarnings("ignore:Using the model-agnostic default")
 def test_hf_arguments_and_generation_config_defaults(llama):
     ids, mask = _left_padded([_prompt(5, 50), _prompt(7, 51)])
@@ -185,13 +262,14 @@ def test_hf_arguments_and_generation_config_defaults(llama):
 
 
 @pytest.mark.parametrize("kw,name", [
-    (dict(num_beams=2), "num_beams"), (dict(repetition_penalty=1.2), "repetition_penalty"),
-    (dict(logits_processor=LogitsProcessorList()), "logits_processor"),
+    (dict(num_beams=2), "num_beams"), (dict(do_sample=True, typical_p=0.5), "typical_p"),
+    (dict(logits_processor=LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.2)])),
+     "a logits_processor of a kind generate builds"),
     (dict(output_scores=True, return_dict_in_generate=True), "output_scores"),
     (dict(return_dict_in_generate=True), "return_dict_in_generate"),
     (dict(do_sample=True, num_return_sequences=2), "num_return_sequences"),
     (dict(no_repeat_ngram_size=2), "no_repeat_ngram_size"),
-    (dict(stop_strings=["x"]), "stop_strings"), (dict(min_p=0.1), "min_p"),
+    (dict(stop_strings=["x"]), "stop_strings"),
     (dict(token_type_ids=torch.zeros(1, 4, dtype=torch.long)), "token_type_ids"),
 ])
 def test_unsupported_arguments_are_named(llama, kw, name):
@@ -206,8 +284,8 @@ def test_unsupported_models_and_inputs_are_named(llama):
     assert "not a Hugging Face generative model" in supported(tiny, {"input_ids": ids})
     assert "inputs_embeds" in supported(llama, {"inputs_embeds": torch.zeros(1, 4, 32)})
     model = copy.deepcopy(llama)
-    model.generation_config.repetition_penalty = 1.3  # a model default the loop does not apply
-    assert supported(model, {"input_ids": ids}).startswith("repetition_penalty")
+    model.generation_config.no_repeat_ngram_size = 3  # a model default the loop does not apply
+    assert supported(model, {"input_ids": ids}).startswith("no_repeat_ngram_size")
     with pytest.raises(TypeError, match="not a Hugging Face"):
         generate(zoo.make("tiny_plain_relu"), ids, max_new_tokens=2)
 

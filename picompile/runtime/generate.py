@@ -31,10 +31,12 @@ import torch
 from torch import nn
 
 from picompile.progress import note, quiet_transformers
+from picompile.runtime.sampling import LogitsProcessor, Picker
 
 # GenerationConfig fields the loop implements.
 _HANDLED = frozenset({"max_length", "max_new_tokens", "min_length", "min_new_tokens", "do_sample",
-                      "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id"})
+                      "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                      "eos_token_id", "pad_token_id"})
 # Fields without effect on a decoder-only greedy / sampling run (beam-only, assistant-only
 # settings, bookkeeping, the cache kind: the tokens are the same with any full cache).
 _IGNORED = frozenset({
@@ -44,15 +46,17 @@ _IGNORED = frozenset({
     "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind",
     "max_matching_ngram_size", "is_assistant", "output_attentions", "output_hidden_states",
 })
+# HF processors that HF's generate builds from the config before the caller's logits_processor:
+# one of these kinds passed in takes the built one's place there, so HF's generate runs it.
+_BUILT_BY_HF = frozenset({"RepetitionPenaltyLogitsProcessor", "MinLengthLogitsProcessor",
+                          "MinNewTokensLengthLogitsProcessor"})
 _CACHES = (None, "static", "dynamic", "dynamic_full", "hybrid", "sliding_window")
 # generate() parameters other than the inputs, generation_config and streamer: each must be
 # left at None (or False) for the loop to take the call.
-_HF_ONLY = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus",
+_HF_ONLY = ("stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus",
             "assistant_model", "negative_prompt_ids", "negative_prompt_attention_mask",
             "custom_generate", "assistant_tokenizer", "use_model_defaults")
 
-
-GREEDY_BELOW = 1e-5  # a sampling temperature below this decodes greedily (vLLM's _SAMPLING_EPS)
 
 
 class _Unsupported(Exception):
@@ -104,16 +108,18 @@ def _new_cache(model, max_cache_len: int):
 @torch.no_grad()  # as HF's generate (inference_mode would return an inference tensor)
 def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
              *, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
-             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-             eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
+             top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
+             repetition_penalty: float = 1.0, logits_processor: Sequence[LogitsProcessor] = (),
+             seed: int | None = None, eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
              streamer=None, callback: Callable[[torch.Tensor], None] | None = None,
              min_new_tokens: int = 0, decoder=None, steps=None) -> torch.Tensor:
     """Prompt + up to max_new_tokens new tokens, [B, S + n] (HF's output for the same options).
 
     input_ids [B, S]; attention_mask [B, S] with left padding (zeros first) or None.
-    Greedy (argmax) unless do_sample; sampling applies temperature, then top_k, then top_p
-    (nucleus, keeping at least one token), as HF's warpers do, and draws with a
-    torch.Generator seeded by `seed` (the global RNG when None). A row stops at any of
+    Greedy (argmax) unless do_sample. Each step's logits go through HF's processors in HF's
+    order (runtime/sampling.py): repetition_penalty, EOS held back before min_new_tokens,
+    logits_processor (HF's protocol), then when sampling temperature, top_k, top_p, min_p, and a
+    draw from a torch.Generator seeded by `seed` (the global RNG when None). A row stops at any of
     eos_token_id (after min_new_tokens new tokens) and is padded with pad_token_id
     (eos_token_id's first when None). streamer: HF protocol (put(prompt ids, on the CPU), put(each
     new token [B]), end()). callback(tokens [B]) per new token, on the model's device.
@@ -132,22 +138,14 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
                          f"got {tuple(input_ids.shape)} {input_ids.dtype}")
     if max_new_tokens < 0 or min_new_tokens < 0:
         raise ValueError("max_new_tokens and min_new_tokens must be >= 0")
-    if do_sample and not temperature > 0:
-        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
-    if top_p is not None and not 0 <= top_p <= 1:
-        raise ValueError(f"top_p must be in [0, 1], got {top_p}")
-    if do_sample and temperature < GREEDY_BELOW:  # vLLM's rule: the logits divided by such a
-        do_sample = False  # temperature overflow float32, and sampling would be argmax anyway
     device = next(model.parameters()).device
     input_ids = input_ids.to(device=device, dtype=torch.long)
     b, s = input_ids.shape
-    if streamer is not None:
-        streamer.put(input_ids.cpu())
-    if max_new_tokens == 0:
-        if streamer is not None:
-            streamer.end()
-        return input_ids.clone()
-
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(device)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask {tuple(attention_mask.shape)} does not match "
+                             f"input_ids {tuple(input_ids.shape)}")
     eos = None
     if eos_token_id is not None:
         eos_list = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
@@ -155,6 +153,18 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
             eos = torch.tensor(eos_list, dtype=torch.long, device=device)
             if pad_token_id is None:
                 pad_token_id = eos_list[0]
+    pick = Picker(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                  min_p=min_p, repetition_penalty=repetition_penalty,
+                  logits_processor=logits_processor, eos=eos, min_new_tokens=min_new_tokens,
+                  prompt_pad=None if attention_mask is None
+                  else (attention_mask != 0).int().argmax(1),  # HF's: the leading zeros
+                  seed=seed, device=device)
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    if max_new_tokens == 0:
+        if streamer is not None:
+            streamer.end()
+        return input_ids.clone()
     total = s + max_new_tokens
     params = _forward_params(model)
 
@@ -162,10 +172,6 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     # causality, so the same tensor serves every step. No mask when nothing is padded (as HF).
     mask = None
     if attention_mask is not None:
-        attention_mask = attention_mask.to(device)
-        if attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask {tuple(attention_mask.shape)} does not match "
-                             f"input_ids {tuple(input_ids.shape)}")
         flash = "flash" in str(getattr(model.config, "_attn_implementation", ""))
         if flash or not bool(attention_mask.all()):
             mask = attention_mask.new_ones(b, total)
@@ -210,10 +216,6 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     if decoder is not None:
         decoder.set_threads()
 
-    gen = None
-    if do_sample and seed is not None:
-        gen = torch.Generator(device=device)
-        gen.manual_seed(seed)
     out = input_ids.new_empty(b, total)
     out[:, :s] = input_ids
     unfinished = torch.ones(b, dtype=torch.bool, device=device) if eos is not None else None
@@ -222,10 +224,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     cached = s  # the decoder's cache holds the keys and values of out[:, :cached]
     try:
         for i in range(max_new_tokens):
-            scores = logits.float()
-            if eos is not None and i < min_new_tokens:  # (ids past the vocabulary: none held)
-                scores[:, eos[(eos >= 0) & (eos < scores.shape[-1])]] = float("-inf")
-            tokens = _pick(scores, do_sample, temperature, top_k, top_p, gen)
+            tokens = pick(out[:, :s + i], logits.float(), i)
             if unfinished is not None:
                 tokens = torch.where(unfinished, tokens, pad)
             out[:, s + i] = tokens
@@ -263,27 +262,6 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     return out if n == max_new_tokens else out[:, : s + n].clone()
 
 
-def _pick(scores: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None,
-          top_p: float | None, gen: torch.Generator | None) -> torch.Tensor:
-    """Next token per row from float32 logits [B, V]: HF's temperature, top-k, top-p warpers
-    in that order, then softmax and multinomial; argmax when not sampling."""
-    if not do_sample:
-        return scores.argmax(-1)
-    if temperature != 1.0:
-        scores = scores / temperature
-    if top_k is not None and 0 < top_k < scores.shape[-1]:
-        kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=False)
-        cum = sorted_scores.softmax(-1).cumsum(-1)
-        drop = cum <= 1 - top_p
-        drop[:, -1] = False  # keep at least the most likely token
-        scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-    probs = scores.softmax(-1)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(1)
-
-
 # ---- Hugging Face generate() arguments ------------------------------------------------------
 
 
@@ -309,6 +287,10 @@ def _resolve(model, args: tuple, kwargs: dict, quiet: bool) -> dict:
     user_config = named.pop("generation_config", None)
     streamer = named.pop("streamer", None)
     extra.pop("tokenizer", None)  # HF takes it for stop_strings only, checked below
+    processors = named.pop("logits_processor", extra.pop("logits_processor", None)) or ()
+    for process in processors:  # HF's generate puts such a one in place of its own
+        if type(process).__name__ in _BUILT_BY_HF:
+            raise _Unsupported(f"a logits_processor of a kind generate builds ({process!r})")
     for name in _HF_ONLY:
         value = named.pop(name, extra.pop(name, None))
         if value is not None and value is not False:
@@ -390,6 +372,8 @@ def _resolve(model, args: tuple, kwargs: dict, quiet: bool) -> dict:
                 temperature=gc.temperature if sample and gc.temperature is not None else 1.0,
                 top_k=gc.top_k if sample and gc.top_k else None,
                 top_p=gc.top_p if sample else None,
+                min_p=gc.min_p if sample else None,
+                repetition_penalty=gc.repetition_penalty or 1.0, logits_processor=processors,
                 eos_token_id=eos_list or None, pad_token_id=pad, streamer=streamer)
 
 

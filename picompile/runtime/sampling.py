@@ -1,0 +1,126 @@
+"""The next token from a step's logits, as Hugging Face's generate picks it.
+
+`Picker` applies, in the order HF's `_get_logits_processor` builds them: the repetition penalty,
+EOS held back before min_new_tokens, the caller's logits processors (HF's protocol: a callable
+(input_ids [B, n], scores [B, V]) -> scores), then, when sampling, temperature, top-k, top-p and
+min-p, and draws; greedy takes the argmax. Each piece is HF's arithmetic, so the tokens equal
+HF's for the same options and random state (tests/test_generate.py).
+
+`FrequencyPresencePenalty` is OpenAI's frequency and presence penalties (which HF does not have)
+as such a logits processor, for `serve`: being one, it runs in HF's generate too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+GREEDY_BELOW = 1e-5  # a sampling temperature below this decodes greedily (vLLM's _SAMPLING_EPS)
+
+LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Picker:
+    """Next tokens [B] from float32 logits [B, V] at each step of one generate call."""
+
+    def __init__(self, *, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None,
+                 min_p: float | None = None, repetition_penalty: float = 1.0,
+                 logits_processor: Sequence[LogitsProcessor] = (),
+                 eos: torch.Tensor | None = None, min_new_tokens: int = 0,
+                 prompt_pad: torch.Tensor | None = None, seed: int | None = None,
+                 device: torch.device | str = "cpu"):
+        """eos: the EOS ids [E] held back for the first min_new_tokens picks; prompt_pad [B]:
+        each row's left padding, whose tokens the repetition penalty skips (as HF does).
+        seed: the draws' own generator (torch's global RNG when None)."""
+        if do_sample and not temperature > 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+        if top_p is not None and not 0 <= top_p <= 1:
+            raise ValueError(f"top_p must be in [0, 1], got {top_p}")
+        if min_p is not None and not 0 <= min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+        if not repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 is off), got "
+                             f"{repetition_penalty}")
+        if do_sample and temperature < GREEDY_BELOW:  # vLLM's rule: the logits divided by such a
+            do_sample = False  # temperature overflow float32, and sampling would be argmax anyway
+        self.do_sample, self.temperature, self.top_k, self.top_p, self.min_p = (
+            do_sample, temperature, top_k, top_p, min_p)
+        self.repetition_penalty, self.prompt_pad = repetition_penalty, prompt_pad
+        self.processors = list(logits_processor)
+        self.eos, self.min_new_tokens = eos, min_new_tokens
+        self.generator = None
+        if do_sample and seed is not None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(seed)
+
+    def __call__(self, ids: torch.Tensor, scores: torch.Tensor, step: int) -> torch.Tensor:
+        """ids [B, n]: the prompt and the tokens picked so far; scores [B, V] float32 (changed
+        in place); step: how many tokens this call has picked before."""
+        if self.repetition_penalty != 1.0:
+            scores = repetition_penalty(ids, scores, self.repetition_penalty, self.prompt_pad)
+        if self.eos is not None and step < self.min_new_tokens:  # (ids past the vocabulary:
+            eos = self.eos  # none held)
+            scores[:, eos[(eos >= 0) & (eos < scores.shape[-1])]] = float("-inf")
+        for process in self.processors:
+            scores = process(ids, scores)
+        if not self.do_sample:
+            return scores.argmax(-1)
+        return torch.multinomial(self.warp(scores).softmax(-1), 1,
+                                 generator=self.generator).squeeze(1)
+
+    def warp(self, scores: torch.Tensor) -> torch.Tensor:
+        """HF's warpers in HF's order: temperature, top-k, top-p (nucleus, keeping at least the
+        most likely token), min-p (after temperature, as llama.cpp does)."""
+        if self.temperature != 1.0:
+            scores = scores / self.temperature
+        if self.top_k is not None and 0 < self.top_k < scores.shape[-1]:
+            kth = torch.topk(scores, self.top_k, dim=-1).values[:, -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if self.top_p is not None and self.top_p < 1.0:
+            sorted_scores, order = torch.sort(scores, descending=False)
+            cum = sorted_scores.softmax(-1).cumsum(-1)
+            drop = cum <= 1 - self.top_p
+            drop[:, -1] = False
+            scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+        if self.min_p is not None:
+            probs = scores.softmax(-1)
+            drop = probs < self.min_p * probs.amax(-1, keepdim=True)
+            drop.scatter_(1, probs.argmax(-1, keepdim=True), False)
+            scores = scores.masked_fill(drop, float("-inf"))
+        return scores
+
+
+def repetition_penalty(ids: torch.Tensor, scores: torch.Tensor, penalty: float,
+                       prompt_pad: torch.Tensor | None = None) -> torch.Tensor:
+    """HF's RepetitionPenaltyLogitsProcessor: the score of every token in ids [B, n] (but a
+    row's first prompt_pad[b] positions) divided by `penalty` where positive, multiplied where
+    negative. scores [B, V]."""
+    vocab = scores.shape[-1]
+    ids = ids.clamp(max=vocab)  # column `vocab`: a dummy for skipped and unknown ids
+    if prompt_pad is not None:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        ids = ids.masked_fill(positions < prompt_pad[:, None], vocab)
+    padded = torch.nn.functional.pad(scores, (0, 1))
+    seen = padded.gather(1, ids)
+    seen = torch.where(seen < 0, seen * penalty, seen / penalty)
+    return padded.scatter(1, ids, seen)[:, :vocab]
+
+
+class FrequencyPresencePenalty:
+    """OpenAI's penalties as an HF logits processor: each token's score minus
+    frequency * (times it was generated) + presence * (1 if it was), counting the tokens after
+    the first `prompt_tokens` (the reply so far, as OpenAI and vLLM count them)."""
+
+    def __init__(self, prompt_tokens: int, frequency: float = 0.0, presence: float = 0.0):
+        self.prompt_tokens, self.frequency, self.presence = prompt_tokens, frequency, presence
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        reply = input_ids[:, self.prompt_tokens:]  # [B, generated]
+        if reply.shape[1] == 0:
+            return scores
+        counts = torch.zeros(scores.shape[0], scores.shape[1] + 1, device=scores.device)
+        counts.scatter_add_(1, reply.clamp(max=scores.shape[1]), counts.new_ones(reply.shape))
+        counts = counts[:, :-1].to(scores.dtype)  # [B, V]
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
