@@ -29,6 +29,7 @@ import torch
 
 from picompile.compiled_model import CompiledModel
 from picompile.conversation import ReplyStreamer, StopString, TextDeltas, chat_prompt, end_tokens
+from picompile.runtime.sampling import RecentRepetitionPenalty
 
 HELP = ("/reset forgets the conversation, /exit or /quit (or Ctrl-D) ends it, /help shows "
         "this; Ctrl-C stops an answer")
@@ -70,16 +71,28 @@ class Chat:
     first, where one is given)."""
 
     def __init__(self, model, tokenizer, system: str | None = None, max_new_tokens: int = 512,
-                 temperature: float = 0.0, top_p: float = 1.0):
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                 min_p: float = 0.0, repeat_penalty: float = 1.0, repeat_last_n: int = 64):
+        """Greedy at temperature 0, else sampled with top_p, top_k (0: off) and min_p (0: off);
+        repeat_penalty (1: off) as llama.cpp's, over the last repeat_last_n tokens (-1: all)."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got "
-                             f"{temperature} and {top_p}")
+        if (temperature < 0 or not 0 < top_p <= 1 or top_k < 0 or not 0 <= min_p <= 1
+                or repeat_last_n < -1):
+            raise ValueError(f"temperature must be >= 0, top_p in (0, 1], top_k >= 0, min_p in "
+                             f"[0, 1] and repeat_last_n >= -1, got {temperature}, {top_p}, "
+                             f"{top_k}, {min_p} and {repeat_last_n}")
         self.model, self.tokenizer = model, tokenizer
         self.system = [{"role": "system", "content": system}] if system else []
         self.messages = list(self.system)
-        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.max_new_tokens = max_new_tokens
+        self.sampling = {"do_sample": temperature > 0}
+        if temperature > 0:
+            self.sampling.update(temperature=temperature, top_p=top_p, top_k=top_k or None,
+                                 min_p=min_p or None)
+        if repeat_penalty != 1.0:
+            self.sampling["logits_processor"] = [RecentRepetitionPenalty(repeat_penalty,
+                                                                         repeat_last_n)]
         self.context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         self.ends, self.pad = end_tokens(model, tokenizer)
 
@@ -129,9 +142,7 @@ class Chat:
         ids = torch.tensor([ids])
         kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                       eos_token_id=sorted(self.ends) or None, pad_token_id=self.pad,
-                      streamer=printer, do_sample=self.temperature > 0)
-        if self.temperature > 0:
-            kwargs.update(temperature=self.temperature, top_p=self.top_p)
+                      streamer=printer, **self.sampling)
         try:
             self.model.generate(ids, **kwargs)
         except StopString:

@@ -130,6 +130,40 @@ def _top_p(text: str) -> float:
     return value
 
 
+def _unit(text: str) -> float:
+    value = _float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
+    return value
+
+
+def _penalty(text: str) -> float:
+    value = _float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number > 0 (1: off), got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
+def _last_n(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -2
+    if value < -1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= -1 (-1: all), got {text!r}")
+    return value
+
+
 def _budget(text: str) -> str:
     from picompile.budget import parse_budget
 
@@ -253,7 +287,9 @@ def cmd_chat(args) -> int:
         torch.manual_seed(args.seed)
     conversation = chat.Chat(cm, tokenizer, system=args.system,
                              max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             top_p=args.top_p)
+                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                             repeat_penalty=args.repeat_penalty,
+                             repeat_last_n=args.repeat_last_n)
     unanswered = chat.run(conversation, quiet=args.quiet)
     return 1 if unanswered else 0
 
@@ -444,6 +480,18 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--top-p", type=_top_p, default=1.0,
                       help="with --temperature: sample from the smallest set of tokens whose "
                            "probabilities add up to this (default 1.0: all)")
+    chat.add_argument("--top-k", type=_non_negative_int, default=0,
+                      help="with --temperature: sample from the k most likely tokens (default 0: "
+                           "all)")
+    chat.add_argument("--min-p", type=_unit, default=0.0,
+                      help="with --temperature: drop tokens less likely than this times the most "
+                           "likely one (default 0: none)")
+    chat.add_argument("--repeat-penalty", type=_penalty, default=1.0,
+                      help="divide the scores of tokens among the last --repeat-last-n by this "
+                           "(llama.cpp's; 1.0, default: off; 1.1 is common)")
+    chat.add_argument("--repeat-last-n", type=_last_n, default=64,
+                      help="how many of the last tokens --repeat-penalty looks at (default 64; "
+                           "-1: the whole conversation)")
     chat.add_argument("--seed", type=int, default=None, help="seed for sampling")
     chat.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     report = sub.choices["report"]

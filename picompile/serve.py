@@ -9,13 +9,16 @@ Both completions endpoints stream with "stream": true: server-sent events in Ope
 format, ending with `data: [DONE]`; "stream_options": {"include_usage": true} adds a usage chunk.
 
 Requests. Sampling maps onto the model's generate(): temperature 0 is greedy, anything else
-samples with temperature, top_p and top_k (an extra, not OpenAI's: 0 or absent is off); seed
-seeds torch's global RNG, which is safe because one request runs at a time. max_tokens (or
+samples with temperature, top_p, and the extras top_k (0 or absent is off) and min_p (vLLM's and
+llama.cpp's). Penalties act in both: OpenAI's frequency_penalty and presence_penalty (in [-2, 2],
+over the reply's tokens), vLLM's repetition_penalty (HF's, over the prompt and reply) or
+llama.cpp's repeat_penalty (the same over the last repeat_last_n tokens, 64 unless given; -1:
+all). seed seeds torch's global RNG, which is safe because one request runs at a time. max_tokens (or
 max_completion_tokens) defaults to DEFAULT_MAX_TOKENS, within the model's context; a prompt plus
 max_tokens past the context is a 400. stop takes up to 4 strings. finish_reason is "stop" (an EOS
 token or a stop string) or "length". Replies count prompt and completion tokens in "usage".
 The "model" field is accepted whatever it names: the server serves one model, and replies carry
-its name. Parameters picompile cannot honour (n > 1, logprobs, tools, penalties, logit_bias, ...)
+its name. Parameters picompile cannot honour (n > 1, logprobs, tools, logit_bias, ...)
 get a 400 naming them rather than being silently ignored; fields OpenAI's client sends for
 bookkeeping (user, metadata, ...) are ignored.
 
@@ -59,6 +62,7 @@ from dataclasses import dataclass
 import torch
 
 from picompile.conversation import ReplyStreamer, StopString, TextDeltas, chat_prompt, end_tokens
+from picompile.runtime.sampling import FrequencyPresencePenalty, RecentRepetitionPenalty
 
 DEFAULT_MAX_TOKENS = 512
 DEFAULT_MAX_QUEUE = 16
@@ -69,11 +73,10 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # llama.cpp's and vLLM's names for samplers and constraints a client may send expecting them to
 # act (other unknown fields are ignored, as both servers do).
 _UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": None, "top_logprobs": None, "echo": None,
-                "suffix": None, "logit_bias": None, "presence_penalty": None,
-                "frequency_penalty": None, "repetition_penalty": None, "tools": None,
+                "suffix": None, "logit_bias": None, "tools": None,
                 "tool_choice": "none", "functions": None, "function_call": "none",
                 "response_format": {"type": "text"},
-                "repeat_penalty": None, "min_p": None, "typical_p": None, "tfs_z": None,
+                "typical_p": None, "tfs_z": None,
                 "mirostat": None, "dry_multiplier": None, "xtc_probability": None,
                 "grammar": None, "json_schema": None, "min_tokens": None, "ignore_eos": None,
                 "stop_token_ids": None, "guided_json": None, "guided_regex": None,
@@ -192,6 +195,29 @@ def _is_off(name: str, value, off, chat: bool) -> bool:
     return off is None and value in (False, 0, "", [], {})
 
 
+def _penalties(body: dict, prompt_tokens: int) -> dict:
+    """Params' repetition_penalty and processors from OpenAI's, vLLM's and llama.cpp's fields."""
+    penalty = {name: _field(body, name, float, None, 0, 10)
+               for name in ("repetition_penalty", "repeat_penalty")}
+    for name, value in penalty.items():
+        if value == 0:
+            raise _bad(name, f"{name} must be > 0 (1 is off), got 0")
+    if None not in penalty.values():
+        raise _bad("repeat_penalty", "give repetition_penalty (vLLM's, over the whole prompt "
+                                     "and reply) or repeat_penalty (llama.cpp's, over the last "
+                                     "repeat_last_n tokens), not both")
+    last_n = _field(body, "repeat_last_n", int, 64, -1)
+    frequency = _field(body, "frequency_penalty", float, 0.0, -2, 2)
+    presence = _field(body, "presence_penalty", float, 0.0, -2, 2)
+    processors = []
+    if frequency or presence:
+        processors.append(FrequencyPresencePenalty(prompt_tokens, frequency, presence))
+    if penalty["repeat_penalty"] not in (None, 1.0) and last_n != 0:
+        processors.append(RecentRepetitionPenalty(penalty["repeat_penalty"], last_n))
+    return {"repetition_penalty": penalty["repetition_penalty"] or 1.0,
+            "processors": tuple(processors)}
+
+
 def _stops(body: dict) -> list[str]:
     stop = body.get("stop")
     if stop is None:
@@ -259,6 +285,9 @@ class Params:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    processors: tuple = ()  # HF logits processors: OpenAI's and llama.cpp's penalties
     seed: int | None = None
     stops: tuple[str, ...] = ()
 
@@ -389,9 +418,11 @@ class Engine:
         ids = torch.tensor([p.ids])
         kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=p.max_tokens,
                       eos_token_id=sorted(self.eos) or None, pad_token_id=self.pad,
-                      streamer=streamer, do_sample=p.temperature > 0)
+                      streamer=streamer, do_sample=p.temperature > 0,
+                      repetition_penalty=p.repetition_penalty, logits_processor=list(p.processors))
         if p.temperature > 0:
-            kwargs.update(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
+            kwargs.update(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                          min_p=p.min_p or None)
         try:
             if p.seed is not None:
                 torch.manual_seed(p.seed)
@@ -462,8 +493,9 @@ class Server:
                         temperature=_field(body, "temperature", float, 1.0, 0, 2),
                         top_p=_field(body, "top_p", float, 1.0, 0, 1),
                         top_k=_field(body, "top_k", int, 0, 0),
+                        min_p=_field(body, "min_p", float, 0.0, 0, 1),
                         seed=_field(body, "seed", int, None, -2**63, 2**64 - 1),
-                        stops=tuple(stops + extra_stops))
+                        stops=tuple(stops + extra_stops), **_penalties(body, len(ids)))
         job = Job(params, chat, stream, include_usage, asyncio.get_running_loop())
         self.engine.submit(job)
         return job

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import picompile
 from picompile import chat
 from picompile.conversation import chat_prompt
+from picompile.runtime.sampling import RecentRepetitionPenalty
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "relu_llama"
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
@@ -174,8 +175,26 @@ def test_without_a_chat_template_the_plain_format_stops_before_the_next_user_tur
 def test_sampling_arguments_are_checked():
     with pytest.raises(ValueError, match="top_p"):
         chat.Chat(None, None, top_p=0)
+    with pytest.raises(ValueError, match="min_p"):
+        chat.Chat(None, None, min_p=2.0)
+    with pytest.raises(ValueError, match="repeat_penalty must be > 0"):
+        chat.Chat(None, None, repeat_penalty=0.0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         chat.Chat(None, None, max_new_tokens=0)
+
+
+def test_repeat_penalty_answers_as_generate_with_llama_cpps_penalty(model):
+    """--repeat-penalty: the reply cm.generate gives with the penalty over the last
+    repeat_last_n tokens, which is not the reply without it."""
+    cm, tok = model
+    message = [{"role": "user", "content": "def add(a, b):"}]
+    out, _ = talk(chat.Chat(cm, tok, max_new_tokens=16, repeat_penalty=1.8, repeat_last_n=8),
+                  message[0]["content"])
+    ids, _ = chat_prompt(tok, message)
+    want = cm.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
+                       logits_processor=[RecentRepetitionPenalty(1.8, 8)])
+    reply = tok.decode(want[0, len(ids):], skip_special_tokens=True)
+    assert out == f"{reply}\n\n" and reply != greedy_reply(cm, tok, message, 16)
 
 
 def test_bytes_that_are_not_utf8_are_read_as_replacement_characters(model):

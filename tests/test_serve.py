@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import picompile
 from picompile.conversation import DEFAULT_FORMAT_STOP, default_chat_format
+from picompile.runtime.sampling import FrequencyPresencePenalty, RecentRepetitionPenalty
 from picompile.serve import make_app
 
 uvicorn = pytest.importorskip("uvicorn")
@@ -242,13 +243,33 @@ def test_stop_strings_cut_the_reply(client):
 
 def test_sampling_with_a_seed_repeats(client):
     kw = dict(model="m", prompt=PROMPT, max_tokens=16, temperature=1.0, top_p=0.9, seed=7,
-              extra_body={"top_k": 40})
+              extra_body={"top_k": 40, "min_p": 0.02})
     first = client.completions.create(**kw).choices[0].text
     assert client.completions.create(**kw).choices[0].text == first
     greedy = client.completions.create(model="m", prompt=PROMPT, max_tokens=16,
                                        temperature=0).choices[0].text
     others = {client.completions.create(**dict(kw, seed=s)).choices[0].text for s in range(4)}
     assert others - {greedy}, "sampling gave the greedy text for every seed"
+
+
+@pytest.mark.parametrize("extra,kw", [
+    ({"frequency_penalty": 1.5, "presence_penalty": 0.5},
+     lambda n: dict(logits_processor=[FrequencyPresencePenalty(n, 1.5, 0.5)])),
+    ({"repetition_penalty": 1.8}, lambda n: dict(repetition_penalty=1.8)),  # vLLM's
+    ({"repeat_penalty": 1.8, "repeat_last_n": 6},  # llama.cpp's
+     lambda n: dict(logits_processor=[RecentRepetitionPenalty(1.8, 6)])),
+])
+def test_penalties_equal_generate_with_them(client, model, extra, kw):
+    """Greedy with each API's penalty: cm.generate's text with the same penalty, which is not
+    the text without it."""
+    cm, tok = model
+    ids = tok(PROMPT)["input_ids"]
+    out = cm.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, **kw(len(ids)))
+    want = tok.decode(out[0, len(ids):], skip_special_tokens=True)
+    r = client.completions.create(model="m", prompt=PROMPT, max_tokens=24, temperature=0,
+                                  extra_body=extra)
+    assert r.choices[0].text == want
+    assert want != reference(model, ids, 24)[0]
 
 
 def test_eight_concurrent_clients_all_succeed(url):
@@ -315,8 +336,12 @@ MALFORMED = [
     ("POST", COMPLETIONS, {"prompt": "", "max_tokens": 4}, "no tokens"),
     ("POST", COMPLETIONS, b'{"prompt": "hi \\ud800 there", "max_tokens": 2}', "surrogate"),
     ("POST", CHAT, b'{"messages": [{"role": "user", "content": "caf\\udce9"}]}', "surrogate"),
-    ("POST", CHAT, {"messages": USER, "repeat_penalty": 1.1}, "repeat_penalty"),  # llama.cpp's
-    ("POST", CHAT, {"messages": USER, "min_p": 0.05}, "min_p"),
+    ("POST", CHAT, {"messages": USER, "mirostat": 2}, "mirostat"),  # llama.cpp's
+    ("POST", CHAT, {"messages": USER, "repeat_penalty": 0}, "repeat_penalty must be > 0"),
+    ("POST", CHAT, {"messages": USER, "repetition_penalty": 1.1, "repeat_penalty": 1.2},
+     "not both"),
+    ("POST", CHAT, {"messages": USER, "frequency_penalty": 2.5}, "frequency_penalty"),
+    ("POST", CHAT, {"messages": USER, "min_p": 1.5}, "min_p"),
     ("POST", CHAT, {"messages": USER, "guided_json": {"type": "object"}}, "guided_json"),  # vLLM's
     ("POST", CHAT, {"messages": USER, "tool_choice": "auto"}, "tool_choice"),
     ("POST", COMPLETIONS, {"prompt": "a", "logprobs": 0}, "logprobs"),  # the chosen tokens'

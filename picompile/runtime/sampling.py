@@ -6,8 +6,9 @@ EOS held back before min_new_tokens, the caller's logits processors (HF's protoc
 min-p, and draws; greedy takes the argmax. Each piece is HF's arithmetic, so the tokens equal
 HF's for the same options and random state (tests/test_generate.py).
 
-`FrequencyPresencePenalty` is OpenAI's frequency and presence penalties (which HF does not have)
-as such a logits processor, for `serve`: being one, it runs in HF's generate too.
+`FrequencyPresencePenalty` (OpenAI's frequency and presence penalties) and
+`RecentRepetitionPenalty` (llama.cpp's repeat_penalty over its last tokens), which HF does not
+have, are such logits processors, for `serve`: being ones, they run in HF's generate too.
 """
 
 from __future__ import annotations
@@ -124,3 +125,20 @@ class FrequencyPresencePenalty:
         counts.scatter_add_(1, reply.clamp(max=scores.shape[1]), counts.new_ones(reply.shape))
         counts = counts[:, :-1].to(scores.dtype)  # [B, V]
         return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+class RecentRepetitionPenalty:
+    """llama.cpp's repeat_penalty as an HF logits processor: HF's repetition penalty over the
+    last `last_n` tokens of the prompt and reply only (llama.cpp's repeat_last_n, 64 by
+    default; -1: all of them)."""
+
+    def __init__(self, penalty: float, last_n: int = 64):
+        if not penalty > 0:
+            raise ValueError(f"repeat_penalty must be > 0 (1 is off), got {penalty}")
+        self.penalty, self.last_n = penalty, last_n
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.last_n == 0 or self.penalty == 1.0:
+            return scores
+        recent = input_ids if self.last_n < 0 else input_ids[:, -self.last_n:]
+        return repetition_penalty(recent, scores, self.penalty)
