@@ -18,7 +18,12 @@ max_completion_tokens) defaults to DEFAULT_MAX_TOKENS, within the model's contex
 max_tokens past the context is a 400. stop takes up to 4 strings. finish_reason is "stop" (an EOS
 token or a stop string) or "length". Replies count prompt and completion tokens in "usage".
 The "model" field is accepted whatever it names: the server serves one model, and replies carry
-its name. Parameters picompile cannot honour (n > 1, logprobs, tools, logit_bias, ...)
+its name. Log-probabilities as OpenAI gives them: chat's logprobs with top_logprobs (at most
+20), a completion's logprobs=N (the N likeliest, and the chosen token) and echo (the prompt, its
+tokens' log-probabilities too); they are the model's own (a log-softmax of its logits, before
+penalties, temperature and truncation: vLLM's default), and a token's text is its own decoding
+(a piece of a character shows as U+FFFD). Parameters picompile cannot honour (n > 1, tools,
+logit_bias, ...)
 get a 400 naming them rather than being silently ignored; fields OpenAI's client sends for
 bookkeeping (user, metadata, ...) are ignored.
 
@@ -67,12 +72,13 @@ from picompile.runtime.sampling import FrequencyPresencePenalty, RecentRepetitio
 DEFAULT_MAX_TOKENS = 512
 DEFAULT_MAX_QUEUE = 16
 MAX_STOPS = 4
+MAX_TOP_LOGPROBS = 20  # OpenAI's chat limit (its completions': 5; vLLM's: 20)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Parameters picompile cannot honour -> the value that means "off" besides null / false / 0 /
 # empty (n=1 is the default, not "off": n=0 is refused like n=2). Beside OpenAI's own,
 # llama.cpp's and vLLM's names for samplers and constraints a client may send expecting them to
 # act (other unknown fields are ignored, as both servers do).
-_UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": None, "top_logprobs": None, "echo": None,
+_UNSUPPORTED = {"n": 1, "best_of": 1,
                 "suffix": None, "logit_bias": None, "tools": None,
                 "tool_choice": "none", "functions": None, "function_call": "none",
                 "response_format": {"type": "text"},
@@ -179,24 +185,39 @@ def _field(body: dict, name: str, kind: type, default=None, low=None, high=None)
     return value
 
 
-def _check_unsupported(body: dict, chat: bool) -> None:
+def _check_unsupported(body: dict) -> None:
     for name, off in _UNSUPPORTED.items():
         value = body.get(name)
-        if not _is_off(name, value, off, chat):
+        if not (value is None or value == off
+                or off is None and value in (False, 0, "", [], {})):
             raise _bad(name, f"{name}={_show(value)} is not supported by picompile's server",
                        code="unsupported_parameter")
 
 
-def _is_off(name: str, value, off, chat: bool) -> bool:
-    if value is None or value == off:
-        return True
-    if name == "logprobs" and not chat and type(value) is int:  # a completion's logprobs=N,
-        return False  # 0 too, asks for the chosen tokens' log-probabilities
-    return off is None and value in (False, 0, "", [], {})
+def _logprobs(body: dict, chat: bool) -> tuple[int | None, bool]:
+    """-> (how many likeliest tokens to list beside each chosen one's log-probability, None
+    for no log-probabilities; echo). Chat: logprobs true with top_logprobs; a completion:
+    logprobs N, and echo."""
+    if chat:
+        if body.get("echo"):
+            raise _bad("echo", "echo is a completion's field; chat replies do not repeat the "
+                               "messages", code="unsupported_parameter")
+        top = _field(body, "top_logprobs", int, None, 0, MAX_TOP_LOGPROBS)
+        if not _field(body, "logprobs", bool, False):
+            if top is not None:
+                raise _bad("top_logprobs", "top_logprobs needs logprobs: true")
+            return None, False
+        return top or 0, False
+    if body.get("top_logprobs") is not None:
+        raise _bad("top_logprobs", "top_logprobs is chat's field; a completion asks with "
+                                   "logprobs: N")
+    return (_field(body, "logprobs", int, None, 0, MAX_TOP_LOGPROBS),
+            _field(body, "echo", bool, False))
 
 
-def _penalties(body: dict, prompt_tokens: int) -> dict:
-    """Params' repetition_penalty and processors from OpenAI's, vLLM's and llama.cpp's fields."""
+def _penalties(body: dict, prompt_tokens: int) -> tuple:
+    """The logits processors of OpenAI's, vLLM's and llama.cpp's penalty fields, in vLLM's
+    order: the repetition penalty (HF's arithmetic), then frequency and presence."""
     penalty = {name: _field(body, name, float, None, 0, 10)
                for name in ("repetition_penalty", "repeat_penalty")}
     for name, value in penalty.items():
@@ -210,12 +231,13 @@ def _penalties(body: dict, prompt_tokens: int) -> dict:
     frequency = _field(body, "frequency_penalty", float, 0.0, -2, 2)
     presence = _field(body, "presence_penalty", float, 0.0, -2, 2)
     processors = []
-    if frequency or presence:
-        processors.append(FrequencyPresencePenalty(prompt_tokens, frequency, presence))
+    if penalty["repetition_penalty"] not in (None, 1.0):  # over the whole prompt and reply
+        processors.append(RecentRepetitionPenalty(penalty["repetition_penalty"], -1))
     if penalty["repeat_penalty"] not in (None, 1.0) and last_n != 0:
         processors.append(RecentRepetitionPenalty(penalty["repeat_penalty"], last_n))
-    return {"repetition_penalty": penalty["repetition_penalty"] or 1.0,
-            "processors": tuple(processors)}
+    if frequency or presence:
+        processors.append(FrequencyPresencePenalty(prompt_tokens, frequency, presence))
+    return tuple(processors)
 
 
 def _stops(body: dict) -> list[str]:
@@ -286,10 +308,18 @@ class Params:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    processors: tuple = ()  # HF logits processors: OpenAI's and llama.cpp's penalties
+    processors: tuple = ()  # HF logits processors: the penalties (after the raw logprobs')
     seed: int | None = None
     stops: tuple[str, ...] = ()
+    logprobs: int | None = None  # likeliest tokens listed with each chosen one; None: no logprobs
+    echo: bool = False
+    prompt_text: str | None = None  # what echo repeats: the prompt as sent (None: its ids')
+
+
+# A token's log-probability as the worker hands it on: (its text, logprob, the likeliest
+# tokens' (text, logprob) or None where none are listed: a prompt's first token).
+Entry = tuple[str, float | None, list[tuple[str, float]] | None]
+LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for a log-probability too low to matter (JSON has no -inf)
 
 
 # ---- generation on the worker thread ---------------------------------------------------
@@ -301,7 +331,7 @@ class _Cancelled(Exception):
 
 class Job:
     """A request on its way through the queue. The worker sends events to the request's event
-    loop through `events`: ("text", delta), then ("done", finish_reason, prompt_tokens,
+    loop through `events`: ("text", delta, [Entry] of the tokens since the last), then ("done", finish_reason, prompt_tokens,
     completion_tokens) or ("error", message, HTTP status). `cancelled` is set when the client
     goes away."""
 
@@ -314,6 +344,7 @@ class Job:
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
+        self.text_offset = 0  # characters of the reply sent: a completion's logprobs count them
 
     def emit(self, *event) -> None:
         try:
@@ -322,21 +353,65 @@ class Job:
             pass
 
 
-class _Streamer(ReplyStreamer):
-    """The reply's text as events for the job; generation stops at the next token once the
-    job is cancelled."""
+class _Logprobs:
+    """The first logits processor of a request that asks for log-probabilities: keeps the
+    log-softmax of each step's logits (the model's, before any penalty or warper), which the
+    streamer pairs with the token picked from them."""
 
-    def __init__(self, job: Job, text: TextDeltas, ends: set[int]):
+    def __init__(self, top: int, tokenizer, lock: threading.Lock):
+        self.top, self.tokenizer, self.lock = top, tokenizer, lock
+        self.last: torch.Tensor | None = None  # [V]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.last = scores[0].float().log_softmax(-1)
+        return scores
+
+    def entry(self, token: int, logprobs: torch.Tensor | None = None) -> Entry:
+        """token's Entry under logprobs [V] (the last step's when None)."""
+        logprobs = self.last if logprobs is None else logprobs
+        values, ids = logprobs.topk(self.top) if self.top else (logprobs[:0], [])
+        with self.lock:
+            return (self.text(token), _floor(logprobs[token]),
+                    [(self.text(t), _floor(v)) for t, v in zip(ids.tolist(), values.tolist())])
+
+    def text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def prompt(self, model, ids: torch.Tensor) -> list[Entry]:
+        """The prompt's tokens, each but the first with its log-probability after those
+        before it (one forward over the prompt, every position's logits kept)."""
+        with torch.no_grad():
+            logprobs = model(ids).logits[0].float().log_softmax(-1)  # [S, V]
+        tokens = ids[0].tolist()
+        with self.lock:
+            first = [(self.text(tokens[0]), None, None)]
+        return first + [self.entry(t, logprobs[i]) for i, t in enumerate(tokens[1:])]
+
+
+def _floor(value) -> float:
+    return max(float(value), LOGPROB_FLOOR)
+
+
+class _Streamer(ReplyStreamer):
+    """The reply's text as events for the job, with its tokens' log-probabilities where asked;
+    generation stops at the next token once the job is cancelled."""
+
+    def __init__(self, job: Job, text: TextDeltas, ends: set[int], logprobs: _Logprobs | None):
         super().__init__(text, ends)
-        self.job = job
+        self.job, self.logprobs = job, logprobs
+        self.entries: list[Entry] = []  # the tokens since the last text sent
 
     def put(self, value: torch.Tensor) -> None:
         if self.job.cancelled.is_set():
             raise _Cancelled
+        token = int(value.reshape(-1)[0])
+        if self.logprobs is not None and self.prompt_seen and token not in self.ends:
+            self.entries.append(self.logprobs.entry(token))
         super().put(value)
 
     def on_text(self, delta: str) -> None:
-        self.job.emit("text", delta)
+        self.job.emit("text", delta, self.entries)
+        self.entries = []
 
 
 class Engine:
@@ -414,22 +489,29 @@ class Engine:
     def _run(self, job: Job) -> None:
         p = job.params
         text = TextDeltas(self.tokenizer, p.stops, self.tokenizer_lock)
-        streamer = _Streamer(job, text, self.eos)
+        logprobs = (None if p.logprobs is None
+                    else _Logprobs(p.logprobs, self.tokenizer, self.tokenizer_lock))
+        streamer = _Streamer(job, text, self.eos, logprobs)
         ids = torch.tensor([p.ids])
         kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=p.max_tokens,
                       eos_token_id=sorted(self.eos) or None, pad_token_id=self.pad,
                       streamer=streamer, do_sample=p.temperature > 0,
-                      repetition_penalty=p.repetition_penalty, logits_processor=list(p.processors))
+                      logits_processor=[logprobs, *p.processors] if logprobs else list(p.processors))
         if p.temperature > 0:
             kwargs.update(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                           min_p=p.min_p or None)
         try:
+            if p.echo:
+                with self.tokenizer_lock:
+                    prompt = p.prompt_text if p.prompt_text is not None else \
+                        self.tokenizer.decode(p.ids, skip_special_tokens=True)
+                job.emit("text", prompt, [] if logprobs is None else logprobs.prompt(self.model, ids))
             if p.seed is not None:
                 torch.manual_seed(p.seed)
             self.model.generate(ids, **kwargs)
             delta, stopped = streamer.text.flush()
-            if delta:
-                job.emit("text", delta)
+            if delta or streamer.entries:
+                streamer.on_text(delta)
             if stopped:
                 streamer.finish = "stop"
         except _Cancelled:
@@ -477,7 +559,7 @@ class Server:
         if not isinstance(body, dict):
             raise _bad(None, f"the request body must be a JSON object, got {_show(body)}")
         _field(body, "model", str)
-        _check_unsupported(body, chat)
+        _check_unsupported(body)
         stream = _field(body, "stream", bool, False)
         options = body.get("stream_options")
         if options is not None and not isinstance(options, dict):
@@ -485,17 +567,21 @@ class Server:
                                          f"got {_show(options)}")
         include_usage = stream and _field(options or {}, "include_usage", bool, False)
         stops = _stops(body)
+        logprobs, echo = _logprobs(body, chat)
+        prompt_text, extra_stops = None, []
         if chat:
             ids, extra_stops = self._chat_ids(_messages(body))
         else:
-            ids, extra_stops = self._prompt_ids(body.get("prompt")), []
+            ids, prompt_text = self._prompt_ids(body.get("prompt"))
         params = Params(ids=ids, max_tokens=self._max_tokens(body, len(ids)),
                         temperature=_field(body, "temperature", float, 1.0, 0, 2),
                         top_p=_field(body, "top_p", float, 1.0, 0, 1),
                         top_k=_field(body, "top_k", int, 0, 0),
                         min_p=_field(body, "min_p", float, 0.0, 0, 1),
                         seed=_field(body, "seed", int, None, -2**63, 2**64 - 1),
-                        stops=tuple(stops + extra_stops), **_penalties(body, len(ids)))
+                        stops=tuple(stops + extra_stops),
+                        processors=_penalties(body, len(ids)), logprobs=logprobs, echo=echo,
+                        prompt_text=prompt_text)
         job = Job(params, chat, stream, include_usage, asyncio.get_running_loop())
         self.engine.submit(job)
         return job
@@ -507,8 +593,9 @@ class Server:
             except ValueError as e:
                 raise _bad("messages", str(e)) from None
 
-    def _prompt_ids(self, prompt) -> list[int]:
-        """A prompt: a string, a list of token ids, or a list holding one of those."""
+    def _prompt_ids(self, prompt) -> tuple[list[int], str | None]:
+        """A prompt: a string, a list of token ids, or a list holding one of those -> (its ids,
+        the string or None)."""
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
@@ -518,12 +605,12 @@ class Server:
             if not ids:
                 raise _bad("prompt", "the prompt gives no tokens (it is empty and the tokenizer "
                                      "adds no start token); give a non-empty prompt")
-            return ids
+            return ids, prompt
         if (isinstance(prompt, list) and prompt
                 and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
             if not all(0 <= t < self.vocab for t in prompt):
                 raise _bad("prompt", f"prompt token ids must be in [0, {self.vocab})")
-            return prompt
+            return prompt, None
         raise _bad("prompt", "prompt must be a string, a non-empty list of token ids, or a list "
                              f"of one of those (one prompt per request), got {_show(prompt)}")
 
@@ -548,19 +635,39 @@ class Server:
                 "total_tokens": prompt + completion}
 
     def _chunk(self, job: Job, text: str | None, finish: str | None = None,
-               role: bool = False) -> dict:
+               role: bool = False, entries: list[Entry] | None = None) -> dict:
+        logprobs = self._logprobs(job, entries) if entries else None
         if job.chat:
             delta = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs,
+                      "finish_reason": finish}
         chunk = {"id": job.id, "object": "chat.completion.chunk" if job.chat else "text_completion",
                  "created": job.created, "model": self.name, "choices": [choice]}
         if job.include_usage:  # OpenAI's: null in every chunk but the last one's
             chunk["usage"] = None
         return chunk
+
+    @staticmethod
+    def _logprobs(job: Job, entries: list[Entry]) -> dict:
+        """OpenAI's logprobs object of a reply's (or a chunk's) tokens: chat's content list, or
+        a completion's parallel lists with each token's character offset in the text."""
+        if job.chat:
+            def one(text: str, logprob: float) -> dict:
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"content": [dict(one(text, logprob), top_logprobs=[one(*t) for t in top])
+                                for text, logprob, top in entries]}
+        tops, offsets = [], []
+        for text, logprob, top in entries:
+            offsets.append(job.text_offset)
+            job.text_offset += len(text)
+            # the likeliest, and the chosen token (OpenAI: up to logprobs + 1 of them)
+            tops.append(None if top is None else {**dict(top), text: logprob})
+        return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
+                "top_logprobs": tops, "text_offset": offsets}
 
     async def events(self, job: Job) -> AsyncIterator[str]:
         """The job's reply as server-sent events (the caller cancels the job when done)."""
@@ -572,7 +679,7 @@ class Server:
         while True:
             event = await job.events.get()
             if event[0] == "text":
-                yield sse(self._chunk(job, event[1]))
+                yield sse(self._chunk(job, event[1], entries=event[2]))
             elif event[0] == "done":
                 _, finish, prompt, completion = event
                 yield sse(self._chunk(job, None if job.chat else "", finish))
@@ -589,7 +696,7 @@ class Server:
     async def result(self, job: Job, disconnected: Callable[[], Awaitable[bool]]) -> dict | None:
         """The job's whole reply as one JSON body; None if the client went away meanwhile (the
         job is cancelled then)."""
-        parts = []
+        parts, entries = [], []
         loop = asyncio.get_running_loop()
         checked = loop.time()
         try:
@@ -603,6 +710,7 @@ class Server:
                         return None
                 if event[0] == "text":
                     parts.append(event[1])
+                    entries += event[2]
                     continue
                 if event[0] == "error":
                     raise APIError(event[2], event[1], "server_error")
@@ -611,9 +719,10 @@ class Server:
         finally:
             self.engine.cancel(job)
         text = "".join(parts)
+        logprobs = None if job.params.logprobs is None else self._logprobs(job, entries)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text},
-                   "logprobs": None, "finish_reason": finish} if job.chat else
-                  {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+                   "logprobs": logprobs, "finish_reason": finish} if job.chat else
+                  {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
         return {"id": job.id, "object": "chat.completion" if job.chat else "text_completion",
                 "created": job.created, "model": self.name, "choices": [choice],
                 "usage": self._usage(prompt, completion)}

@@ -272,6 +272,68 @@ def test_penalties_equal_generate_with_them(client, model, extra, kw):
     assert want != reference(model, ids, 24)[0]
 
 
+def _model_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """log-softmax of the compiled model's logits at every position of ids: [len(ids), V]."""
+    with torch.no_grad():
+        return model[0](torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+def test_chat_logprobs_are_the_models_and_stream_alike(client, model):
+    tok = model[1]
+    kw = dict(model="m", messages=[{"role": "user", "content": "Tell me about lists"}],
+              max_tokens=10, temperature=0, logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    prompt = tok(default_chat_format(kw["messages"]))["input_ids"]
+    reply = tok(r.choices[0].message.content, add_special_tokens=False)["input_ids"]
+    assert [tok.decode([t]) for t in reply] == [e.token for e in content]
+    want = _model_logprobs(model, prompt + reply)
+    for i, (entry, token) in enumerate(zip(content, reply)):
+        row = want[len(prompt) + i - 1]
+        assert entry.logprob == pytest.approx(float(row[token]), abs=1e-4)
+        assert entry.bytes == list(entry.token.encode())
+        top = [(t.token, t.logprob) for t in entry.top_logprobs]
+        values, ids = row.topk(3)
+        assert [t for t, _ in top] == [tok.decode([i]) for i in ids.tolist()]
+        assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-4)
+        assert top[0] == (entry.token, entry.logprob)  # greedy: the likeliest
+    streamed = [e for c in client.chat.completions.create(**kw, stream=True)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]  # (the prompt cache's
+    assert [e.logprob for e in streamed] == pytest.approx(  # keys and values: within rounding)
+        [e.logprob for e in content], abs=1e-5)
+    plain = client.chat.completions.create(**dict(kw, logprobs=False, top_logprobs=None))
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == r.choices[0].message.content
+
+
+def test_completion_logprobs_with_echo_cover_the_prompt(client, model):
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs, one new token."""
+    tok = model[1]
+    ids = tok(PROMPT)["input_ids"]
+    r = client.completions.create(model="m", prompt=PROMPT, max_tokens=3, temperature=0,
+                                  logprobs=2, echo=True)
+    c = r.choices[0]
+    assert c.text.startswith(PROMPT) and len(c.text) > len(PROMPT)
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) + r.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    new = ids + tok(c.text[len(PROMPT):], add_special_tokens=False)["input_ids"]
+    want = _model_logprobs(model, new)
+    for i in range(1, len(lp.tokens)):
+        assert lp.token_logprobs[i] == pytest.approx(float(want[i - 1, new[i]]), abs=1e-4)
+        assert lp.tokens[i] in lp.top_logprobs[i] and 2 <= len(lp.top_logprobs[i]) <= 3
+    # streamed: the same tokens, offsets running on across chunks
+    chunks = list(client.completions.create(model="m", prompt=PROMPT, max_tokens=3,
+                                            temperature=0, logprobs=2, echo=True, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == c.text
+    streamed = [ch.choices[0].logprobs for ch in chunks if ch.choices[0].logprobs]
+    assert sum((s.tokens for s in streamed), []) == lp.tokens
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+
+
 def test_eight_concurrent_clients_all_succeed(url):
     """Queued one at a time, in any order: all greedy replies equal."""
     results, errors = [None] * 8, []
@@ -327,7 +389,9 @@ MALFORMED = [
     ("POST", CHAT, {"messages": USER, "stream": "yes"}, "stream"),
     ("POST", CHAT, {"messages": USER, "stop": 7}, "stop"),
     ("POST", CHAT, {"messages": USER, "n": 3}, "n="),
-    ("POST", CHAT, {"messages": USER, "logprobs": True}, "logprobs"),
+    ("POST", CHAT, {"messages": USER, "top_logprobs": 2}, "needs logprobs: true"),
+    ("POST", CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("POST", CHAT, {"messages": USER, "echo": True}, "echo"),
     ("POST", CHAT, {"messages": USER, "model": 12}, "model"),
     ("POST", COMPLETIONS, {"model": "m"}, "prompt"),
     ("POST", COMPLETIONS, {"prompt": 42}, "prompt"),
@@ -344,7 +408,8 @@ MALFORMED = [
     ("POST", CHAT, {"messages": USER, "min_p": 1.5}, "min_p"),
     ("POST", CHAT, {"messages": USER, "guided_json": {"type": "object"}}, "guided_json"),  # vLLM's
     ("POST", CHAT, {"messages": USER, "tool_choice": "auto"}, "tool_choice"),
-    ("POST", COMPLETIONS, {"prompt": "a", "logprobs": 0}, "logprobs"),  # the chosen tokens'
+    ("POST", COMPLETIONS, {"prompt": "a", "top_logprobs": 2}, "logprobs: N"),
+    ("POST", COMPLETIONS, {"prompt": "a", "logprobs": True}, "logprobs"),
     ("GET", CHAT, None, "Method Not Allowed"),
     ("POST", "/v1/nothing-here", {}, "Not Found"),
 ]
