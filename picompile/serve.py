@@ -840,8 +840,8 @@ def make_app(cm, tokenizer, *, api_key: str | None = None, max_queue: int = DEFA
         return server.models()
 
     @v1.get("/models/{name:path}")
-    async def model(name: str):
-        return server.model(name)
+    async def model(name: str):  # "/v1/models/" (a trailing slash): the list
+        return server.model(name) if name else server.models()
 
     @app.get("/health")
     async def health():

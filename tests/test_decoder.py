@@ -253,6 +253,23 @@ def test_rebuilt_when_kernels_change():
     torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * float(want.abs().max()))
 
 
+def test_an_in_place_edit_of_the_rotary_frequencies_is_followed():
+    """The RoPE tables are the rotary module's at build time: an edit of its inv_freq buffer
+    (a context-extension trick) builds the decoder again, so generate still equals HF's."""
+    model = _model("llama_silu")
+    ref = copy.deepcopy(model)
+    cm = picompile.compile(model, quiet=True)
+    first = cm.decoder()
+    ids = torch.randint(3, zoo.VOCAB, (1, 6), generator=torch.Generator().manual_seed(8))
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    before = cm.generate(ids, **kw)
+    for m in (cm._orig_mod, ref):
+        m.model.rotary_emb.inv_freq.mul_(0.25)
+    assert cm.decoder() is not first
+    got = cm.generate(ids, **kw)
+    assert torch.equal(got, ref.generate(ids, **kw)) and not torch.equal(got, before)
+
+
 def test_batches_and_padding_run_per_module():
     model = _model("llama_relu")
     ref = copy.deepcopy(model)

@@ -144,6 +144,7 @@ def assert_openai_error(response, status=None):
 def test_models_and_health(client, url):
     assert [m.id for m in client.models.list().data] == ["relu_llama"]
     assert client.models.retrieve("relu_llama").id == "relu_llama"
+    assert httpx.get(f"{url}/v1/models/").json()["data"][0]["id"] == "relu_llama"
     assert assert_openai_error(httpx.get(f"{url}/v1/models/gpt-4"), 404)["code"] == "model_not_found"
     assert httpx.get(f"{url}/health").json() == {"status": "ok", "running": 0, "waiting": 0,
                                                  "max_queue": 16}

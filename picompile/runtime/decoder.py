@@ -406,8 +406,8 @@ class Stack:
     def key(model: nn.Module) -> tuple:
         """What the bound pointers were taken from: every kernel (its generation), the predictor
         switches and thresholds, how each block is split across a GPU (and whether it times
-        its hand-offs: the per-module path does), the norms' and embedding's storage, the
-        decoder and CUDA graphs switches. A kernel whose tensors' storage was swapped since
+        its hand-offs: the per-module path does), the norms' and embedding's storage, other
+        modules' buffers (storage and in-place version), the decoder and CUDA graphs switches. A kernel whose tensors' storage was swapped since
         it was bound (`.data = ...`) is bound again first, so the key names the new one."""
         parts = [decoder_enabled(), cuda_graphs_enabled()]
         for mod in model.modules():
@@ -423,6 +423,8 @@ class Stack:
                           None if pred is None else (pred.kernel_generation, pred.tau)]
             elif not isinstance(mod, _LINEARS):
                 parts += [(p.data_ptr(), p.dtype) for p in mod.parameters(recurse=False)]
+                # buffers (the rotary inv_freq the RoPE tables come from) edited in place too
+                parts += [(b.data_ptr(), b.dtype, b._version) for b in mod.buffers(recurse=False)]
         return tuple(parts)
 
     @torch.no_grad()
