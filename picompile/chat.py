@@ -86,7 +86,8 @@ class Chat:
         self.system = [{"role": "system", "content": system}] if system else []
         self.messages = list(self.system)
         self.max_new_tokens = max_new_tokens
-        self.sampling = {"do_sample": temperature > 0}
+        # the flags say how to sample, not the model's generation_config (as llama-cli)
+        self.sampling = {"do_sample": temperature > 0, "repetition_penalty": 1.0}
         if temperature > 0:
             self.sampling.update(temperature=temperature, top_p=top_p, top_k=top_k or None,
                                  min_p=min_p or None)

@@ -285,6 +285,9 @@ def cmd_chat(args) -> int:
     cm = _compile(args, model, tokenizer)
     if args.seed is not None:  # after compiling, which draws from the same generator
         torch.manual_seed(args.seed)
+    if args.temperature == 0 and (args.top_k or args.min_p or args.top_p < 1):
+        _say("--top-p, --top-k and --min-p act when sampling; with --temperature 0 (the "
+             "default) the chat is greedy", args)
     conversation = chat.Chat(cm, tokenizer, system=args.system,
                              max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,

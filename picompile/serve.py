@@ -22,8 +22,10 @@ its name. Log-probabilities as OpenAI gives them: chat's logprobs with top_logpr
 20), a completion's logprobs=N (the N likeliest, and the chosen token) and echo (the prompt, its
 tokens' log-probabilities too); they are the model's own (a log-softmax of its logits, before
 penalties, temperature and truncation: vLLM's default), and a token's text is its own decoding
-(a piece of a character shows as U+FFFD). Parameters picompile cannot honour (n > 1, tools,
-logit_bias, ...)
+(a piece of a character shows as U+FFFD). Structured output (runtime/grammar.py): OpenAI's
+response_format (json_object, json_schema), llama.cpp's json_schema and grammar (GBNF), vLLM's
+guided_json / guided_regex / guided_choice / guided_grammar; one per request. Parameters
+picompile cannot honour (n > 1, tools, logit_bias, ...)
 get a 400 naming them rather than being silently ignored; fields OpenAI's client sends for
 bookkeeping (user, metadata, ...) are ignored.
 
@@ -67,6 +69,7 @@ from dataclasses import dataclass
 import torch
 
 from picompile.conversation import ReplyStreamer, StopString, TextDeltas, chat_prompt, end_tokens
+from picompile.runtime.grammar import GrammarError, Grammars
 from picompile.runtime.sampling import FrequencyPresencePenalty, RecentRepetitionPenalty
 
 DEFAULT_MAX_TOKENS = 512
@@ -81,12 +84,13 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 _UNSUPPORTED = {"n": 1, "best_of": 1,
                 "suffix": None, "logit_bias": None, "tools": None,
                 "tool_choice": "none", "functions": None, "function_call": "none",
-                "response_format": {"type": "text"},
                 "typical_p": None, "tfs_z": None,
                 "mirostat": None, "dry_multiplier": None, "xtc_probability": None,
-                "grammar": None, "json_schema": None, "min_tokens": None, "ignore_eos": None,
-                "stop_token_ids": None, "guided_json": None, "guided_regex": None,
-                "guided_choice": None, "guided_grammar": None}
+                "min_tokens": None, "ignore_eos": None, "stop_token_ids": None}
+# Structured output: each field that asks for it -> its grammar format (runtime/grammar.py)
+_GRAMMAR_FIELDS = {"json_schema": "json_schema", "guided_json": "json_schema",  # llama.cpp, vLLM
+                   "guided_regex": "regex", "guided_choice": "choice",  # vLLM
+                   "grammar": "grammar", "guided_grammar": "grammar"}  # GBNF or Lark
 _DISCONNECT_POLL_S = 0.5  # how often a waiting non-streaming request checks for its client
 
 log = logging.getLogger("picompile.serve")
@@ -240,6 +244,46 @@ def _penalties(body: dict, prompt_tokens: int) -> tuple:
     return tuple(processors)
 
 
+def _grammar_request(body: dict) -> tuple[str, str, str] | None:
+    """(field, format, text) of the request's structured-output field, or None: OpenAI's
+    response_format (json_object: any JSON object; json_schema: its schema), llama.cpp's
+    json_schema and grammar (GBNF), vLLM's guided_json / regex / choice / grammar."""
+    asked = []
+    form = body.get("response_format")
+    if form is not None:
+        kind = form.get("type") if isinstance(form, dict) else None
+        spec = form.get("json_schema") if isinstance(form, dict) else None
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if kind == "json_object":
+            asked.append(("response_format", "json_schema", '{"type": "object"}'))
+        elif kind == "json_schema" and isinstance(schema, dict):
+            asked.append(("response_format", "json_schema", json.dumps(schema)))
+        elif kind != "text":
+            raise _bad("response_format", 'response_format must be {"type": "text"}, {"type": '
+                                          '"json_object"} or {"type": "json_schema", '
+                                          '"json_schema": {"name": ..., "schema": {...}}}, got '
+                                          f"{_show(form)}")
+    for name, format in _GRAMMAR_FIELDS.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        if format == "json_schema" and isinstance(value, dict):
+            value = json.dumps(value)
+        elif format == "choice":
+            if not (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
+                raise _bad(name, f"{name} must be a non-empty list of strings, got {_show(value)}")
+            value = json.dumps(value)
+        elif not isinstance(value, str):
+            what = ("a JSON schema (an object, or its text)" if format == "json_schema"
+                    else "a string")
+            raise _bad(name, f"{name} must be {what}, got {_show(value)}")
+        asked.append((name, format, _unicode(value, name)))
+    if len(asked) > 1:
+        raise _bad(asked[1][0], "give one structured-output field, got "
+                                f"{' and '.join(a[0] for a in asked)}")
+    return asked[0] if asked else None
+
+
 def _stops(body: dict) -> list[str]:
     stop = body.get("stop")
     if stop is None:
@@ -369,7 +413,7 @@ class _Logprobs:
     def entry(self, token: int, logprobs: torch.Tensor | None = None) -> Entry:
         """token's Entry under logprobs [V] (the last step's when None)."""
         logprobs = self.last if logprobs is None else logprobs
-        values, ids = logprobs.topk(self.top) if self.top else (logprobs[:0], [])
+        values, ids = logprobs.topk(self.top)
         with self.lock:
             return (self.text(token), _floor(logprobs[token]),
                     [(self.text(t), _floor(v)) for t, v in zip(ids.tolist(), values.tolist())])
@@ -496,6 +540,7 @@ class Engine:
         kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=p.max_tokens,
                       eos_token_id=sorted(self.eos) or None, pad_token_id=self.pad,
                       streamer=streamer, do_sample=p.temperature > 0,
+                      repetition_penalty=1.0,  # the request's penalties only, not the model's
                       logits_processor=[logprobs, *p.processors] if logprobs else list(p.processors))
         if p.temperature > 0:
             kwargs.update(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
@@ -538,6 +583,7 @@ class Server:
         config = getattr(model, "config", None)
         self.context = getattr(config, "max_position_embeddings", None)
         self.vocab = getattr(config, "vocab_size", None) or len(tokenizer)
+        self.grammars: Grammars | None = None  # made at the first request with a grammar
         self.created = int(time.time())
 
     def models(self) -> dict:
@@ -568,6 +614,7 @@ class Server:
         include_usage = stream and _field(options or {}, "include_usage", bool, False)
         stops = _stops(body)
         logprobs, echo = _logprobs(body, chat)
+        grammar = _grammar_request(body)
         prompt_text, extra_stops = None, []
         if chat:
             ids, extra_stops = self._chat_ids(_messages(body))
@@ -580,11 +627,27 @@ class Server:
                         min_p=_field(body, "min_p", float, 0.0, 0, 1),
                         seed=_field(body, "seed", int, None, -2**63, 2**64 - 1),
                         stops=tuple(stops + extra_stops),
-                        processors=_penalties(body, len(ids)), logprobs=logprobs, echo=echo,
+                        processors=_penalties(body, len(ids)) + (
+                            () if grammar is None else (self._constraint(grammar, len(ids)),)),
+                        logprobs=logprobs, echo=echo,
                         prompt_text=prompt_text)
         job = Job(params, chat, stream, include_usage, asyncio.get_running_loop())
         self.engine.submit(job)
         return job
+
+    def _constraint(self, request: tuple[str, str, str], prompt_tokens: int):
+        """The logits processor holding the reply to a request's grammar (400 where it cannot
+        be read). The tokenizer is wrapped for grammars at the first such request."""
+        name, format, text = request
+        try:
+            with self.engine.tokenizer_lock:
+                if self.grammars is None:
+                    self.grammars = Grammars(self.tokenizer, self.vocab, sorted(self.engine.eos))
+            return self.grammars.constraint(self.grammars.compile(format, text), prompt_tokens)
+        except ImportError as e:
+            raise _bad(name, str(e), code="unsupported_parameter") from None
+        except GrammarError as e:
+            raise _bad(name, f"{name} cannot be used: {e}") from None
 
     def _chat_ids(self, messages: list[dict]) -> tuple[list[int], list[str]]:
         with self.engine.tokenizer_lock:

@@ -231,6 +231,26 @@ def test_frequency_presence_penalty_counts_the_reply_only():
     assert torch.equal(FrequencyPresencePenalty(7, 1.0, 1.0)(ids, scores.clone()), scores)
 
 
+@pytest.mark.parametrize("kw", [dict(repetition_penalty=0.0), dict(repetition_penalty=2),
+                                dict(do_sample=True, top_k=-1), dict(do_sample=True, min_p=1.5)])
+def test_values_hf_refuses_are_left_to_hfs_error(llama, kw):
+    ids = _prompt(5, 67)[None]
+    reason = supported(llama, dict(input_ids=ids, max_new_tokens=3, **kw))
+    assert reason is not None and reason.startswith("invalid arguments"), reason
+    with pytest.raises(ValueError):
+        llama.generate(ids, max_new_tokens=3, **kw)
+
+
+def test_a_top_p_of_one_or_more_is_no_warper_as_in_hf(llama):
+    ids = _prompt(5, 68)[None]
+    kw = dict(max_new_tokens=NEW, do_sample=True, top_p=1.5, pad_token_id=0)
+    assert supported(llama, dict(input_ids=ids, **kw)) is None
+    torch.manual_seed(4)
+    want = llama.generate(ids, **kw)
+    torch.manual_seed(4)
+    assert torch.equal(generate_hf(llama, ids, **kw), want)
+
+
 def test_a_models_repetition_penalty_default_runs_the_loop(llama):
     """Qwen2.5's generation_config sets repetition_penalty=1.05: such a model's calls run
     picompile's loop (they fell back to HF's generate), with HF's tokens."""

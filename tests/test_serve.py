@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -309,6 +310,30 @@ def test_chat_logprobs_are_the_models_and_stream_alike(client, model):
     assert plain.choices[0].message.content == r.choices[0].message.content
 
 
+def test_logprobs_without_alternatives_and_despite_a_models_penalty(client, model):
+    """logprobs true alone (chat) and logprobs 0 (a completion) give the chosen tokens' only;
+    a repetition penalty in the model's generation_config changes neither the reply nor the
+    log-probabilities: the request's sampling fields are the whole of it (OpenAI's)."""
+    cm, tok = model
+    r = client.chat.completions.create(model="m", messages=USER, max_tokens=6, temperature=0,
+                                       logprobs=True)
+    assert r.choices[0].logprobs.content and all(
+        e.top_logprobs == [] for e in r.choices[0].logprobs.content)
+    kw = dict(model="m", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=0)
+    plain = client.completions.create(**kw).choices[0]
+    assert all(top == {t: lp} for t, lp, top in zip(
+        plain.logprobs.tokens, plain.logprobs.token_logprobs, plain.logprobs.top_logprobs))
+    config = cm._orig_mod.generation_config
+    config.repetition_penalty = 3.0
+    try:
+        penalized = client.completions.create(**kw).choices[0]
+    finally:
+        config.repetition_penalty = 1.0
+    assert penalized.text == plain.text
+    assert penalized.logprobs.token_logprobs == pytest.approx(plain.logprobs.token_logprobs,
+                                                              abs=1e-5)
+
+
 def test_completion_logprobs_with_echo_cover_the_prompt(client, model):
     """lm-evaluation-harness's loglikelihood request: echo, logprobs, one new token."""
     tok = model[1]
@@ -333,6 +358,40 @@ def test_completion_logprobs_with_echo_cover_the_prompt(client, model):
     streamed = [ch.choices[0].logprobs for ch in chunks if ch.choices[0].logprobs]
     assert sum((s.tokens for s in streamed), []) == lp.tokens
     assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n"],
+          "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                          "maximum": 9}}}
+
+
+def test_structured_output_fields_hold_the_reply(client):
+    """OpenAI's response_format, llama.cpp's grammar and json_schema, vLLM's guided_*: the
+    fixture's random weights write what the grammar lets them."""
+    kw = dict(model="m", messages=USER, max_tokens=200, temperature=0)
+    schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    r = client.chat.completions.create(response_format=schema, **kw)
+    value = json.loads(r.choices[0].message.content)
+    assert set(value) == {"ok", "n"} and 0 <= value["n"] <= 9, value
+    assert r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        response_format=schema, stream=True, **kw))
+    assert streamed == r.choices[0].message.content
+    r = client.chat.completions.create(response_format={"type": "json_object"}, **kw)
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    for extra, check in [
+            ({"json_schema": SCHEMA}, lambda t: set(json.loads(t)) == {"ok", "n"}),
+            ({"guided_json": json.dumps(SCHEMA)}, lambda t: set(json.loads(t)) == {"ok", "n"}),
+            ({"guided_choice": ["red", "green"]}, lambda t: t in ("red", "green")),
+            ({"guided_regex": "[0-9]{3}-[a-z]{2}"},
+             lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
+            ({"grammar": 'root ::= "yes" | "no"'}, lambda t: t in ("yes", "no")),  # GBNF
+            ({"guided_grammar": 'start: "ab" | "cd"'}, lambda t: t in ("ab", "cd"))]:  # Lark
+        text = client.chat.completions.create(extra_body=extra, **kw).choices[0].message.content
+        assert check(text), (extra, text)
+    r = client.completions.create(model="m", prompt=PROMPT, max_tokens=20, temperature=0.9,
+                                  seed=3, extra_body={"guided_choice": ["alpha", "beta"]})
+    assert r.choices[0].text in ("alpha", "beta")
 
 
 def test_eight_concurrent_clients_all_succeed(url):
@@ -407,7 +466,13 @@ MALFORMED = [
      "not both"),
     ("POST", CHAT, {"messages": USER, "frequency_penalty": 2.5}, "frequency_penalty"),
     ("POST", CHAT, {"messages": USER, "min_p": 1.5}, "min_p"),
-    ("POST", CHAT, {"messages": USER, "guided_json": {"type": "object"}}, "guided_json"),  # vLLM's
+    ("POST", CHAT, {"messages": USER, "guided_json": {"type": "bogus"}}, "guided_json cannot"),
+    ("POST", CHAT, {"messages": USER, "guided_regex": "[a-"}, "unclosed character class"),
+    ("POST", CHAT, {"messages": USER, "guided_choice": []}, "non-empty list of strings"),
+    ("POST", CHAT, {"messages": USER, "grammar": 'root ::= foo'}, "foo"),
+    ("POST", CHAT, {"messages": USER, "response_format": {"type": "xml"}}, "response_format"),
+    ("POST", CHAT, {"messages": USER, "response_format": {"type": "json_object"},
+                    "guided_regex": "a"}, "one structured-output field"),
     ("POST", CHAT, {"messages": USER, "tool_choice": "auto"}, "tool_choice"),
     ("POST", COMPLETIONS, {"prompt": "a", "top_logprobs": 2}, "logprobs: N"),
     ("POST", COMPLETIONS, {"prompt": "a", "logprobs": True}, "logprobs"),

@@ -367,13 +367,20 @@ def _resolve(model, args: tuple, kwargs: dict, quiet: bool) -> dict:
         if bool((inputs == pad).any()):
             attention_mask = inputs.ne(pad).long()
     sample = bool(gc.do_sample)
+    penalty = 1.0 if gc.repetition_penalty is None else gc.repetition_penalty
+    # values HF's processors refuse (their errors, from HF's generate); a top_p >= 1 is no warper
+    if (not isinstance(penalty, float) or not penalty > 0
+            or sample and gc.top_k is not None and gc.top_k < 0
+            or sample and gc.min_p is not None and not 0 <= gc.min_p <= 1):
+        raise _Unsupported(f"{INVALID} (repetition_penalty={penalty!r}, top_k={gc.top_k!r}, "
+                           f"min_p={gc.min_p!r})")
     return dict(input_ids=inputs, attention_mask=attention_mask, max_new_tokens=max_new,
                 min_new_tokens=min_new, do_sample=sample,
                 temperature=gc.temperature if sample and gc.temperature is not None else 1.0,
                 top_k=gc.top_k if sample and gc.top_k else None,
-                top_p=gc.top_p if sample else None,
+                top_p=gc.top_p if sample and gc.top_p is not None and gc.top_p < 1 else None,
                 min_p=gc.min_p if sample else None,
-                repetition_penalty=gc.repetition_penalty or 1.0, logits_processor=processors,
+                repetition_penalty=penalty, logits_processor=processors,
                 eos_token_id=eos_list or None, pad_token_id=pad, streamer=streamer)
 
 
