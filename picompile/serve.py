@@ -13,9 +13,10 @@ samples with temperature, top_p, and the extras top_k (0 or absent is off) and m
 llama.cpp's). Penalties act in both: OpenAI's frequency_penalty and presence_penalty (in [-2, 2],
 over the reply's tokens), vLLM's repetition_penalty (HF's, over the prompt and reply) or
 llama.cpp's repeat_penalty (the same over the last repeat_last_n tokens, 64 unless given; -1:
-all). seed seeds torch's global RNG, which is safe because one request runs at a time. max_tokens (or
-max_completion_tokens) defaults to DEFAULT_MAX_TOKENS, within the model's context; a prompt plus
-max_tokens past the context is a 400. stop takes up to 4 strings. finish_reason is "stop" (an EOS
+all); the model's generation_config plays no part. seed seeds torch's global RNG, which is safe
+because one request runs at a time. max_tokens (or max_completion_tokens) defaults to
+DEFAULT_MAX_TOKENS, within the model's context; a prompt plus max_tokens past the context is a
+400. stop takes up to 4 strings. finish_reason is "stop" (an EOS
 token or a stop string) or "length". Replies count prompt and completion tokens in "usage".
 The "model" field is accepted whatever it names: the server serves one model, and replies carry
 its name. Log-probabilities as OpenAI gives them: chat's logprobs with top_logprobs (at most
@@ -352,7 +353,7 @@ class Params:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    processors: tuple = ()  # HF logits processors: the penalties (after the raw logprobs')
+    processors: tuple = ()  # HF logits processors: penalties, a grammar (after logprobs' recorder)
     seed: int | None = None
     stops: tuple[str, ...] = ()
     logprobs: int | None = None  # likeliest tokens listed with each chosen one; None: no logprobs
@@ -363,7 +364,7 @@ class Params:
 # A token's log-probability as the worker hands it on: (its text, logprob, the likeliest
 # tokens' (text, logprob) or None where none are listed: a prompt's first token).
 Entry = tuple[str, float | None, list[tuple[str, float]] | None]
-LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for a log-probability too low to matter (JSON has no -inf)
+LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for a log-probability too low to show (no -inf in JSON)
 
 
 # ---- generation on the worker thread ---------------------------------------------------
@@ -375,9 +376,9 @@ class _Cancelled(Exception):
 
 class Job:
     """A request on its way through the queue. The worker sends events to the request's event
-    loop through `events`: ("text", delta, [Entry] of the tokens since the last), then ("done", finish_reason, prompt_tokens,
-    completion_tokens) or ("error", message, HTTP status). `cancelled` is set when the client
-    goes away."""
+    loop through `events`: ("text", delta, [Entry] of the tokens since the last), then ("done",
+    finish_reason, prompt_tokens, completion_tokens) or ("error", message, HTTP status).
+    `cancelled` is set when the client goes away."""
 
     def __init__(self, params: Params, chat: bool, stream: bool, include_usage: bool,
                  loop: asyncio.AbstractEventLoop):
@@ -541,16 +542,19 @@ class Engine:
                       eos_token_id=sorted(self.eos) or None, pad_token_id=self.pad,
                       streamer=streamer, do_sample=p.temperature > 0,
                       repetition_penalty=1.0,  # the request's penalties only, not the model's
-                      logits_processor=[logprobs, *p.processors] if logprobs else list(p.processors))
+                      logits_processor=list(p.processors))
+        if logprobs is not None:  # first: it sees the model's own logits
+            kwargs["logits_processor"].insert(0, logprobs)
         if p.temperature > 0:
             kwargs.update(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                          min_p=p.min_p or None)
+                          min_p=p.min_p)
         try:
             if p.echo:
                 with self.tokenizer_lock:
                     prompt = p.prompt_text if p.prompt_text is not None else \
                         self.tokenizer.decode(p.ids, skip_special_tokens=True)
-                job.emit("text", prompt, [] if logprobs is None else logprobs.prompt(self.model, ids))
+                job.emit("text", prompt,
+                         [] if logprobs is None else logprobs.prompt(self.model, ids))
             if p.seed is not None:
                 torch.manual_seed(p.seed)
             self.model.generate(ids, **kwargs)

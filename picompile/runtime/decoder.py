@@ -407,8 +407,9 @@ class Stack:
         """What the bound pointers were taken from: every kernel (its generation), the predictor
         switches and thresholds, how each block is split across a GPU (and whether it times
         its hand-offs: the per-module path does), the norms' and embedding's storage, other
-        modules' buffers (storage and in-place version), the decoder and CUDA graphs switches. A kernel whose tensors' storage was swapped since
-        it was bound (`.data = ...`) is bound again first, so the key names the new one."""
+        modules' buffers (storage and in-place version), the decoder and CUDA graphs switches.
+        A kernel whose tensors' storage was swapped since it was bound (`.data = ...`) is bound
+        again first, so the key names the new one."""
         parts = [decoder_enabled(), cuda_graphs_enabled()]
         for mod in model.modules():
             if isinstance(mod, KernelModule):

@@ -110,7 +110,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
              *, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
              repetition_penalty: float = 1.0, logits_processor: Sequence[LogitsProcessor] = (),
-             seed: int | None = None, eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
+             seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
+             pad_token_id: int | None = None,
              streamer=None, callback: Callable[[torch.Tensor], None] | None = None,
              min_new_tokens: int = 0, decoder=None, steps=None) -> torch.Tensor:
     """Prompt + up to max_new_tokens new tokens, [B, S + n] (HF's output for the same options).
