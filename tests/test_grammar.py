@@ -89,6 +89,26 @@ def test_the_same_constraint_in_hugging_faces_generate_and_a_compiled_model(setu
     assert torch.equal(got, hf)
 
 
+def test_the_mask_equals_llguidances_own(setup):
+    """The scores masked a byte at a time against llguidance's apply_token_bitmask_inplace, at
+    each step of a reply (a vocabulary not a multiple of 32 wide too)."""
+    import llguidance.torch
+
+    _, tok, grammars = setup
+    text = '{"ok": true, "n": 42, "tag": "bc"}'
+    reply = tok(text, add_special_tokens=False)["input_ids"]
+    constraint = grammars.constraint(grammars.compile("json_schema", json.dumps(SCHEMA)), 1)
+    for i in range(len(reply) + 1):
+        ids = torch.tensor([[5] + reply[:i]])
+        for width in (1024, 1000):
+            scores = torch.randn(1, width, generator=torch.Generator().manual_seed(i))
+            want = scores.clone()
+            got = constraint(ids, scores.clone())
+            llguidance.torch.apply_token_bitmask_inplace(want, constraint.mask)
+            assert torch.equal(got, want), (i, width)
+        assert i == len(reply) or got[0, reply[i]] > float("-inf")  # the text is allowed
+
+
 def test_bad_grammars_and_batches_are_refused(setup):
     _, tok, grammars = setup
     for format, text, words in [("regex", "[a-", "unclosed character class"),

@@ -77,6 +77,11 @@ class Grammars:
         return GrammarConstraint(self, grammar, prompt_tokens)
 
 
+# [256, 8]: for each byte value, 0 where its bit i is set and -inf where not
+_BYTE_SCORES = torch.tensor([[0.0 if byte >> i & 1 else float("-inf") for i in range(8)]
+                             for byte in range(256)])
+
+
 def _bounded_whitespace(schema_text: str) -> str:
     try:
         schema = json.loads(schema_text)
@@ -97,6 +102,7 @@ class GrammarConstraint:
         self.matcher = grammars._llg.LLMatcher(grammars.tokenizer, grammar)
         if self.matcher.is_error():
             raise GrammarError(self.matcher.get_error())
+        # bit b of int32 word w: token 32 w + b is allowed
         self.mask = self._torch.allocate_token_bitmask(1, grammars.tokenizer.vocab_size)
         self.prompt_tokens, self.fed = prompt_tokens, 0
 
@@ -110,5 +116,7 @@ class GrammarConstraint:
                                    f"{self.matcher.get_error()}")
         self.fed = len(reply)
         self._torch.fill_next_token_bitmask(self.matcher, self.mask, 0)
-        self._torch.apply_token_bitmask_inplace(scores, self.mask.to(scores.device))
-        return scores
+        # 0 or -inf per token, a byte's 8 at a time (llguidance's apply_token_bitmask_inplace
+        # is TorchScript, which takes seconds to compile at its first call)
+        add = _BYTE_SCORES[self.mask[0].view(torch.uint8).long()].reshape(-1)  # little-endian
+        return scores.add_(add[:scores.shape[-1]].to(scores.device))
