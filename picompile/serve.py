@@ -24,8 +24,10 @@ its name. Log-probabilities as OpenAI gives them: chat's logprobs with top_logpr
 tokens' log-probabilities too); they are the model's own (a log-softmax of its logits, before
 penalties, temperature and truncation: vLLM's default), and a token's text is its own decoding
 (a piece of a character shows as U+FFFD). Structured output (runtime/grammar.py): OpenAI's
-response_format (json_object, json_schema), llama.cpp's json_schema and grammar (GBNF), vLLM's
-guided_json / guided_regex / guided_choice / guided_grammar; one per request. Parameters
+response_format (json_object, json_schema; llama.cpp's "schema" beside either), llama.cpp's
+json_schema and grammar (GBNF), vLLM's guided_json / guided_regex / guided_choice /
+guided_grammar and structured_outputs; one per request, compiled off the event loop; a reply
+its parser cannot follow to the end is a 400, never a short reply. Parameters
 picompile cannot honour (n > 1, tools, logit_bias, ...)
 get a 400 naming them rather than being silently ignored; fields OpenAI's client sends for
 bookkeeping (user, metadata, ...) are ignored.
@@ -87,11 +89,15 @@ _UNSUPPORTED = {"n": 1, "best_of": 1,
                 "tool_choice": "none", "functions": None, "function_call": "none",
                 "typical_p": None, "tfs_z": None,
                 "mirostat": None, "dry_multiplier": None, "xtc_probability": None,
-                "min_tokens": None, "ignore_eos": None, "stop_token_ids": None}
+                "min_tokens": None, "ignore_eos": None, "stop_token_ids": None,
+                "guided_whitespace_pattern": None}
 # Structured output: each field that asks for it -> its grammar format (runtime/grammar.py)
 _GRAMMAR_FIELDS = {"json_schema": "json_schema", "guided_json": "json_schema",  # llama.cpp, vLLM
                    "guided_regex": "regex", "guided_choice": "choice",  # vLLM
                    "grammar": "grammar", "guided_grammar": "grammar"}  # GBNF or Lark
+# vLLM's structured_outputs object: its keys -> their grammar format (and json_object: true)
+_STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice",
+                       "grammar": "grammar"}
 _DISCONNECT_POLL_S = 0.5  # how often a waiting non-streaming request checks for its client
 
 log = logging.getLogger("picompile.serve")
@@ -160,6 +166,12 @@ class APIError(Exception):
 
 def _bad(param: str | None, message: str, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def _failed(event: tuple) -> APIError:
+    """An ("error", message, status) event as the error reply."""
+    _, message, status = event
+    return APIError(status, message, "invalid_request_error" if status < 500 else "server_error")
 
 
 # ---- reading requests --------------------------------------------------------------------
@@ -247,25 +259,36 @@ def _penalties(body: dict, prompt_tokens: int) -> tuple:
 
 def _grammar_request(body: dict) -> tuple[str, str, str] | None:
     """(field, format, text) of the request's structured-output field, or None: OpenAI's
-    response_format (json_object: any JSON object; json_schema: its schema), llama.cpp's
-    json_schema and grammar (GBNF), vLLM's guided_json / regex / choice / grammar."""
+    response_format (json_object: any JSON object; json_schema: its schema; llama.cpp's
+    "schema" beside either type), llama.cpp's json_schema and grammar (GBNF), vLLM's
+    guided_json / regex / choice / grammar and its newer structured_outputs object."""
     asked = []
     form = body.get("response_format")
     if form is not None:
         kind = form.get("type") if isinstance(form, dict) else None
         spec = form.get("json_schema") if isinstance(form, dict) else None
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if kind == "json_object":
+        schema = spec.get("schema") if isinstance(spec, dict) else (form or {}).get("schema")
+        if kind == "json_object" and schema is None:
             asked.append(("response_format", "json_schema", '{"type": "object"}'))
-        elif kind == "json_schema" and isinstance(schema, dict):
+        elif kind in ("json_object", "json_schema") and isinstance(schema, dict):
             asked.append(("response_format", "json_schema", json.dumps(schema)))
-        elif kind != "text":
+        elif not (kind == "text" and len(form) == 1):
             raise _bad("response_format", 'response_format must be {"type": "text"}, {"type": '
                                           '"json_object"} or {"type": "json_schema", '
                                           '"json_schema": {"name": ..., "schema": {...}}}, got '
                                           f"{_show(form)}")
-    for name, format in _GRAMMAR_FIELDS.items():
-        value = body.get(name)
+    fields = [(name, format, body.get(name)) for name, format in _GRAMMAR_FIELDS.items()]
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict) or set(outputs) - {*_STRUCTURED_OUTPUTS, "json_object"}:
+            raise _bad("structured_outputs", "structured_outputs must be an object with one of "
+                                             f"{', '.join(_STRUCTURED_OUTPUTS)} or json_object, "
+                                             f"got {_show(outputs)}")
+        fields += [(f"structured_outputs.{key}", _STRUCTURED_OUTPUTS[key], value)
+                   for key, value in outputs.items() if key != "json_object"]
+        if outputs.get("json_object") not in (None, False):
+            fields.append(("structured_outputs.json_object", "json_schema", {"type": "object"}))
+    for name, format, value in fields:
         if value is None:
             continue
         if format == "json_schema" and isinstance(value, dict):
@@ -567,6 +590,9 @@ class Engine:
             return
         except StopString:
             pass
+        except GrammarError as e:  # the request's grammar, past what its parser can follow
+            job.emit("error", f"the reply cannot be held to the grammar: {e}", 400)
+            return
         except Exception as e:  # the request fails, the server goes on
             log.exception("picompile serve: generation failed")
             job.emit("error", f"generation failed: {type(e).__name__}: {e}", 500)
@@ -588,6 +614,7 @@ class Server:
         self.context = getattr(config, "max_position_embeddings", None)
         self.vocab = getattr(config, "vocab_size", None) or len(tokenizer)
         self.grammars: Grammars | None = None  # made at the first request with a grammar
+        self._grammars_lock = threading.Lock()
         self.created = int(time.time())
 
     def models(self) -> dict:
@@ -604,8 +631,10 @@ class Server:
     def health(self) -> dict:
         return {"status": "ok", **self.engine.stats()}
 
-    def submit(self, body, chat: bool) -> Job:
-        """Check the request, tokenize its prompt and queue it (400 / 503 as APIError)."""
+    def submit(self, body, chat: bool, loop: asyncio.AbstractEventLoop) -> Job:
+        """Check the request, tokenize its prompt, compile its grammar and queue it (400 / 503
+        as APIError). Runs off the event loop (a long prompt or a large grammar takes a while),
+        and `loop` gets the job's events."""
         if not isinstance(body, dict):
             raise _bad(None, f"the request body must be a JSON object, got {_show(body)}")
         _field(body, "model", str)
@@ -635,7 +664,7 @@ class Server:
                             () if grammar is None else (self._constraint(grammar, len(ids)),)),
                         logprobs=logprobs, echo=echo,
                         prompt_text=prompt_text)
-        job = Job(params, chat, stream, include_usage, asyncio.get_running_loop())
+        job = Job(params, chat, stream, include_usage, loop)
         self.engine.submit(job)
         return job
 
@@ -644,9 +673,11 @@ class Server:
         be read). The tokenizer is wrapped for grammars at the first such request."""
         name, format, text = request
         try:
-            with self.engine.tokenizer_lock:
+            with self._grammars_lock:
                 if self.grammars is None:
-                    self.grammars = Grammars(self.tokenizer, self.vocab, sorted(self.engine.eos))
+                    with self.engine.tokenizer_lock:  # reads the tokenizer
+                        self.grammars = Grammars(self.tokenizer, self.vocab,
+                                                 sorted(self.engine.eos))
             return self.grammars.constraint(self.grammars.compile(format, text), prompt_tokens)
         except ImportError as e:
             raise _bad(name, str(e), code="unsupported_parameter") from None
@@ -756,7 +787,7 @@ class Server:
                                "usage": self._usage(prompt, completion)})
                 break
             else:
-                yield sse(APIError(event[2], event[1], "server_error").body())
+                yield sse(_failed(event).body())
                 break
         yield "data: [DONE]\n\n"
 
@@ -780,7 +811,7 @@ class Server:
                     entries += event[2]
                     continue
                 if event[0] == "error":
-                    raise APIError(event[2], event[1], "server_error")
+                    raise _failed(event)
                 _, finish, prompt, completion = event
                 break
         finally:
@@ -886,7 +917,7 @@ def make_app(cm, tokenizer, *, api_key: str | None = None, max_queue: int = DEFA
         except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested too deep
             raise _bad(None, f"the request body is not valid JSON in UTF-8 "
                              f"({type(e).__name__}: {str(e)[:100]})") from None
-        job = server.submit(body, chat)
+        job = await asyncio.to_thread(server.submit, body, chat, asyncio.get_running_loop())
         if job.stream:
             return JobStream(job)
         reply = await server.result(job, request.is_disconnected)

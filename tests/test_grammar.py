@@ -109,6 +109,32 @@ def test_the_mask_equals_llguidances_own(setup):
         assert i == len(reply) or got[0, reply[i]] > float("-inf")  # the text is allowed
 
 
+def test_a_parser_limit_hit_mid_reply_is_an_error_not_an_early_end(setup):
+    """llguidance's lexer gives up on this regex after 29 "a"s; its mask then allows only the
+    end token, which would end the reply as if complete."""
+    _, tok, grammars = setup
+    constraint = grammars.constraint(grammars.compile("regex", "((a{1,50}){1,50}){1,50}b"), 1)
+    a = tok.convert_tokens_to_ids("a")
+    with pytest.raises(GrammarError, match="cannot be followed past .* too many") as e:
+        for n in range(200):
+            constraint(torch.tensor([[5] + [a] * n]), torch.zeros(1, 1024))
+    assert "<state>" not in str(e.value)
+
+
+def test_grammars_past_the_parsers_limits_fail_at_once_with_a_short_message(setup):
+    """A grammar that never ends, and more choices than a row of llguidance's parser holds:
+    GrammarError at the first token, without llguidance's dump of its state."""
+    _, tok, grammars = setup
+    for format, text in [("grammar", 'root ::= "x" root'),
+                         ("choice", json.dumps([f"option {i}" for i in range(2500)]))]:
+        with pytest.raises(GrammarError) as e:
+            constraint = grammars.constraint(grammars.compile(format, text), 1)
+            scores = constraint(torch.tensor([[5]]), torch.zeros(1, 1024))
+            first = int(scores.argmax())
+            constraint(torch.tensor([[5, first]]), torch.zeros(1, 1024))
+        assert "<state>" not in str(e.value) and len(str(e.value)) < 300, str(e.value)
+
+
 def test_bad_grammars_and_batches_are_refused(setup):
     _, tok, grammars = setup
     for format, text, words in [("regex", "[a-", "unclosed character class"),

@@ -386,12 +386,28 @@ def test_structured_output_fields_hold_the_reply(client):
             ({"guided_regex": "[0-9]{3}-[a-z]{2}"},
              lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
             ({"grammar": 'root ::= "yes" | "no"'}, lambda t: t in ("yes", "no")),  # GBNF
-            ({"guided_grammar": 'start: "ab" | "cd"'}, lambda t: t in ("ab", "cd"))]:  # Lark
+            ({"guided_grammar": 'start: "ab" | "cd"'}, lambda t: t in ("ab", "cd")),  # Lark
+            ({"structured_outputs": {"choice": ["up", "down"]}}, lambda t: t in ("up", "down")),
+            ({"structured_outputs": {"json_object": True}},
+             lambda t: isinstance(json.loads(t), dict)),
+            ({"response_format": {"type": "json_object", "schema": SCHEMA}},  # llama.cpp's
+             lambda t: set(json.loads(t)) == {"ok", "n"}),
+            ({"response_format": {"type": "json_schema", "schema": SCHEMA}},
+             lambda t: set(json.loads(t)) == {"ok", "n"})]:
         text = client.chat.completions.create(extra_body=extra, **kw).choices[0].message.content
         assert check(text), (extra, text)
     r = client.completions.create(model="m", prompt=PROMPT, max_tokens=20, temperature=0.9,
                                   seed=3, extra_body={"guided_choice": ["alpha", "beta"]})
     assert r.choices[0].text in ("alpha", "beta")
+
+
+def test_a_grammar_past_its_parsers_limits_is_a_400_not_a_short_reply(client):
+    """After 29 "a"s llguidance's lexer gives up on this regex; negative penalties keep the
+    model writing "a"s. The reply fails with a 400 rather than ending early as if complete."""
+    with pytest.raises(openai.BadRequestError, match="cannot be held to the grammar"):
+        client.completions.create(model="m", prompt=PROMPT, max_tokens=80, temperature=0,
+                                  frequency_penalty=-2, presence_penalty=-2,
+                                  extra_body={"guided_regex": "((a{1,50}){1,50}){1,50}b"})
 
 
 def test_eight_concurrent_clients_all_succeed(url):
@@ -473,6 +489,13 @@ MALFORMED = [
     ("POST", CHAT, {"messages": USER, "response_format": {"type": "xml"}}, "response_format"),
     ("POST", CHAT, {"messages": USER, "response_format": {"type": "json_object"},
                     "guided_regex": "a"}, "one structured-output field"),
+    ("POST", CHAT, {"messages": USER, "grammar": 'root ::= "x" root'}, "grammar"),  # no end
+    ("POST", CHAT, {"messages": USER, "guided_choice": [str(i) for i in range(2500)]},
+     "grammar"),  # past llguidance's 2000 items a row
+    ("POST", CHAT, {"messages": USER, "structured_outputs": {"whitespace_pattern": " "}},
+     "structured_outputs"),
+    ("POST", CHAT, {"messages": USER, "guided_whitespace_pattern": " "},
+     "guided_whitespace_pattern"),
     ("POST", CHAT, {"messages": USER, "tool_choice": "auto"}, "tool_choice"),
     ("POST", COMPLETIONS, {"prompt": "a", "top_logprobs": 2}, "logprobs: N"),
     ("POST", COMPLETIONS, {"prompt": "a", "logprobs": True}, "logprobs"),

@@ -29,7 +29,11 @@ JSON_WHITESPACE = r"( |\n[ \t]{0,20})?"
 
 
 class GrammarError(ValueError):
-    """A grammar llguidance cannot read, with its message."""
+    """A grammar llguidance cannot read or hold a reply to, with what it says (less the dump
+    of its parser's state and the grammar that its errors end with)."""
+
+    def __init__(self, message: str):
+        super().__init__(message.split("<state>")[0].strip())
 
 
 def require():
@@ -105,18 +109,26 @@ class GrammarConstraint:
         # bit b of int32 word w: token 32 w + b is allowed
         self.mask = self._torch.allocate_token_bitmask(1, grammars.tokenizer.vocab_size)
         self.prompt_tokens, self.fed = prompt_tokens, 0
+        self._fill()  # the first mask now: a grammar its parser cannot start fails here
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[0] != 1:
             raise ValueError(f"a grammar holds one reply, got a batch of {input_ids.shape[0]}")
         reply = input_ids[0, self.prompt_tokens:].tolist()
-        for token in reply[self.fed:]:
-            if not self.matcher.consume_token(token):
-                raise RuntimeError(f"token {token} breaks the grammar: "
-                                   f"{self.matcher.get_error()}")
-        self.fed = len(reply)
-        self._torch.fill_next_token_bitmask(self.matcher, self.mask, 0)
+        if len(reply) > self.fed:
+            for token in reply[self.fed:]:
+                if not self.matcher.consume_token(token):
+                    raise GrammarError(f"token {token} breaks the grammar: "
+                                       f"{self.matcher.get_error()}")
+            self.fed = len(reply)
+            self._fill()
         # 0 or -inf per token, a byte's 8 at a time (llguidance's apply_token_bitmask_inplace
         # is TorchScript, which takes seconds to compile at its first call)
         add = _BYTE_SCORES[self.mask[0].view(torch.uint8).long()].reshape(-1)  # little-endian
         return scores.add_(add[:scores.shape[-1]].to(scores.device))
+
+    def _fill(self) -> None:
+        self._torch.fill_next_token_bitmask(self.matcher, self.mask, 0)
+        if self.matcher.is_error():  # a limit of its parser hit (its mask would end the reply)
+            raise GrammarError(f"the grammar cannot be followed past {self.fed} tokens of the "
+                               f"reply: {self.matcher.get_error()}")
