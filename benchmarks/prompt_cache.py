@@ -68,7 +68,8 @@ def main():
     args = ap.parse_args()
 
     model, tokenizer = models.load(None, quiet=True)
-    cm = picompile.compile(model, sparsity=args.sparsity, tokenizer=tokenizer, quiet=True)
+    cm = picompile.compile(model, sparsity=args.sparsity, tokenizer=tokenizer, quiet=True,
+                           gguf=models.default_gguf())  # the file's blocks, as `picompile run`
     if cm.decoder() is None:
         raise SystemExit(f"no C decoder runs this model ({cm.decoder_reason}): no prompt cache")
     texts = [t for t in corpus.default_texts("heldout") if 600 < len(t) < 2400]

@@ -8,7 +8,7 @@ sparsity --sparsity), one chat prompt, and cm.generate with each of these, in tu
 round (the machine's drift spread over all):
 
   greedy      argmax, nothing else
-  sampled     temperature 0.8, top_k 40, top_p 0.95, min_p 0.05, a seed
+  sampled     temperature 0.8, top_k 40, top_p 0.95, min_p 0.05
   repetition  greedy with repetition_penalty 1.1 (HF's, over prompt and reply)
   openai      greedy with FrequencyPresencePenalty(0.5, 0.5) (serve's frequency/presence)
   logprobs    greedy with serve's log-probability recorder, 5 alternatives a token
@@ -46,7 +46,7 @@ def configurations(tokenizer, grammars: Grammars, prompt_tokens: int) -> dict:
     return {
         "greedy": lambda: {},
         "sampled": lambda: dict(do_sample=True, temperature=0.8, top_k=40, top_p=0.95,
-                                min_p=0.05, seed=1),
+                                min_p=0.05),
         "repetition": lambda: dict(repetition_penalty=1.1),
         "openai": lambda: dict(logits_processor=[
             FrequencyPresencePenalty(prompt_tokens, 0.5, 0.5)]),
@@ -79,7 +79,8 @@ def main():
     args = ap.parse_args()
 
     model, tokenizer = models.load(None, quiet=True)
-    cm = picompile.compile(model, sparsity=args.sparsity, tokenizer=tokenizer, quiet=True)
+    cm = picompile.compile(model, sparsity=args.sparsity, tokenizer=tokenizer, quiet=True,
+                           gguf=models.default_gguf())  # the file's blocks, as `picompile run`
     ends, pad = end_tokens(cm, tokenizer)
     ends = sorted(ends)
     ids = torch.tensor([chat_prompt(tokenizer, [{"role": "user", "content": PROMPT}])[0]])
