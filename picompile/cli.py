@@ -92,76 +92,28 @@ def _quantization(args) -> tuple:
     return None, args.quantize
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
+def _number(kind: type, ok, want: str):
+    """An argparse type: the text as `kind` (int or float) where ok(value), else an error that
+    says what it must be (NaN fails every range)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = math.nan
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}")
+        return value
+    return parse
 
 
-def _float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        return math.nan  # refused by every range check below
-
-
-def _sparsity(text: str) -> float:
-    value = _float(text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), e.g. 0.5, got {text!r}")
-    return value
-
-
-def _temperature(text: str) -> float:
-    value = _float(text)
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0 (0: greedy), got {text!r}")
-    return value
-
-
-def _top_p(text: str) -> float:
-    value = _float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
-    return value
-
-
-def _unit(text: str) -> float:
-    value = _float(text)
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
-    return value
-
-
-def _penalty(text: str) -> float:
-    value = _float(text)
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a number > 0 (1: off), got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return value
-
-
-def _last_n(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -2
-    if value < -1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= -1 (-1: all), got {text!r}")
-    return value
+_positive_int = _number(int, lambda v: v >= 1, "a positive integer")
+_non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
+_last_n = _number(int, lambda v: v >= -1, "an integer >= -1 (-1: all)")
+_sparsity = _number(float, lambda v: 0 <= v < 1, "a number in [0, 1), e.g. 0.5")
+_temperature = _number(float, lambda v: 0 <= v < math.inf, "a number >= 0 (0: greedy)")
+_top_p = _number(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
+_unit = _number(float, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+_penalty = _number(float, lambda v: 0 < v < math.inf, "a number > 0 (1: off)")
 
 
 def _budget(text: str) -> str:
