@@ -58,7 +58,6 @@ _HF_ONLY = ("stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus",
             "custom_generate", "assistant_tokenizer", "use_model_defaults")
 
 
-
 class _Unsupported(Exception):
     pass
 
@@ -114,7 +113,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
              pad_token_id: int | None = None,
              streamer=None, callback: Callable[[torch.Tensor], None] | None = None,
              min_new_tokens: int = 0, decoder=None, steps=None) -> torch.Tensor:
-    """Prompt + up to max_new_tokens new tokens, [B, S + n] (HF's output for the same options).
+    """Prompt + up to max_new_tokens new tokens, [B, S + n]: HF's output for the same options
+    (sampled: tokens from HF's distribution, drawn picompile's way, runtime/sampling.py).
 
     input_ids [B, S]; attention_mask [B, S] with left padding (zeros first) or None.
     Greedy (argmax) unless do_sample. Each step's logits go through HF's processors in HF's

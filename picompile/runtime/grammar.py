@@ -2,15 +2,15 @@
 offer it (JSON for a schema or any JSON object, a regular expression, one of a list of
 choices, a GBNF or Lark grammar).
 
-`Grammars(tokenizer, vocab, eos)` wraps a tokenizer once (about a second for a 49k vocabulary);
+`Grammars(tokenizer, vocab, eos)` wraps a tokenizer once (the first structured request waits);
 `grammars.compile(format, text)` checks a grammar (GrammarError says what is wrong with it);
 `grammars.constraint(grammar, prompt_tokens)` is a logits processor (Hugging Face's protocol, so
 it runs in picompile's generate loop and in HF's) that gives every token the grammar does not
 allow next a score of -inf, and allows only the end tokens once the grammar is complete.
 
 Why llguidance: the Rust matcher behind llama.cpp's and vLLM's guidance backends, a 3 MB wheel
-without dependencies, which computes the allowed next tokens over the whole vocabulary in tens
-of microseconds a token; it reads JSON schemas, regular expressions, GBNF and Lark. It comes
+without dependencies, which computes the allowed next tokens over the whole vocabulary in a
+small part of a decode step; it reads JSON schemas, regular expressions, GBNF and Lark. It comes
 with the `serve` extra and is imported only where a grammar is asked for.
 """
 
@@ -123,7 +123,7 @@ class GrammarConstraint:
             self.fed = len(reply)
             self._fill()
         # 0 or -inf per token, a byte's 8 at a time (llguidance's apply_token_bitmask_inplace
-        # is TorchScript, which takes seconds to compile at its first call)
+        # is TorchScript, compiled at its first call: a pause of seconds, BENCHMARKS.md)
         add = _BYTE_SCORES[self.mask[0].view(torch.uint8).long()].reshape(-1)  # little-endian
         return scores.add_(add[:scores.shape[-1]].to(scores.device))
 

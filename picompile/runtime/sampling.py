@@ -5,9 +5,9 @@ EOS held back before min_new_tokens, the caller's logits processors (HF's protoc
 (input_ids [B, n], scores [B, V]) -> scores), then, when sampling, temperature, top-k, top-p and
 min-p, and draws; greedy takes the argmax. Each piece is HF's arithmetic, so greedy tokens equal
 HF's and sampled ones come from HF's distribution (tests/test_generate.py). The draw is not
-HF's: torch.multinomial draws one exponential per vocabulary entry (2.8 ms a token for 49k on
-a 2-core CPU, a fifth of a decode step), where one uniform per row through the cumulative
-distribution takes 0.2 ms; so a seed gives its own tokens, not HF's for that seed.
+HF's: torch.multinomial draws one exponential per vocabulary entry, a sizeable part of a CPU
+decode step, where one uniform per row through the cumulative distribution costs little
+(BENCHMARKS.md, session 22); so a seed gives its own tokens, not HF's for that seed.
 
 `FrequencyPresencePenalty` (OpenAI's frequency and presence penalties) and
 `RecentRepetitionPenalty` (llama.cpp's repeat_penalty over its last tokens), which HF does not
@@ -109,7 +109,7 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
 def _ascending(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(scores, indices) [B, n] of each row of scores [B, V] in ascending order, less the
     leading -inf where top-k left only n << V (HF sorts them all: the same cumulative sums).
-    On the CPU numpy sorts (torch's CPU sort takes 5.5 ms over 49k, numpy's 1.5)."""
+    On the CPU numpy sorts (several times faster than torch's CPU sort: BENCHMARKS.md)."""
     n = int(torch.isfinite(scores).sum(-1).max())
     if n < scores.shape[-1] // 8:
         values, order = scores.topk(n)  # descending
