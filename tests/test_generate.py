@@ -190,6 +190,16 @@ def test_warped_scores_equal_hfs_warpers(kw):
     assert torch.equal(got[~torch.isinf(got)], want[~torch.isinf(want)])
 
 
+def test_top_k_keeps_the_tokens_tied_with_its_kth_as_hf_does():
+    from transformers.generation import logits_process as lp
+
+    scores = (torch.randn(2, 5000, generator=torch.Generator().manual_seed(1)) * 2).round()
+    want = lp.TopKLogitsWarper(20)(None, scores.clone())
+    got = Picker(do_sample=True, top_k=20, min_p=0.0).warp(scores.clone())
+    assert (torch.isfinite(got).sum(-1) > 20).any()  # ties with the 20th kept (in a row)
+    assert torch.equal(got, want)
+
+
 def test_draws_follow_the_distribution_and_never_pick_a_zero():
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.2, 0.3, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 1.0]])
     g = torch.Generator().manual_seed(0)

@@ -72,18 +72,34 @@ class Picker:
             scores = process(ids, scores)
         if not self.do_sample:
             return scores.argmax(-1)
-        return draw(self.warp(scores).softmax(-1), self.generator)
+        candidates, index = self.candidates(scores)
+        picked = draw(candidates.softmax(-1), self.generator)  # [B]
+        return picked if index is None else index.gather(1, picked[:, None]).squeeze(1)
 
     def warp(self, scores: torch.Tensor) -> torch.Tensor:
+        """HF's warpers' scores [B, V] (what candidates() leaves out: -inf)."""
+        candidates, index = self.candidates(scores)
+        if index is None:
+            return candidates
+        return torch.full_like(scores, float("-inf")).scatter_(1, index, candidates)
+
+    def candidates(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """HF's warpers in HF's order: temperature, top-k, top-p (nucleus, keeping at least the
-        most likely token), min-p (after temperature, as llama.cpp does)."""
+        most likely token), min-p (after temperature, as llama.cpp does) -> (scores [B, n],
+        their columns [B, n] or None for all V). After top-k the rest works on its k tokens
+        (and ties with the k-th, which HF keeps), not the whole vocabulary."""
+        index = None
         if self.temperature != 1.0:
             scores = scores / self.temperature
         if self.top_k is not None and 0 < self.top_k < scores.shape[-1]:
-            kth = torch.topk(scores, self.top_k, dim=-1).values[:, -1:]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
+            top, index = scores.topk(self.top_k)  # descending
+            kth = top[:, -1:]
+            tied = int((scores >= kth).sum(-1).max())
+            if tied > self.top_k:
+                top, index = scores.topk(tied)
+            scores = top.masked_fill(top < kth, float("-inf"))
         if self.top_p is not None and self.top_p < 1.0:
-            ascending, order = _ascending(scores)  # [B, n]: n <= V, the -inf left out
+            ascending, order = _ascending(scores)  # [B, n]: the -inf left out where few
             drop = ascending.softmax(-1).cumsum(-1) <= 1 - self.top_p
             drop[:, -1] = False
             scores = scores.masked_fill(torch.zeros_like(scores, dtype=torch.bool).scatter_(
@@ -93,7 +109,7 @@ class Picker:
             drop = probs < self.min_p * probs.amax(-1, keepdim=True)
             drop.scatter_(1, probs.argmax(-1, keepdim=True), False)
             scores = scores.masked_fill(drop, float("-inf"))
-        return scores
+        return scores, index
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
