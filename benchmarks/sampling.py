@@ -35,7 +35,7 @@ from picompile.conversation import chat_prompt, end_tokens
 from picompile.runtime.grammar import Grammars
 from picompile.runtime.sampling import FrequencyPresencePenalty
 from picompile.serve import _Logprobs  # the server's recorder, as it runs there
-from picompile.timing import FirstTokenClock
+from picompile.timing import timed_generate
 
 PROMPT = "Write a short story about a lighthouse keeper and a storm."
 
@@ -61,14 +61,9 @@ def configurations(tokenizer, grammars: Grammars, prompt_tokens: int) -> dict:
 
 def decode_rate(cm, ids, new_tokens: int, ends: list[int], pad: int, kwargs: dict):
     """-> (tokens generated, decode tokens/s after the first)."""
-    clock = FirstTokenClock()
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=ends,
-              pad_token_id=pad, streamer=clock, do_sample=False)
-    kw.update(kwargs)
-    out = cm.generate(ids, **kw)
-    end = time.perf_counter()
-    n = out.shape[1] - ids.shape[1]
-    return n, (n - 1) / (end - clock.first) if n > 1 else float("nan")
+    new, rate = timed_generate(cm, ids, new_tokens, exact_length=True, eos_token_id=ends,
+                               pad_token_id=pad, **kwargs)
+    return len(new), rate
 
 
 def main():

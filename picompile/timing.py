@@ -29,12 +29,16 @@ class FirstTokenClock:
 
 @torch.no_grad()
 def timed_generate(model, ids: torch.Tensor, new_tokens: int, streamer=None,
-                   exact_length: bool = False) -> tuple[torch.Tensor, float]:
-    """Greedy decode -> (new tokens [n], decode tokens/s over the tokens after the first; NaN
-    when fewer than two came: no decode step to time)."""
+                   exact_length: bool = False, **generate_kwargs) -> tuple[torch.Tensor, float]:
+    """Greedy decode (unless generate_kwargs, passed on, say otherwise) -> (new tokens [n],
+    decode tokens/s over the tokens after the first; NaN when fewer than two came: no decode
+    step to time)."""
     clock = FirstTokenClock(streamer)
-    kw = dict(min_new_tokens=new_tokens) if exact_length else {}
-    out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, streamer=clock, **kw)
+    kw = dict(do_sample=False)
+    if exact_length:
+        kw["min_new_tokens"] = new_tokens
+    kw.update(generate_kwargs)
+    out = model.generate(ids, max_new_tokens=new_tokens, streamer=clock, **kw)
     end = time.perf_counter()
     new = out[0, ids.shape[1]:].cpu()
     start = clock.first if clock.first is not None else end

@@ -114,13 +114,13 @@ class GrammarConstraint:
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[0] != 1:
             raise ValueError(f"a grammar holds one reply, got a batch of {input_ids.shape[0]}")
-        reply = input_ids[0, self.prompt_tokens:].tolist()
-        if len(reply) > self.fed:
-            for token in reply[self.fed:]:
+        new = input_ids[0, self.prompt_tokens + self.fed:].tolist()  # since the last call
+        if new:
+            for token in new:
                 if not self.matcher.consume_token(token):
                     raise GrammarError(f"token {token} breaks the grammar: "
                                        f"{self.matcher.get_error()}")
-            self.fed = len(reply)
+            self.fed += len(new)
             self._fill()
         # 0 or -inf per token, a byte's 8 at a time (llguidance's apply_token_bitmask_inplace
         # is TorchScript, compiled at its first call: a pause of seconds, BENCHMARKS.md)
