@@ -138,6 +138,7 @@ class CompiledModel(nn.Module):
         """Run hybrid as planned: non-FFN parts and each block's hot neurons on `device`,
         cold neurons on the CPU. compile() calls this when a gpu_budget is given and a GPU is
         there; device="cpu" lets the CPU stand in for the GPU (tests, debugging)."""
+        from picompile.codegen.c import why_no_kernel
         from picompile.runtime.hybrid import distribute
 
         ffns, placement = self.ffns(), self.plan.placement
@@ -147,10 +148,9 @@ class CompiledModel(nn.Module):
             if isinstance(module, (DenseLinear, QuantLinear)):
                 module.select_kernel()
         for name, ffn in ffns.items():
-            if ffn.hybrid is None:  # in a layer left on the CPU: its kernels stay bound
-                where = ", on the CPU with its decoder layer (placement)"
-                if not self.paths[name].endswith(where):
-                    self.paths[name] += where
+            if ffn.hybrid is None:  # in a layer left on the CPU: its kernels bound there
+                kernel = "C" if ffn.kernel is not None else why_no_kernel(ffn)
+                self.paths[name] = f"{kernel}, on the CPU with its decoder layer (placement)"
                 continue
             if ffn.predictor is not None:
                 ffn.predictor.kernel = None  # the C kernel's weights were the CPU copies

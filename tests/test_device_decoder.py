@@ -217,6 +217,8 @@ def test_layers_the_budget_leaves_on_the_cpu_run_between_segments_as_dense(arch,
     assert [host for _, _, host in dec.segments if host] == [[2]]
     host_ffn = list(cm.ffns().values())[2]
     assert host_ffn.hybrid is None and host_ffn.predictor.enabled
+    assert host_ffn.kernel is not None  # its C kernel, bound on the CPU, and said so
+    assert cm.paths[host_ffn.block.name] == "C, on the CPU with its decoder layer (placement)"
     for f in cm.ffns().values():
         f.predictor.tau = float("-inf")  # predict every neuron: must equal dense
     ids = _ids(seed=7)
