@@ -72,7 +72,7 @@ from dataclasses import dataclass
 import torch
 
 from picompile.conversation import ReplyStreamer, StopString, TextDeltas, chat_prompt, end_tokens
-from picompile.runtime.grammar import GrammarError, Grammars
+from picompile.runtime.grammar import GrammarComplete, GrammarError, Grammars
 from picompile.runtime.sampling import FrequencyPresencePenalty, RecentRepetitionPenalty
 
 DEFAULT_MAX_TOKENS = 512
@@ -580,11 +580,15 @@ class Engine:
                          [] if logprobs is None else logprobs.prompt(self.model, ids))
             if p.seed is not None:
                 torch.manual_seed(p.seed)
-            self.model.generate(ids, **kwargs)
+            complete = False
+            try:
+                self.model.generate(ids, **kwargs)
+            except GrammarComplete:  # and the model has no end token to say so
+                complete = True
             delta, stopped = streamer.text.flush()
             if delta or streamer.entries:
                 streamer.on_text(delta)
-            if stopped:
+            if stopped or complete:
                 streamer.finish = "stop"
         except _Cancelled:
             return

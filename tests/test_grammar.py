@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorLis
 
 import picompile
 from picompile.runtime.generate import generate
-from picompile.runtime.grammar import GrammarError, Grammars
+from picompile.runtime.grammar import GrammarComplete, GrammarError, Grammars
 
 pytest.importorskip("llguidance")  # the serve extra, installed by the README's set-up
 
@@ -147,3 +147,26 @@ def test_bad_grammars_and_batches_are_refused(setup):
     constraint = grammars.constraint(grammars.compile("regex", "a+"), 1)
     with pytest.raises(ValueError, match="one reply"):
         constraint(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 1024))
+
+
+def test_a_complete_grammar_raises_where_the_model_has_no_end_token(setup):
+    """No end token to allow once the grammar is complete: the constraint says so rather than
+    leaving the loop to pick from scores the mask left nothing finite in."""
+    model, tok, _ = setup
+    grammars = Grammars(tok, model.config.vocab_size, [])
+    ids = tok("hello", return_tensors="pt")["input_ids"]
+    constraint = grammars.constraint(grammars.compile("regex", "[0-9]{3}"), ids.shape[1])
+    seen = []
+
+    class Recorder:  # the streamer sees each token before the next step's processors run
+        def put(self, value):
+            seen.append(value.reshape(-1).tolist())
+
+        def end(self):
+            pass
+
+    with pytest.raises(GrammarComplete):
+        generate(model, ids, max_new_tokens=12, eos_token_id=None, streamer=Recorder(),
+                 logits_processor=[constraint])
+    reply = [t for step in seen[1:] for t in step]  # after the prompt
+    assert re.fullmatch("[0-9]{3}", tok.decode(reply)), tok.decode(reply)

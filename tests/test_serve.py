@@ -5,6 +5,7 @@ template) compiled, and the official `openai` client (httpx for requests it woul
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import pathlib
 import re
@@ -399,6 +400,41 @@ def test_structured_output_fields_hold_the_reply(client):
     r = client.completions.create(model="m", prompt=PROMPT, max_tokens=20, temperature=0.9,
                                   seed=3, extra_body={"guided_choice": ["alpha", "beta"]})
     assert r.choices[0].text in ("alpha", "beta")
+
+
+class _NoEndToken:
+    """The compiled model as one with no end token (some base models have none)."""
+
+    def __init__(self, cm):
+        self.cm, self.generation_config = cm, copy.deepcopy(cm.generation_config)
+        self.generation_config.eos_token_id = None
+
+    def __getattr__(self, name):
+        return getattr(self.cm, name)
+
+
+def test_a_complete_grammar_ends_the_reply_of_a_model_with_no_end_token(model):
+    """Without an end token to pick, a reply whose grammar is complete ends there ("stop"),
+    rather than going on to max_tokens."""
+    cm, tok = model
+    tok = copy.deepcopy(tok)
+    tok.eos_token = None
+    app = make_app(_NoEndToken(cm), tok)
+    with running(app) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        for stream in (False, True):
+            kw = dict(model="m", prompt=PROMPT, max_tokens=40, temperature=0,
+                      extra_body={"guided_choice": ["red", "green"]})
+            if stream:
+                chunks = list(client.completions.create(stream=True, **kw))
+                text = "".join(c.choices[0].text for c in chunks if c.choices)
+                finish = chunks[-1].choices[0].finish_reason
+            else:
+                r = client.completions.create(**kw)
+                text, finish = r.choices[0].text, r.choices[0].finish_reason
+                assert r.usage.completion_tokens == len(tok(text, add_special_tokens=False)
+                                                        ["input_ids"]), r.usage
+            assert text in ("red", "green") and finish == "stop", (text, finish)
 
 
 def test_a_grammar_past_its_parsers_limits_is_a_400_not_a_short_reply(client):

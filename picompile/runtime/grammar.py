@@ -6,7 +6,8 @@ choices, a GBNF or Lark grammar).
 `grammars.compile(format, text)` checks a grammar (GrammarError says what is wrong with it);
 `grammars.constraint(grammar, prompt_tokens)` is a logits processor (Hugging Face's protocol, so
 it runs in picompile's generate loop and in HF's) that gives every token the grammar does not
-allow next a score of -inf, and allows only the end tokens once the grammar is complete.
+allow next a score of -inf, and allows only the end tokens once the grammar is complete; for a
+model with no end token it raises GrammarComplete there instead (the caller ends the reply).
 
 Why llguidance: the Rust matcher behind llama.cpp's and vLLM's guidance backends, a 3 MB wheel
 without dependencies, which computes the allowed next tokens over the whole vocabulary in a
@@ -36,6 +37,12 @@ class GrammarError(ValueError):
         super().__init__(message.split("<state>")[0].strip())
 
 
+class GrammarComplete(Exception):
+    """Raised by a constraint whose grammar is complete and allows nothing more, where the model
+    has no end token to pick: the reply ends (without it the loop would go on to its length
+    limit on whatever the masked scores give)."""
+
+
 def require():
     """The llguidance module, or ImportError with the install command."""
     try:
@@ -55,6 +62,7 @@ class Grammars:
         import llguidance.torch
 
         self._llg, self._torch = llguidance, llguidance.torch
+        self.eos = list(eos)
         try:
             self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab,
                                                           eos_token=list(eos) or None)
@@ -109,6 +117,7 @@ class GrammarConstraint:
         # bit b of int32 word w: token 32 w + b is allowed
         self.mask = self._torch.allocate_token_bitmask(1, grammars.tokenizer.vocab_size)
         self.prompt_tokens, self.fed = prompt_tokens, 0
+        self.ends = bool(grammars.eos)  # the model has an end token, which ends a complete reply
         self._fill()  # the first mask now: a grammar its parser cannot start fails here
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -121,6 +130,8 @@ class GrammarConstraint:
                     raise GrammarError(f"token {token} breaks the grammar: "
                                        f"{self.matcher.get_error()}")
             self.fed += len(new)
+            if self.matcher.is_stopped() and not self.ends:
+                raise GrammarComplete
             self._fill()
         # 0 or -inf per token, a byte's 8 at a time (llguidance's apply_token_bitmask_inplace
         # is TorchScript, compiled at its first call: a pause of seconds, BENCHMARKS.md)
