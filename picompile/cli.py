@@ -339,6 +339,15 @@ def _port(text: str) -> int:
     return value
 
 
+def _origin(text: str) -> str:
+    from picompile.serve import check_origin
+
+    try:
+        return check_origin(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def cmd_serve(args) -> int:
     import os
 
@@ -366,7 +375,8 @@ def cmd_serve(args) -> int:
     print(f"picompile: serving {name} at http://{args.host}:{args.port}/v1 (one request at a "
           f"time, up to {args.max_queue} waiting; Ctrl-C stops)", file=sys.stderr)
     picompile.serve(cm, tokenizer, host=args.host, port=args.port, api_key=api_key,
-                    max_queue=args.max_queue, max_tokens=args.max_tokens, model_name=name)
+                    max_queue=args.max_queue, max_tokens=args.max_tokens, model_name=name,
+                    allowed_origins=args.allowed_origins)
     return 0
 
 
@@ -481,6 +491,9 @@ def main(argv: list[str] | None = None) -> int:
                             "(default 16)")
     serve.add_argument("--max-tokens", type=_positive_int, default=512,
                        help="new tokens for a request that sets no max_tokens (default 512)")
+    serve.add_argument("--allowed-origins", nargs="+", type=_origin, metavar="ORIGIN", default=[],
+                       help="web origins (e.g. http://localhost:3000, or '*' for any) whose "
+                            "pages may call the API from a browser (default: none)")
     serve.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     # Every argument is checked here, before minutes of loading and compiling; argparse prints
     # the usage and one error line. The exit code is returned, as for every other error.

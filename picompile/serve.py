@@ -41,6 +41,10 @@ FIFO queue of at most max_queue requests, and a request that finds the queue ful
 A client that goes away (mid-stream, or while waiting) is cancelled: its generation stops at the
 next token (the streamer checks a flag) and the next request starts.
 
+Browsers: a web page on another origin may call the server only where `allowed_origins` (the
+CLI's --allowed-origins) names its origin, or "*" for any (CORS, preflight requests answered;
+none by default, so that a page the user happens to open cannot reach a server on localhost).
+
 Errors are JSON in OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad
 request, 401 for a missing or wrong API key (when one is set; /health needs none), 404 / 405 for
 a wrong path or method, 503 when the queue is full, 500 if generation itself fails; never a stack
@@ -62,11 +66,12 @@ import json
 import logging
 import math
 import pathlib
+import re
 import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -115,7 +120,8 @@ def require() -> None:
 
 def serve(cm, tokenizer, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           *, max_queue: int = DEFAULT_MAX_QUEUE, max_tokens: int = DEFAULT_MAX_TOKENS,
-          model_name: str | None = None, log_level: str = "info") -> None:
+          model_name: str | None = None, log_level: str = "info",
+          allowed_origins: Sequence[str] = ()) -> None:
     """Serve `cm` over an OpenAI-compatible HTTP API until interrupted (see the module doc).
     Binds 127.0.0.1 unless told otherwise: anyone who can reach the port can use the model, so
     set `api_key` (clients send it as a Bearer token) before binding a public address."""
@@ -123,7 +129,7 @@ def serve(cm, tokenizer, host: str = "127.0.0.1", port: int = 8000, api_key: str
     import uvicorn
 
     app = make_app(cm, tokenizer, api_key=api_key, max_queue=max_queue, max_tokens=max_tokens,
-                   model_name=model_name)
+                   model_name=model_name, allowed_origins=allowed_origins)
 
     class StoppingServer(uvicorn.Server):
         """On Ctrl-C the requests running and waiting end at once (with an error), before
@@ -148,6 +154,15 @@ def check_port_free(host: str, port: int) -> None:
         except OSError as e:
             raise OSError(e.errno, f"cannot listen on {host}:{port} ({e.strerror}): is another "
                                    "server running there? choose another --port") from None
+
+
+def check_origin(origin: str) -> str:
+    """origin, if it is a web origin as browsers send it (scheme://host[:port], no path or
+    trailing slash, which would never match) or "*"; else ValueError saying so."""
+    if origin != "*" and not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/\s?#]+", origin):
+        raise ValueError(f"{origin!r} is not a web origin: write scheme://host[:port] with no "
+                         "path, e.g. http://localhost:3000, or * for any")
+    return origin
 
 
 class APIError(Exception):
@@ -849,11 +864,13 @@ def model_name_of(model) -> str:
 
 
 def make_app(cm, tokenizer, *, api_key: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
-             max_tokens: int = DEFAULT_MAX_TOKENS, model_name: str | None = None):
+             max_tokens: int = DEFAULT_MAX_TOKENS, model_name: str | None = None,
+             allowed_origins: Sequence[str] = ()):
     """The FastAPI app serving `cm` (a CompiledModel, or any model with Hugging Face's generate
     and config) with `tokenizer`. Run it with uvicorn (serve() does); its worker thread runs
     from the app's startup to its shutdown. max_queue: how many requests may wait behind the
-    running one before a 503; max_tokens: the default for requests that set none."""
+    running one before a 503; max_tokens: the default for requests that set none;
+    allowed_origins: the web origins ("*": any) whose pages may call it from a browser."""
     require()
     from fastapi import APIRouter, Depends, FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -872,6 +889,13 @@ def make_app(cm, tokenizer, *, api_key: str | None = None, max_queue: int = DEFA
 
     app = FastAPI(title="picompile", lifespan=lifespan)
     app.state.engine = engine
+    for origin in allowed_origins:
+        check_origin(origin)
+    if allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["*"])
 
     def error(e: APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)

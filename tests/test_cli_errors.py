@@ -51,6 +51,8 @@ def no_loading(monkeypatch):
     (["run", "--prompt", ""], ["--prompt", "empty"]),
     (["run", "--prompt", "  "], ["--prompt", "empty"]),
     (["serve", "--kv-cache", "int8"], ["--kv-cache", "invalid choice", "int8"]),
+    (["serve", "--allowed-origins", "http://localhost:3000/"],
+     ["--allowed-origins", "not a web origin", "http://localhost:3000"]),
     (["chat", "--temperature", "-1"], ["--temperature", ">= 0"]),
     (["chat", "--temperature", "inf"], ["--temperature", ">= 0"]),
     (["chat", "--top-p", "0"], ["--top-p", "(0, 1]"]),

@@ -580,6 +580,35 @@ def test_openai_client_raises_bad_request(client):
 # ---- API key -------------------------------------------------------------------------------
 
 
+def test_browsers_may_call_it_only_from_the_allowed_origins(model):
+    """CORS: a page on an allowed origin gets the header (and its preflight, which asks to send
+    an Authorization header, an answer); another origin, or a server with none allowed, not."""
+    page, other = "http://localhost:3000", "https://example.com"
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    with running(make_app(*model, api_key=KEY, allowed_origins=[page])) as base:
+        r = httpx.options(f"{base}/v1/chat/completions", headers={"Origin": page, **preflight})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        r = httpx.get(f"{base}/v1/models", headers={"Origin": page,
+                                                    "Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        r = httpx.get(f"{base}/v1/models", headers={"Origin": other,
+                                                    "Authorization": f"Bearer {KEY}"})
+        assert "access-control-allow-origin" not in r.headers
+        assert httpx.options(f"{base}/v1/models", headers={"Origin": other, **preflight}
+                             ).status_code == 400
+    with running(make_app(*model, allowed_origins=["*"])) as base:
+        r = httpx.get(f"{base}/v1/models", headers={"Origin": other})
+        assert r.headers["access-control-allow-origin"] == "*"
+    with running(make_app(*model)) as base:
+        assert "access-control-allow-origin" not in httpx.get(
+            f"{base}/v1/models", headers={"Origin": page}).headers
+    for bad in ("http://localhost:3000/", "localhost:3000", "http://h/path"):
+        with pytest.raises(ValueError, match="not a web origin"):
+            make_app(*model, allowed_origins=[bad])
+
+
 def test_api_key(model):
     with running(make_app(*model, api_key=KEY)) as base:
         good = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0)
