@@ -10,7 +10,7 @@ from transformers import GenerationConfig, LogitsProcessorList, RepetitionPenalt
 
 import picompile
 from picompile.runtime.generate import generate, generate_hf, supported
-from picompile.runtime.sampling import FrequencyPresencePenalty, Picker, draw
+from picompile.runtime.sampling import NUCLEUS_PROBE, FrequencyPresencePenalty, Picker, draw
 from tests import zoo
 
 NEW = 12
@@ -171,15 +171,22 @@ WARPS = [dict(temperature=0.7, top_k=20, top_p=0.9), dict(temperature=1.4, top_k
          dict(temperature=0.3, top_p=0.8, min_p=0.1)]
 
 
-@pytest.mark.parametrize("kw", WARPS)
-def test_warped_scores_equal_hfs_warpers(kw):
+PEAKED = [dict(top_p=0.9), dict(temperature=0.8, top_p=0.95, min_p=0.05), dict(top_p=0.3)]
+
+
+@pytest.mark.parametrize("kw, scale", [(kw, 3.0) for kw in WARPS] + [(kw, 9.0) for kw in PEAKED])
+def test_warped_scores_equal_hfs_warpers(kw, scale):
     """The distribution sampled from: HF's warpers' scores, exactly (the -inf included), over
     logits of a 32k vocabulary (tied scores at the top-p boundary may fall either way: the
-    order of equal values is the sort's)."""
+    order of equal values is the sort's). Peaked logits (scale 9) put the nucleus among the
+    likeliest NUCLEUS_PROBE tokens, which top-p without top-k then reads alone."""
     from transformers.generation import logits_process as lp
 
     g = torch.Generator().manual_seed(len(str(kw)))
-    scores = torch.randn(3, 32000, generator=g) * 3
+    scores = torch.randn(3, 32000, generator=g) * scale
+    if kw in PEAKED:
+        _, index = Picker(do_sample=True, **kw).candidates(scores.clone())
+        assert index is not None and index.shape[1] == NUCLEUS_PROBE
     hf = [lp.TemperatureLogitsWarper(kw["temperature"])] if "temperature" in kw else []
     hf += [lp.TopKLogitsWarper(kw["top_k"])] if "top_k" in kw else []
     hf += [lp.TopPLogitsWarper(kw["top_p"])] if "top_p" in kw else []

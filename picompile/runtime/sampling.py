@@ -22,6 +22,9 @@ import numpy as np
 import torch
 
 GREEDY_BELOW = 1e-5  # a sampling temperature below this decodes greedily (vLLM's _SAMPLING_EPS)
+# Top-p without top-k looks for the nucleus among this many likeliest tokens first, and sorts
+# the whole vocabulary only where they hold less than top_p of the probability.
+NUCLEUS_PROBE = 128
 
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -98,7 +101,11 @@ class Picker:
             if tied > self.top_k:
                 top, index = scores.topk(tied)
             scores = top.masked_fill(top < kth, float("-inf"))
-        if self.top_p is not None and self.top_p < 1.0:
+        nucleus = self.top_p is not None and self.top_p < 1.0
+        if nucleus and index is None:
+            scores, index = _nucleus_among_likeliest(scores, self.top_p)
+            nucleus = index is None  # not found there: sorted below
+        if nucleus:
             ascending, order = _ascending(scores)  # [B, n]: the -inf left out where few
             drop = ascending.softmax(-1).cumsum(-1) <= 1 - self.top_p
             drop[:, -1] = False
@@ -110,6 +117,25 @@ class Picker:
             drop.scatter_(1, probs.argmax(-1, keepdim=True), False)
             scores = scores.masked_fill(drop, float("-inf"))
         return scores, index
+
+
+def _nucleus_among_likeliest(scores: torch.Tensor, top_p: float
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Top-p over scores [B, V] through its NUCLEUS_PROBE likeliest tokens, where they hold at
+    least top_p of each row's probability (the nucleus is then among them): -> (their scores
+    [B, n], the tokens outside the nucleus -inf; their columns [B, n]). Else (scores, None):
+    the caller sorts the whole vocabulary. HF keeps a token iff the probability of the tokens
+    likelier than it is below top_p (its ascending cumulative sum above 1 - top_p), and so
+    does this, with the sums taken in another order (equal but for rounding)."""
+    if scores.shape[-1] <= 8 * NUCLEUS_PROBE:
+        return scores, None
+    probs, index = scores.softmax(-1).topk(NUCLEUS_PROBE)  # [B, n] descending
+    if not bool((probs.sum(-1) >= top_p).all()):
+        return scores, None
+    above = probs.cumsum(-1) - probs  # [B, n]: the probability of the likelier tokens
+    drop = above >= top_p
+    drop[:, 0] = False  # the likeliest token stays, as HF keeps at least one
+    return scores.gather(1, index).masked_fill(drop, float("-inf")), index
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
