@@ -9,6 +9,7 @@ round (the machine's drift spread over all):
 
   greedy      argmax, nothing else
   sampled     temperature 0.8, top_k 40, top_p 0.95, min_p 0.05
+  top_p       temperature 0.8, top_p 0.95 (no top-k: what an OpenAI client's request samples)
   repetition  greedy with repetition_penalty 1.1 (HF's, over prompt and reply)
   openai      greedy with FrequencyPresencePenalty(0.5, 0.5) (serve's frequency/presence)
   logprobs    greedy with serve's log-probability recorder, 5 alternatives a token
@@ -47,6 +48,7 @@ def configurations(tokenizer, grammars: Grammars, prompt_tokens: int) -> dict:
         "greedy": lambda: {},
         "sampled": lambda: dict(do_sample=True, temperature=0.8, top_k=40, top_p=0.95,
                                 min_p=0.05),
+        "top_p": lambda: dict(do_sample=True, temperature=0.8, top_p=0.95, top_k=0),
         "repetition": lambda: dict(repetition_penalty=1.1),
         "openai": lambda: dict(logits_processor=[
             FrequencyPresencePenalty(prompt_tokens, 0.5, 0.5)]),
