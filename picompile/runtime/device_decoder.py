@@ -306,6 +306,8 @@ class DeviceDecoder(Stack):
                     for fn in fns:
                         fn()
                 launched = time.perf_counter()
+                if timing and marks is not None:  # behind the segment's device work, before
+                    marks[1].record()  # the wait for its cold part: device time only
             except BaseException:
                 if stage is not None:  # release the worker before waiting for it
                     if self.device.type == "cuda":  # a queued copy of `ready` lands now, not
@@ -339,7 +341,6 @@ class DeviceDecoder(Stack):
         """Segment k's entry: its device work waited for, then wall time from before its cold
         part was armed; the cold worker's own times."""
         if marks is not None:
-            marks[1].record()
             marks[1].synchronize()
         entry = dict(segment=k, layer=cold, wall_s=time.perf_counter() - t0, events=marks,
                      cold_s=0.0, cold_wait_s=0.0, host_s=0.0)
