@@ -140,6 +140,9 @@ class DenseLinear(KernelModule):
         if reference_forced():
             self.path = "reference (PICOMPILE_REFERENCE set)"
             return self.path
+        if self.weight.is_cuda:  # forward_native there is cuBLAS: the GPU's own fast path
+            self.path = "PyTorch on the GPU (cuBLAS)"
+            return self.path
         self.kernel = dense.dense_kernel_for(self.weight, self.bias)
         self.path = (f"C {self.kernel.variant}" if self.kernel is not None
                      else dense.why_no_kernel(self.weight, self.bias))
