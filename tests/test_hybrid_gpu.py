@@ -238,6 +238,34 @@ def test_decode_replays_cuda_graphs_and_equals_the_eager_segments(dtype, ffn_sha
     assert torch.equal(cm.generate(ids, max_new_tokens=12, do_sample=False), got)
 
 
+def test_a_next_turn_reuses_the_device_decoders_kv_cache(monkeypatch):
+    """The prompt cache through the device decoder on a GPU (a split model, its graphs
+    replayed): a prompt that starts with the last call's tokens prefills only the rest, and
+    gives the tokens of a prefill from position 0 and of the dense model."""
+    from picompile.runtime.device_decoder import DeviceDecoder
+
+    dense = _model(torch.float32, "llama_relu")
+    cm, budget = _compile(dense, 0.3, mode="predicted",
+                          calibration=torch.randint(0, zoo.VOCAB, (4, 32)))
+    for f in cm.ffns().values():
+        f.predictor.tau = float("-inf")
+    _measure_from_here(cm)
+    dec = cm.decoder()
+    assert isinstance(dec, DeviceDecoder), cm.decoder_reason
+    g = torch.Generator().manual_seed(5)
+    first = cm.generate(torch.randint(0, zoo.VOCAB, (1, 8), generator=g), max_new_tokens=6,
+                        do_sample=False).cpu()
+    turn = torch.cat([first, torch.randint(0, zoo.VOCAB, (1, 5), generator=g)], 1)
+    out = cm.generate(turn, max_new_tokens=6, do_sample=False).cpu()
+    assert dec.graphs is not None, dec.graph_reason
+    assert dec.prompt_reused == first.shape[1] - 1
+    monkeypatch.setenv("PICOMPILE_PROMPT_CACHE", "0")
+    assert torch.equal(cm.generate(turn, max_new_tokens=6, do_sample=False).cpu(), out)
+    assert dec.prompt_reused == 0
+    assert torch.equal(out, dense.generate(turn, max_new_tokens=6, do_sample=False))
+    _assert_within(budget, cm)
+
+
 def test_a_rebuilt_decoder_leaves_no_gpu_memory_behind():
     """A predictor switch rebuilds the device decoder: the replaced one releases its graphs and
     KV cache at once (no collector needed) and every capture runs on the one side stream
