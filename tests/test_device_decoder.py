@@ -225,7 +225,12 @@ def test_layers_the_budget_leaves_on_the_cpu_run_between_segments_as_dense(arch,
     want = dense.generate(ids, max_new_tokens=8, do_sample=False)
     dec = cm.decoder()  # bound again to the thresholds just set
     dec.timeline = []
+    cm.reset_stats()
     assert torch.equal(cm.generate(ids, max_new_tokens=8, do_sample=False), want)
+    # the host layer ran through kernels/decoder.c, its block's statistics counted
+    assert list(dec.host_runs) == [(2,)] and not dec.host_reason, dec.host_reason
+    assert "(kernels/decoder.c)" in dec.describe()
+    assert host_ffn.total_pairs >= 7 * host_ffn.n_ff and host_ffn.active_pairs > 0
     hosted = [s for s in dec.timings() if s["host_s"]]
     assert len(hosted) == 7  # one per decode step, on the segment the host layer follows
     assert all(dec.segments[s["segment"]][2] == [2] for s in hosted)

@@ -35,6 +35,8 @@
  *     int64_t pi_decoder_work_floats(const pi_decoder* m);  float32 scratch the step needs
  *     int pi_decoder_step(const pi_decoder* m, int64_t pos, float* x, float* logits);
  *         x [d] float32: the token's embedding in, clobbered; logits [vocab] float32 out.
+ *         logits NULL: the layers only, x the residual stream out (a run of layers that a
+ *         device decoder leaves on the CPU: embed_scale 1, no pos_embed, no head).
  *         Returns 0, -1 for pos outside [0, max_len), -2 when an FFN kernel ran out of memory.
  *     void pi_decoder_set_num_threads(int n);  OpenMP threads for attention (<= 0: default)
  *     int pi_decoder_kv_16bit(void);  1 where the cache may hold float16 / bfloat16 (kv_dtype)
@@ -567,6 +569,7 @@ int pi_decoder_step(const pi_decoder* m, int64_t pos, float* x, float* logits) {
         if (L->post_ffn_norm) norm(m, y, L->post_ffn_norm, NULL, y);
         add_scaled(x, y, m->residual_scale, d);
     }
+    if (!logits) return 0;
     norm(m, x, m->final_norm, m->final_norm_b, m->work);
     linear(&m->lm_head, m->work, d, logits);
     if (m->logit_divisor != 1.0f)

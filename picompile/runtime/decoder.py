@@ -569,24 +569,6 @@ class Decoder(Stack):
         self.reset_counts()
 
     # ---- binding ------------------------------------------------------------------------
-    def _linear(self, lin: DenseLinear | QuantLinear) -> native.Linear:
-        lib = lin.kernel.library_for(1)
-        bias = lin.kernel.bias
-        return native.Linear(native.function_pointer(lib.pi_dense), lin.kernel.weight.data_ptr(),
-                             None if bias is None else bias.data_ptr(), lin.out_features)
-
-    def _ffn(self, ffn: SparseFFN) -> native.FFN:
-        s = native.FFN(native.function_pointer(ffn.kernel.library.ffn), *ffn.kernel.pointers(),
-                       ffn.n_ff, ffn.threshold)
-        pred = ffn.predictor
-        if pred is not None and pred.enabled:
-            if pred.kernel is None:
-                raise Unsupported(f"the predictor of {ffn.block.name} runs its reference path")
-            s.predict = native.function_pointer(pred.kernel.library.predict)
-            s.p1, s.pb1, s.p2t, s.pb2 = pred.kernel.pointers
-            s.rank, s.tau = pred.kernel.rank, pred.tau
-        return s
-
     def reserve(self, max_len: int) -> bool:
         """Make room for positions 0..max_len-1 (KV cache, RoPE tables); False where the decoder
         cannot run that many (Stack.fits)."""
@@ -609,27 +591,8 @@ class Decoder(Stack):
         return True
 
     def _bind(self) -> None:
-        layers = (native.Layer * len(self.layers))()
-        max_ff = 1
-        for i, layer in enumerate(self.layers):
-            lin = layer.linears
-            multi = None  # pi_dense_multi for q, k and v in one call
-            if "qkv_proj" in lin:  # fused: q's linear writes [q; k; v], k's is empty
-                q, k, v = self._linear(lin["qkv_proj"]), native.Linear(), native.Linear()
-            else:
-                q, k, v = (self._linear(lin[n]) for n in ("q_proj", "k_proj", "v_proj"))
-                libs = {lin[n].kernel.library_for(1) for n in ("q_proj", "k_proj", "v_proj")}
-                if len(libs) == 1:  # where they share a library
-                    multi = native.function_pointer(libs.pop().pi_dense_multi)
-            cos, sin = (None, None) if self.learned_positions is not None else self.rope[layer.rope]
-            layers[i] = native.Layer(
-                *_pointers(layer.attn_norm), *_pointers(layer.ffn_norm),
-                *(_pointers(n)[0] for n in layer.head_norms or (None, None)),
-                *(_pointers(n)[0] for n in layer.post_norms),
-                *(None if t is None else t.data_ptr() for t in (cos, sin)), layer.window or 0,
-                q, k, v, self._linear(lin["o_proj"]), self._ffn(layer.ffn),
-                self.k_cache[i].data_ptr(), self.v_cache[i].data_ptr(), multi)
-            max_ff = max(max_ff, layer.ffn.n_ff)
+        layers, max_ff = _c_layers(self, range(len(self.layers)), self.k_cache, self.v_cache,
+                                   self.rope if self.learned_positions is None else None)
         self._mask = torch.empty(max_ff, dtype=torch.uint8)
         s = native.Decoder(
             len(self.layers), self.d, self.n_heads, self.n_kv_heads, self.head_dim, self.max_len,
@@ -637,34 +600,15 @@ class Decoder(Stack):
             self.eps, self.scale, self.embed_scale, self.attn_softcap, self.logit_softcap,
             self.residual_scale, self.logit_divisor,
             None if self.learned_positions is None else self.pos_embed.data_ptr(), layers,
-            *_pointers(self.final_norm), self._linear(self.lm_head), self.n_active.data_ptr(), None, self._mask.data_ptr())
+            *_pointers(self.final_norm), _c_linear(self.lm_head), self.n_active.data_ptr(), None,
+            self._mask.data_ptr())
         self._work = torch.empty(int(self.lib.pi_decoder_work_floats(ctypes.byref(s))))
         s.work = self._work.data_ptr()
         self._layers, self._struct = layers, s  # kept alive: C reads them by pointer
-        self._libs = self._threaded_libs()
-
-    def _threaded_libs(self) -> list:
-        """(library, its set-threads function, attribute remembering the count) of each C
-        library a step runs, so that all use as many OpenMP threads as torch."""
-        libs = {id(self.lib): (self.lib, self.lib.pi_decoder_set_num_threads, "_pi_dec_threads")}
-        dense = [self.lm_head] + [lin for layer in self.layers for lin in layer.linears.values()]
-        for lin in dense:
-            lib = lin.kernel.library_for(1)
-            libs[id(lib)] = (lib, lib.pi_set_num_threads, "_pi_threads")
-        for ffn in (layer.ffn for layer in self.layers):
-            kernels = [ffn.kernel]
-            if ffn.predictor is not None and ffn.predictor.enabled:
-                kernels.append(ffn.predictor.kernel)
-            for k in kernels:
-                libs[id(k.library)] = (k.library, k.library.pic_set_num_threads, "_pic_threads")
-        return list(libs.values())
+        self._libs = _threaded_libs(self.lib, [self.lm_head], self.layers)
 
     def set_threads(self) -> None:
-        nt = torch.get_num_threads()
-        for lib, setter, attr in self._libs:
-            if getattr(lib, attr, None) != nt:
-                setter(nt)
-                setattr(lib, attr, nt)
+        _set_threads(self._libs)
 
     # ---- running ------------------------------------------------------------------------
     def load_cache(self, cache, n: int, start: int = 0) -> None:
@@ -721,6 +665,131 @@ class Decoder(Stack):
             return (": keys or values past float16's range (65504) overflow the float16 KV "
                     "cache (kv_cache='float16'); compile without it to keep the model's dtype")
         return ""
+
+
+# ---- binding layers to kernels/decoder.c (the Decoder's, and a DeviceDecoder's host layers) --
+def _c_linear(lin: DenseLinear | QuantLinear) -> native.Linear:
+    lib = lin.kernel.library_for(1)
+    bias = lin.kernel.bias
+    return native.Linear(native.function_pointer(lib.pi_dense), lin.kernel.weight.data_ptr(),
+                         None if bias is None else bias.data_ptr(), lin.out_features)
+
+
+def _c_ffn(ffn: SparseFFN) -> native.FFN:
+    s = native.FFN(native.function_pointer(ffn.kernel.library.ffn), *ffn.kernel.pointers(),
+                   ffn.n_ff, ffn.threshold)
+    pred = ffn.predictor
+    if pred is not None and pred.enabled:
+        if pred.kernel is None:
+            raise Unsupported(f"the predictor of {ffn.block.name} runs its reference path")
+        s.predict = native.function_pointer(pred.kernel.library.predict)
+        s.p1, s.pb1, s.p2t, s.pb2 = pred.kernel.pointers
+        s.rank, s.tau = pred.kernel.rank, pred.tau
+    return s
+
+
+def _c_layers(stack: Stack, indices, k_caches, v_caches, rope: dict | None):
+    """The C structs of stack's layers at `indices`, over the KV caches k_caches[i] /
+    v_caches[i] ([.., kv_heads, max_len, head_dim] each, contiguous, on the CPU) and the RoPE
+    tables rope {kind: cos, sin [max_len, rot_dim] float32} (None: learned positions).
+    -> (native.Layer array, the largest n_ff among them)."""
+    indices = list(indices)
+    layers = (native.Layer * len(indices))()
+    max_ff = 1
+    for j, i in enumerate(indices):
+        layer = stack.layers[i]
+        lin = layer.linears
+        multi = None  # pi_dense_multi for q, k and v in one call
+        if "qkv_proj" in lin:  # fused: q's linear writes [q; k; v], k's is empty
+            q, k, v = _c_linear(lin["qkv_proj"]), native.Linear(), native.Linear()
+        else:
+            q, k, v = (_c_linear(lin[n]) for n in ("q_proj", "k_proj", "v_proj"))
+            libs = {lin[n].kernel.library_for(1) for n in ("q_proj", "k_proj", "v_proj")}
+            if len(libs) == 1:  # where they share a library
+                multi = native.function_pointer(libs.pop().pi_dense_multi)
+        cos, sin = (None, None) if rope is None else rope[layer.rope]
+        layers[j] = native.Layer(
+            *_pointers(layer.attn_norm), *_pointers(layer.ffn_norm),
+            *(_pointers(n)[0] for n in layer.head_norms or (None, None)),
+            *(_pointers(n)[0] for n in layer.post_norms),
+            *(None if t is None else t.data_ptr() for t in (cos, sin)), layer.window or 0,
+            q, k, v, _c_linear(lin["o_proj"]), _c_ffn(layer.ffn),
+            k_caches[i].data_ptr(), v_caches[i].data_ptr(), multi)
+        max_ff = max(max_ff, layer.ffn.n_ff)
+    return layers, max_ff
+
+
+def _threaded_libs(lib: ctypes.CDLL, linears: list, layers: list) -> list:
+    """(library, its set-threads function, attribute remembering the count) of each C library
+    a step over `layers` (and the extra `linears`) runs, so that all use as many OpenMP threads
+    as torch."""
+    libs = {id(lib): (lib, lib.pi_decoder_set_num_threads, "_pi_dec_threads")}
+    for lin in linears + [lin for layer in layers for lin in layer.linears.values()]:
+        dense = lin.kernel.library_for(1)
+        libs[id(dense)] = (dense, dense.pi_set_num_threads, "_pi_threads")
+    for ffn in (layer.ffn for layer in layers):
+        kernels = [ffn.kernel]
+        if ffn.predictor is not None and ffn.predictor.enabled:
+            kernels.append(ffn.predictor.kernel)
+        for k in kernels:
+            libs[id(k.library)] = (k.library, k.library.pic_set_num_threads, "_pic_threads")
+    return list(libs.values())
+
+
+def _set_threads(libs: list) -> None:
+    nt = torch.get_num_threads()
+    for lib, setter, attr in libs:
+        if getattr(lib, attr, None) != nt:
+            setter(nt)
+            setattr(lib, attr, nt)
+
+
+class HostLayers:
+    """A run of a stack's decoder layers through kernels/decoder.c, without embedding or LM
+    head: the layers a device decoder leaves on the CPU (runtime/device_decoder.py), one C call
+    a step over the residual stream, as the whole-model Decoder runs every layer; their KV
+    caches are the caller's (in the model's dtype: float32, or 16-bit where the library has its
+    AVX2 + F16C path). Unsupported where a layer has no C kernel for some part."""
+
+    def __init__(self, stack: Stack, indices: list[int], k_caches: list[torch.Tensor],
+                 v_caches: list[torch.Tensor], rope: dict | None):
+        self.lib = native.load()
+        self.indices = list(indices)
+        for i in self.indices:
+            layer = stack.layers[i]
+            for name, lin in layer.linears.items():
+                _dense(lin, f"layer {i}'s {name}")
+            _sparse_ffn_of(layer.ffn, f"layer {i}'s FFN block")
+        dtype = k_caches[self.indices[0]].dtype
+        if dtype != torch.float32 and not (dtype in _KV_DTYPES and stack.head_dim % 8 == 0
+                                           and self.lib.pi_decoder_kv_16bit()):
+            raise Unsupported(f"no C attention over a {dtype} KV cache here")
+        caches = [c[i] for c in (k_caches, v_caches) for i in self.indices]
+        if any(c.device.type != "cpu" or not c.is_contiguous() for c in caches):
+            raise Unsupported("the host layers' KV caches are not contiguous on the CPU")
+        max_len = k_caches[self.indices[0]].shape[-2]
+        self.n_active = torch.zeros(len(self.indices), dtype=torch.int64)  # [n]
+        self._layers, max_ff = _c_layers(stack, self.indices, k_caches, v_caches, rope)
+        self._mask = torch.empty(max_ff, dtype=torch.uint8)
+        s = native.Decoder(
+            len(self.indices), stack.d, stack.n_heads, stack.n_kv_heads, stack.head_dim, max_len,
+            stack.vocab, stack.family.layer_norm, stack.rot_dim, _KV_DTYPES.get(dtype, 0),
+            stack.eps, stack.scale, 1.0, stack.attn_softcap, 0.0, stack.residual_scale, 1.0,
+            None, self._layers, None, None, native.Linear(), self.n_active.data_ptr(), None,
+            self._mask.data_ptr())  # no embedding scale, positions or head: the caller's
+        self._work = torch.empty(int(self.lib.pi_decoder_work_floats(ctypes.byref(s))))
+        s.work = self._work.data_ptr()
+        self._struct = s
+        self._libs = _threaded_libs(self.lib, [], [stack.layers[i] for i in self.indices])
+
+    def __call__(self, x: torch.Tensor, pos: int) -> None:
+        """x [1, d] float32 (contiguous, on the CPU): the residual stream at position pos, run
+        through the layers in place; their keys and values written at pos."""
+        _set_threads(self._libs)
+        rc = self.lib.pi_decoder_step(ctypes.byref(self._struct), pos, x.data_ptr(), None)
+        if rc:
+            raise (IndexError(f"position {pos} outside the KV cache") if rc == -1
+                   else MemoryError("picompile decoder step: an FFN kernel ran out of memory"))
 
 
 @torch.no_grad()

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from picompile.config import KV_CACHE_STEP, cuda_graphs_enabled
-from picompile.runtime.decoder import Stack, Unsupported, ffn_block, rotated
+from picompile.runtime.decoder import HostLayers, Stack, Unsupported, ffn_block, rotated
 from picompile.runtime.hybrid import HybridFFN, copy_async
 from picompile.runtime.sparse_ffn import SparseFFN
 
@@ -129,6 +129,10 @@ class DeviceDecoder(Stack):
         self.cold_out = [None if s is None else torch.empty(1, self.d, device=self.device)
                          for s in self.stages]  # [1, d] float32: a cold part's output, landed
         self.max_len = 0
+        # Runs of host layers bound to kernels/decoder.c at reserve(), by their layer indices;
+        # host_reason: why a run was not (it then runs through the model's modules).
+        self.host_runs: dict[tuple, HostLayers] = {}
+        self.host_reason = ""
         self.k_cache, self.v_cache = [], []  # per layer [1, KV, max_len, hd], where it runs
         # [] to time each segment of the steps that follow (timings() resolves them); None: off.
         # Timing waits for each segment's device work before the next is launched.
@@ -157,7 +161,9 @@ class DeviceDecoder(Stack):
         graphs = ("each a CUDA graph" if self.graphs is not None else
                   f"eager: {self.graph_reason}")
         n = sum(self.on_host)
-        host = f", {n} decoder layer{'s' if n > 1 else ''} on the CPU between them" if n else ""
+        how = (f"their modules: {self.host_reason}" if self.host_reason else
+               "kernels/decoder.c" if self.host_runs else "not bound yet")
+        host = f", {n} decoder layer{'s' if n > 1 else ''} on the CPU between them ({how})" if n else ""
         return (f"picompile device decoder (runtime/device_decoder.py, {len(self.segments)} "
                 f"segments per token{host}, {graphs})")
 
@@ -189,6 +195,12 @@ class DeviceDecoder(Stack):
         """Layers that placement left on the CPU, over the residual stream in x_host, in the
         model's dtype: attention over their KV cache on the CPU, the FFN through the block's
         own module (its CPU kernels, its predictor)."""
+        run = self.host_runs.get(tuple(layers))
+        if run is not None:  # one C call (kernels/decoder.c), the stream in float32
+            x = self.x_host.float()  # [1, d]
+            run(x, int(self.pos_host))
+            self.x_host.copy_(x)
+            return
         x = self.x_host.clone()  # [1, d]
         for i in layers:
             x = x + self._attend(i, x, self.pos_host)
@@ -400,6 +412,7 @@ class DeviceDecoder(Stack):
         hold that GPU memory next to its successor's until the collector ran."""
         self.graphs, self.segments, self.graph_reason = None, [], "released"
         self.k_cache = self.v_cache = self.hot_out = []
+        self.host_runs = {}
         self.tables, self.max_len, self.x, self.logits = {}, 0, None, None
 
     def reserve(self, max_len: int) -> bool:
@@ -424,10 +437,13 @@ class DeviceDecoder(Stack):
             return new
 
         self.k_cache, self.v_cache = grown(self.k_cache), grown(self.v_cache)
-        rope = {}  # {kind: cos, sin [max_len, rot]}, the model's dtype
+        rope, rope32 = {}, None  # {kind: cos, sin [max_len, rot]}, the model's dtype; float32
         if self.learned_positions is None:
+            tables = self.rope_tables(max_len)
             rope = {kind: (cos.to(self.dtype), sin.to(self.dtype))
-                    for kind, (cos, sin) in self.rope_tables(max_len).items()}
+                    for kind, (cos, sin) in tables.items()}
+            rope32 = {kind: (cos.float().cpu().contiguous(), sin.float().cpu().contiguous())
+                      for kind, (cos, sin) in tables.items()}
         positions = torch.arange(max_len, device=self.device)
         # {device type: (RoPE tables, positions)} for the layers that run there
         self.tables = {t.type: ({k: (c.to(t), s.to(t)) for k, (c, s) in rope.items()},
@@ -435,9 +451,23 @@ class DeviceDecoder(Stack):
                        for t in {self.device, torch.device("cpu")}}
         self.hot_out = [None] * len(self.layers)
         self.max_len = max_len
+        self._bind_host_runs(rope32)
         self.graphs = None
         self.graph_reason = self._capture()
         return True
+
+    def _bind_host_runs(self, rope32: dict | None) -> None:
+        """Each run of host layers through kernels/decoder.c (HostLayers), over their KV caches
+        here; a run it cannot bind keeps the model's modules, and host_reason says why."""
+        self.host_runs, self.host_reason = {}, ""
+        for _, _, host in self.segments:
+            if not host:
+                continue
+            try:
+                self.host_runs[tuple(host)] = HostLayers(self, host, self.k_cache, self.v_cache,
+                                                         rope32)
+            except (Unsupported, OSError, RuntimeError) as e:  # (OSError, RuntimeError: the
+                self.host_reason = f"{type(e).__name__}: {e}"  # library cannot be built)
 
     # ---- CUDA graphs ----------------------------------------------------------------------
     def _capture(self) -> str:
@@ -497,8 +527,13 @@ class DeviceDecoder(Stack):
         """Add what `steps` decode steps computed to each block's statistics: the hot side's
         active pairs (counted on the device) to its hot rows, n_ff pairs per token to the block.
         The cold side counted its own (hybrid.receive)."""
+        for run in self.host_runs.values():  # the host layers that ran in C
+            for i, n in zip(run.indices, run.n_active.tolist()):
+                self.ffns[i].active_pairs += n
+                self.ffns[i].total_pairs += steps * self.ffns[i].n_ff
+            run.n_active.zero_()
         for ffn, n in zip(self.ffns, self.n_active.tolist()):
-            if ffn.hybrid is None:  # a host layer's block counted its own, as it ran
+            if ffn.hybrid is None:  # a host layer's block: counted above, or its own module
                 continue
             if ffn.hybrid.hot is not None:
                 ffn.hybrid.hot.active_pairs += n
