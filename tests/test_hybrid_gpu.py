@@ -329,6 +329,7 @@ def test_a_layer_left_on_the_cpu_runs_between_replayed_graphs_within_the_budget(
     ids = torch.randint(0, zoo.VOCAB, (1, 8))
     got = cm.generate(ids, max_new_tokens=10, do_sample=False)
     assert dec.graphs is not None, dec.graph_reason
+    assert len(dec.host_runs) == 1 and not dec.host_reason, dec.host_reason  # in C
     _assert_within(budget, cm)
     assert torch.equal(got.cpu(), dense.cpu().generate(ids, max_new_tokens=10, do_sample=False))
 
