@@ -188,13 +188,17 @@ class FrequencyPresencePenalty:
         self.prompt_tokens, self.frequency, self.presence = prompt_tokens, frequency, presence
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """scores [B, V] changed in place at the reply's tokens only (a reply is short beside
+        the vocabulary: no [B, V] pass)."""
         reply = input_ids[:, self.prompt_tokens:]  # [B, generated]
         if reply.shape[1] == 0:
             return scores
-        counts = torch.zeros(scores.shape[0], scores.shape[1] + 1, device=scores.device)
-        counts.scatter_add_(1, reply.clamp(max=scores.shape[1]), counts.new_ones(reply.shape))
-        counts = counts[:, :-1].to(scores.dtype)  # [B, V]
-        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+        for b in range(reply.shape[0]):
+            tokens, counts = reply[b].unique(return_counts=True)  # [u] each
+            inside = tokens < scores.shape[1]
+            tokens, counts = tokens[inside], counts[inside].to(scores.dtype)
+            scores[b, tokens] -= self.frequency * counts + self.presence
+        return scores
 
 
 class RecentRepetitionPenalty:
