@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/prompt_cache.py                  # SmolLM2-135M-Instruct, 6 turns
     .venv/bin/python benchmarks/prompt_cache.py --turns 8 --new-tokens 32 --rounds 2
     .venv/bin/python benchmarks/prompt_cache.py --message-chars 200 --new-tokens 64  # short turns
+    .venv/bin/python benchmarks/prompt_cache.py --interrupt     # a title request after each turn
 
 Each turn sends the whole conversation so far through the model's chat template, as
 `picompile chat` and a client of `picompile serve` do: the user's message (a paragraph of the
@@ -16,6 +17,9 @@ all; in threshold mode a neuron within rounding of its threshold can tip a near-
 cached keys and values of a reply come from its decode steps, a prefill's from a batch), then per
 turn: prompt tokens, positions reused, medians of the time from
 the generate() call to the first new token (prefill + first pick), and their ratio.
+--interrupt sends another prompt after each turn (untimed), as chat UIs ask the model for a
+title of the conversation: the next turn then finds the conversation in the C decoder's
+snapshots (config.PROMPT_SNAPSHOTS), not in the KV cache.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from picompile.timing import FirstTokenClock
 
 
 def conversation(cm, tokenizer, messages: list[str], new_tokens: int, cache: bool,
-                 history: list[str] | None = None):
+                 history: list[str] | None = None, interrupt: bool = False):
     """-> [(prompt tokens, positions reused, seconds to the first token)], the replies. With
     `history`, those replies join the conversation instead of the ones generated (so that two
     runs send the very same prompts)."""
@@ -54,6 +58,11 @@ def conversation(cm, tokenizer, messages: list[str], new_tokens: int, cache: boo
         reply = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
         replies.append(reply)
         chat.append({"role": "assistant", "content": reply if history is None else history[i]})
+        if interrupt:  # a title request of the conversation's first message (untimed)
+            title = [{"role": "user", "content": "Write a five-word title for this text: "
+                                                 + messages[0][:300]}]
+            cm.generate(torch.tensor([chat_prompt(tokenizer, title)[0]]), max_new_tokens=8,
+                        do_sample=False, eos_token_id=sorted(ends), pad_token_id=pad)
     return rows, replies
 
 
@@ -65,6 +74,8 @@ def main():
     ap.add_argument("--sparsity", type=float, default=0.5)
     ap.add_argument("--message-chars", type=int, default=1500,
                     help="each user message: the first this many characters of its paragraph")
+    ap.add_argument("--interrupt", action="store_true",
+                    help="another prompt after each turn (a chat UI's title request)")
     args = ap.parse_args()
 
     model, tokenizer = models.load(None, quiet=True)
@@ -78,13 +89,15 @@ def main():
     runs, history, same = {True: [], False: []}, None, []
     for _ in range(args.rounds):
         for cache in (True, False):
-            rows, replies = conversation(cm, tokenizer, messages, args.new_tokens, cache, history)
+            rows, replies = conversation(cm, tokenizer, messages, args.new_tokens, cache, history,
+                                         args.interrupt)
             runs[cache].append(rows)
             history = history or replies
             same.append(sum(a == b for a, b in zip(replies, history)))
     print(f"{torch.get_num_threads()} threads, {args.turns} turns, {args.new_tokens} new tokens "
           f"a turn, medians of {args.rounds} rounds; replies equal to the first run's: "
-          f"{min(same)} to {max(same)} of {args.turns} per run")
+          f"{min(same)} to {max(same)} of {args.turns} per run"
+          + ("; a title request after each turn" if args.interrupt else ""))
     print("| turn | prompt tokens | reused | first token, cache (ms) | without (ms) | ratio |")
     print("|---:|---:|---:|---:|---:|---:|")
     for t in range(args.turns):

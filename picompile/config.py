@@ -55,6 +55,15 @@ def prompt_cache_enabled() -> bool:
     return os.environ.get(PROMPT_CACHE_ENV, "1").strip() not in ("0", "false", "no")
 
 
+# Beside the prompt its KV cache holds, the C decoder keeps copies of the keys and values of up
+# to PROMPT_SNAPSHOTS earlier prompts (of PROMPT_SNAPSHOT_MIN_TOKENS or more, at most
+# PROMPT_SNAPSHOT_BYTES in all, the oldest dropped first): a server's other conversations, or
+# a chat UI's title request between two turns of one, then prefill only their new tokens too.
+PROMPT_SNAPSHOTS = 3
+PROMPT_SNAPSHOT_MIN_TOKENS = 32
+PROMPT_SNAPSHOT_BYTES = 2**30
+
+
 # Set PICOMPILE_CUDA_GRAPHS=0 to run the GPU decode step's segments eagerly instead of replaying
 # them as CUDA graphs (runtime/device_decoder.py): for comparing the two, or debugging.
 CUDA_GRAPHS_ENV = "PICOMPILE_CUDA_GRAPHS"

@@ -4,7 +4,9 @@ values the decoder's KV cache holds (the C decoder's, and the device decoder's o
 stand-in). What it must give: the tokens and the KV cache of a prefill from position 0
 (PICOMPILE_PROMPT_CACHE=0), and no reuse where what is cached could be stale (weights edited,
 in place, through .data or during the call) or is not whole (the C decoder past a sliding
-window); a reply a streamer stops (a stop string, Ctrl-C) keeps what it cached."""
+window); a reply a streamer stops (a stop string, Ctrl-C) keeps what it cached. The C decoder
+keeps snapshots of earlier prompts: a conversation interrupted by another prompt (a chat UI's
+title request) keeps its cache."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 import picompile
+from picompile.config import PROMPT_SNAPSHOT_MIN_TOKENS, PROMPT_SNAPSHOTS
 from picompile.runtime.device_decoder import DeviceDecoder
 from tests import zoo
 from tests.test_decoder import _compile_kw, _model
@@ -94,6 +97,40 @@ def test_weights_edited_in_place_are_not_reused(monkeypatch):
         cm.model.norm.weight.mul_(1.5)  # every cached key and value is still the old model's
     _, reused = _generate_both(cm, torch.cat([first, _ids(4, 2)], 1), monkeypatch)
     assert reused == 0
+
+
+def test_a_conversation_interrupted_by_another_prompt_keeps_its_cache(monkeypatch):
+    """A turn, another prompt (its own conversation: the first is saved as a snapshot before
+    being overwritten), then the first conversation's next turn: its keys and values come back
+    and only its new tokens are prefilled, with the tokens and cache of a prefill from 0."""
+    cm = _compiled("llama_relu")
+    dec = cm.decoder()
+    first = cm.generate(_ids(PROMPT_SNAPSHOT_MIN_TOKENS, 1), max_new_tokens=NEW)
+    other = cm.generate(_ids(PROMPT_SNAPSHOT_MIN_TOKENS + 3, 4), max_new_tokens=NEW)
+    assert dec.prompt_reused == 0 and len(dec._snapshots) == 1
+    _, reused = _generate_both(cm, torch.cat([first, _ids(5, 2)], 1), monkeypatch)
+    assert reused == first.shape[1] - 1
+    assert [len(s[0]) for s in dec._snapshots] == [other.shape[1] - 1]  # the other, saved
+
+
+def test_snapshots_are_bounded_and_dropped_where_stale(monkeypatch):
+    cm = _compiled("llama_relu")
+    dec = cm.decoder()
+    cm.generate(_ids(PROMPT_SNAPSHOT_MIN_TOKENS - NEW - 1, 9), max_new_tokens=NEW)  # too short
+    cm.generate(_ids(40, 10), max_new_tokens=NEW)
+    assert dec._snapshots == []
+    prompts = [_ids(40, 20 + j) for j in range(PROMPT_SNAPSHOTS + 2)]
+    for p in prompts:
+        cm.generate(p, max_new_tokens=NEW)
+    kept = [s[0][:40] for s in dec._snapshots]
+    assert len(kept) == PROMPT_SNAPSHOTS  # the newest, each prompt's but the held one
+    assert all(torch.equal(k, p[0]) for k, p in zip(kept, prompts[-PROMPT_SNAPSHOTS - 1:-1]))
+    with torch.no_grad():
+        cm.model.norm.weight.mul_(1.5)  # every snapshot is the old model's
+    _, reused = _generate_both(cm, torch.cat([prompts[-2], _ids(4, 2)], 1), monkeypatch)
+    assert reused == 0 and dec._snapshots == []
+    dec.forget()
+    assert dec.held is None and dec._snapshots is None
 
 
 def test_the_cache_keeps_its_positions_when_it_grows(monkeypatch):

@@ -46,7 +46,8 @@ import torch
 from torch import nn
 
 from picompile import quant
-from picompile.config import (DECODER_ENV, cuda_graphs_enabled, decoder_enabled,
+from picompile.config import (DECODER_ENV, PROMPT_SNAPSHOT_BYTES, PROMPT_SNAPSHOT_MIN_TOKENS,
+                              PROMPT_SNAPSHOTS, cuda_graphs_enabled, decoder_enabled,
                               prompt_cache_enabled)
 from picompile.codegen import c as c_codegen
 from picompile.codegen import decoder as native
@@ -463,27 +464,66 @@ class Stack:
     # ---- the prompt cache, as llama.cpp's server keeps one ---------------------------------
     # After a generate the KV cache holds the keys and values of the prompt and the reply: the
     # token ids they belong to (`held`, [n] long on the CPU) and the weights they were computed
-    # from. A prompt that starts with them (a chat's next turn) prefills only the rest.
+    # from. A prompt that starts with them (a chat's next turn) prefills only the rest. Where
+    # the decoder keeps snapshots (snapshot_slots > 0: the C decoder, in host memory), a prompt
+    # that would overwrite what is held first saves a copy of it, and a prompt that starts with
+    # a saved one's tokens gets its keys and values back (llama.cpp's slots, one at a time).
     held: torch.Tensor | None = None
     _held_weights: tuple | None = None  # _weights_state when they were computed
     _call_weights: tuple | None = None  # _weights_state when the running call began
     prompt_reused = 0  # positions the last generate took from the prompt cache
+    snapshot_slots = 0  # earlier prompts kept beside the held one (config.PROMPT_SNAPSHOTS)
+    _snapshots: list | None = None  # [(tokens [n], weights, keys, values)], oldest first
 
     def cached_prefix(self, tokens: torch.Tensor, total: int) -> int:
         """How many leading positions of the prompt tokens [S] (of a call that runs `total`
         positions) the KV cache holds for these very tokens, computed from the weights as they
-        are now (at most S - 1: the last position is prefilled for its logits); 0 where none.
-        The caller writes the cache next, so the decoder forgets what it held until hold()."""
+        are now (at most S - 1: the last position is prefilled for its logits), where needed
+        brought back from a snapshot; 0 where none. The caller writes the cache next, so the
+        decoder forgets what it held until hold()."""
         held, weights = self.held, self._held_weights
-        self.forget()
+        self.held = self._held_weights = None
+        self.prompt_reused = 0
         self._call_weights = now = _weights_state(self.model)
-        if (held is None or not prompt_cache_enabled() or not self._cacheable(total)
-                or not _same_weights(weights, now)):
+        if not prompt_cache_enabled() or not self._cacheable(total):
             return 0
-        n = min(len(held), len(tokens) - 1)
-        differs = (held[:n] != tokens[:n].cpu()).nonzero()
-        self.prompt_reused = int(differs[0]) if len(differs) else n
-        return self.prompt_reused
+        tokens = tokens.cpu()
+        fresh = held is not None and _same_weights(weights, now)
+        reuse = _common_prefix(held, tokens) if fresh else 0
+        snapshots = self._snapshots = [s for s in self._snapshots or []
+                                       if _same_weights(s[1], now)]
+        best = max(range(len(snapshots)), default=None,
+                   key=lambda j: _common_prefix(snapshots[j][0], tokens))
+        if best is not None and _common_prefix(snapshots[best][0], tokens) <= reuse:
+            best = None
+        if fresh and reuse < len(held) and self.snapshot_slots:  # about to be overwritten
+            self._save(held, weights)
+        if best is not None:
+            saved, _, keys, values = snapshots.pop(best)
+            self._restore_kv(keys, values)
+            reuse = _common_prefix(saved, tokens)
+        self.prompt_reused = reuse
+        return reuse
+
+    def _save(self, held: torch.Tensor, weights: tuple) -> None:
+        """A snapshot of the held prompt's keys and values (long enough to be worth it), the
+        oldest dropped past PROMPT_SNAPSHOTS or PROMPT_SNAPSHOT_BYTES."""
+        if len(held) < PROMPT_SNAPSHOT_MIN_TOKENS:
+            return
+        keys, values = self._copy_kv(len(held))
+        self._snapshots.append((held, weights, keys, values))
+        size = lambda s: s[2].nbytes + s[3].nbytes  # noqa: E731
+        while (len(self._snapshots) > self.snapshot_slots
+               or sum(size(s) for s in self._snapshots) > PROMPT_SNAPSHOT_BYTES):
+            self._snapshots.pop(0)
+
+    def _copy_kv(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the KV cache's positions 0..n-1 (decoders with snapshot_slots)."""
+        raise NotImplementedError
+
+    def _restore_kv(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Put copies from _copy_kv back at their positions."""
+        raise NotImplementedError
 
     def hold(self, tokens: torch.Tensor, total: int) -> None:
         """Note that the KV cache now holds the positions of tokens [n], computed by the call
@@ -495,8 +535,10 @@ class Stack:
             self.held, self._held_weights = tokens.cpu().clone(), began
 
     def forget(self) -> None:
-        """Drop what the prompt cache holds: the next generate prefills from position 0."""
+        """Drop what the prompt cache holds, snapshots too: the next generate prefills from
+        position 0."""
         self.held = self._held_weights = None
+        self._snapshots = None
         self.prompt_reused = 0
 
     def _cacheable(self, total: int) -> bool:
@@ -522,6 +564,14 @@ def _weights_state(model: nn.Module, sampled: bool = True) -> tuple[tuple, list]
     if not sampled:
         return versions, []
     return versions, [t.detach().reshape(-1)[:: max(1, t.numel() // 16)].clone() for t in tensors]
+
+
+def _common_prefix(held: torch.Tensor, tokens: torch.Tensor) -> int:
+    """Leading positions of tokens [S] that held [n] has (at most S - 1: the last position is
+    prefilled for its logits)."""
+    n = min(len(held), len(tokens) - 1)
+    differs = (held[:n] != tokens[:n]).nonzero()
+    return int(differs[0]) if len(differs) else max(n, 0)
 
 
 def _same_weights(a: tuple | None, b: tuple) -> bool:
@@ -555,6 +605,15 @@ class Decoder(Stack):
         self.x = torch.empty(1, self.d)  # [1, d] float32: the embedding in
         self.logits = torch.empty(1, self.vocab)  # [1, vocab] float32
         self._struct = None
+
+    snapshot_slots = PROMPT_SNAPSHOTS
+
+    def _copy_kv(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_cache[:, :, :n].clone(), self.v_cache[:, :, :n].clone()
+
+    def _restore_kv(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        n = keys.shape[2]
+        self.k_cache[:, :, :n], self.v_cache[:, :, :n] = keys, values
 
     def describe(self) -> str:
         kv = str(self.kv_dtype).removeprefix("torch.")
