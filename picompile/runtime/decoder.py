@@ -588,6 +588,8 @@ def _pointers(norm: Norm | None) -> tuple[int | None, int | None]:
 class Decoder(Stack):
     """A bound decode step over `model` (a compiled HF causal LM on the CPU)."""
 
+    snapshot_slots = PROMPT_SNAPSHOTS  # its KV cache is host memory: copies are cheap there
+
     def __init__(self, model: nn.Module, kv_dtype: torch.dtype | None = None):
         if any(p.device.type != "cpu" for p in model.parameters()):
             raise Unsupported("the model's weights are not all on the CPU")
@@ -605,8 +607,6 @@ class Decoder(Stack):
         self.x = torch.empty(1, self.d)  # [1, d] float32: the embedding in
         self.logits = torch.empty(1, self.vocab)  # [1, vocab] float32
         self._struct = None
-
-    snapshot_slots = PROMPT_SNAPSHOTS
 
     def _copy_kv(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_cache[:, :, :n].clone(), self.v_cache[:, :, :n].clone()

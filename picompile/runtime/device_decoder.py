@@ -163,7 +163,8 @@ class DeviceDecoder(Stack):
         n = sum(self.on_host)
         how = (f"their modules: {self.host_reason}" if self.host_reason else
                "kernels/decoder.c" if self.host_runs else "not bound yet")
-        host = f", {n} decoder layer{'s' if n > 1 else ''} on the CPU between them ({how})" if n else ""
+        host = (f", {n} decoder layer{'s' if n > 1 else ''} on the CPU between them ({how})"
+                if n else "")
         return (f"picompile device decoder (runtime/device_decoder.py, {len(self.segments)} "
                 f"segments per token{host}, {graphs})")
 
@@ -192,9 +193,10 @@ class DeviceDecoder(Stack):
         self.x = self.x_back
 
     def _host_layers(self, layers: list[int]) -> None:
-        """Layers that placement left on the CPU, over the residual stream in x_host, in the
-        model's dtype: attention over their KV cache on the CPU, the FFN through the block's
-        own module (its CPU kernels, its predictor)."""
+        """Layers that placement left on the CPU, over the residual stream in x_host (the
+        model's dtype) and their KV cache on the CPU: one kernels/decoder.c call where the run
+        is bound (host_runs), else attention here and the FFN through the block's own module
+        (its CPU kernels, its predictor)."""
         run = self.host_runs.get(tuple(layers))
         if run is not None:  # one C call (kernels/decoder.c), the stream in float32
             x = self.x_host.float()  # [1, d]
@@ -466,8 +468,8 @@ class DeviceDecoder(Stack):
             try:
                 self.host_runs[tuple(host)] = HostLayers(self, host, self.k_cache, self.v_cache,
                                                          rope32)
-            except (Unsupported, OSError, RuntimeError) as e:  # (OSError, RuntimeError: the
-                self.host_reason = f"{type(e).__name__}: {e}"  # library cannot be built)
+            except (Unsupported, OSError, RuntimeError) as e:  # RuntimeError: the library
+                self.host_reason = f"{type(e).__name__}: {e}"  # cannot be built or loaded
 
     # ---- CUDA graphs ----------------------------------------------------------------------
     def _capture(self) -> str:
