@@ -14,12 +14,14 @@
 #   bash scripts/gpu_acceptance.sh llama-cpp               # on the same warm machine
 #
 # With no part named, runs them all (over 10 minutes in all). With 15 minutes of device time,
-# what no lent machine has measured yet first, in one command (carry build/cuda-cubins.tar.xz,
-# .whl, build/llama-offload and build/gpu-carry, where llama-cpp-prebuild put llama-bench):
-#   S=scripts/gpu_acceptance.sh; timeout 370 bash $S llama-13b; timeout 210 bash $S llama-cpp
-# then, on the warm machine: kernels (about 2 minutes), memory, tests (sessions 17 and 20 ran
-# them), opt-13b, kernel-tests. llama-13b at 0.4 of the weights takes about 6 minutes (a 300 s
-# limit cut it in session 20).
+# what no lent machine has measured yet first. Session 23 ran, in one command (carrying .whl,
+# build/llama-offload and build/carry-llama, where llama-cpp-prebuild leaves llama-bench
+# xz-compressed: the uncompressed 58 MB binary and the tree pass the 64 MiB carry limit):
+#   S=scripts/gpu_acceptance.sh; timeout 370 bash $S llama-13b; timeout 200 bash $S llama-cpp
+# (441 s in all), then on the warm machine kernels (27 s) and tests (300 s). Next: llama-13b
+# again (the host layers now run in C, and the per-segment device time was mis-recorded), tests
+# (new: the prompt cache's reuse and the host layers in C on a GPU), kernel-tests, quant-tests,
+# opt-13b. Without carried cubins NVRTC compiles the variants a part uses (seconds each).
 #
 # Here, before a lent machine: `bash scripts/gpu_acceptance.sh cubins` compiles every CUDA kernel
 # variant for sm_90 with nvcc (no GPU needed) into build/cuda-cubins.tar.xz; carried along, the
@@ -136,10 +138,19 @@ print(len(variants), 'variants compiled for sm_90')" &&
             -DCUDA_cublas_LIBRARY=/tmp/cublas/lib/libcublas.so \
             -DCUDA_cublasLt_LIBRARY=/tmp/cublas/lib/libcublasLt.so \
             -DCMAKE_CXX_FLAGS=-I/tmp/cublas/nvidia/cu13/include \
-            -DCMAKE_CUDA_FLAGS=-I/tmp/cublas/nvidia/cu13/include ;;
+            -DCMAKE_CUDA_FLAGS=-I/tmp/cublas/nvidia/cu13/include &&
+        mkdir -p build/carry-llama &&
+        xz -T0 -6 -c build/gpu-carry/llama-bench > build/carry-llama/llama-bench.xz &&
+        ls -la build/carry-llama ;;
     llama-cpp)  # the peer: llama.cpp partial offload (-ngl) at the same budget, F16. Carry
         # .whl (the gguf wheel, above) and build/llama-offload
-        # (benchmarks/llama_offload.py --save-vocab); build/gpu-carry from llama-cpp-build.
+        # (benchmarks/llama_offload.py --save-vocab); build/gpu-carry from llama-cpp-build, or
+        # build/carry-llama from llama-cpp-prebuild (unpacked here)
+        if [ ! -x build/gpu-carry/llama-bench ] && [ -f build/carry-llama/llama-bench.xz ]; then
+            mkdir -p build/gpu-carry &&
+            "$PY" -c "import lzma, shutil; shutil.copyfileobj(lzma.open('build/carry-llama/llama-bench.xz'), open('build/gpu-carry/llama-bench', 'wb'))" &&
+            chmod +x build/gpu-carry/llama-bench
+        fi
         timeout 570 "$PY" benchmarks/llama_offload.py \
             --shape llama-13b --budget-share 0.4 --gguf /tmp/llama-13b-f16.gguf ;;
     *)
