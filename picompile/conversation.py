@@ -16,18 +16,32 @@ def default_chat_format(messages: list[dict]) -> str:
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 
-def chat_prompt(tokenizer, messages: list[dict]) -> tuple[list[int], list[str]]:
+class NoToolSupport(ValueError):
+    """Tools were given for a model whose chat template cannot show them to it."""
+
+
+def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None
+                ) -> tuple[list[int], list[str]]:
     """-> (the prompt's token ids, stop strings the format needs). The tokenizer's chat
     template where it has one (ValueError if the template refuses the messages), else
     default_chat_format with DEFAULT_FORMAT_STOP, so that the model does not write the user's
-    next turn."""
+    next turn. tools: OpenAI's tool objects, for the template to describe (NoToolSupport where
+    it has none, or it leaves them out: a template without tool support ignores them)."""
     if not getattr(tokenizer, "chat_template", None):
+        if tools:
+            raise NoToolSupport("the model has no chat template, and tools need one that "
+                                "describes them to the model")
         return list(tokenizer(default_chat_format(messages))["input_ids"]), [DEFAULT_FORMAT_STOP]
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, tools=tools or None,
+                                             add_generation_prompt=True, tokenize=False)
     except Exception as e:  # a template may refuse a conversation (roles, order)
         raise ValueError(f"the model's chat template refused these messages: "
                          f"{type(e).__name__}: {e}") from None
+    if tools and not all(t["function"]["name"] in text for t in tools):
+        raise NoToolSupport("the model's chat template does not describe the tools to the "
+                            "model (their names are not in its prompt): this model takes no "
+                            "tools")
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]), []
 
 

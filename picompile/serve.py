@@ -27,8 +27,13 @@ penalties, temperature and truncation: vLLM's default), and a token's text is it
 response_format (json_object, json_schema; llama.cpp's "schema" beside either), llama.cpp's
 json_schema and grammar (GBNF), vLLM's guided_json / guided_regex / guided_choice /
 guided_grammar and structured_outputs; one per request, compiled off the event loop; a reply
-its parser cannot follow to the end is a 400, never a short reply. Parameters
-picompile cannot honour (n > 1, tools, logit_bias, ...)
+its parser cannot follow to the end is a 400, never a short reply. Tools (picompile/tool_calls.py):
+chat's tools, tool_choice ("auto": the Hermes-style <tool_call> blocks the model writes are read;
+"required" or a named function: a grammar holds the reply to one call's JSON) and
+parallel_tool_calls, through the model's chat template (a 400 where it has none that describes
+tools); calls come back as tool_calls with finish_reason "tool_calls", streamed as one delta at
+the end (the text is held back until it can be read for calls). Parameters
+picompile cannot honour (n > 1, logit_bias, ...)
 get a 400 naming them rather than being silently ignored; fields OpenAI's client sends for
 bookkeeping (user, metadata, ...) are ignored.
 
@@ -76,7 +81,9 @@ from dataclasses import dataclass
 
 import torch
 
-from picompile.conversation import ReplyStreamer, StopString, TextDeltas, chat_prompt, end_tokens
+from picompile import tool_calls
+from picompile.conversation import (NoToolSupport, ReplyStreamer, StopString, TextDeltas,
+                                    chat_prompt, end_tokens)
 from picompile.runtime.grammar import GrammarComplete, GrammarError, Grammars
 from picompile.runtime.sampling import FrequencyPresencePenalty, RecentRepetitionPenalty
 
@@ -90,8 +97,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # llama.cpp's and vLLM's names for samplers and constraints a client may send expecting them to
 # act (other unknown fields are ignored, as both servers do).
 _UNSUPPORTED = {"n": 1, "best_of": 1,
-                "suffix": None, "logit_bias": None, "tools": None,
-                "tool_choice": "none", "functions": None, "function_call": "none",
+                "suffix": None, "logit_bias": None, "functions": None, "function_call": "none",
                 "typical_p": None, "tfs_z": None,
                 "mirostat": None, "dry_multiplier": None, "xtc_probability": None,
                 "min_tokens": None, "ignore_eos": None, "stop_token_ids": None,
@@ -377,9 +383,49 @@ def _messages(body: dict) -> list[dict]:
         if content is None and role == "assistant":
             content = ""
         # "developer" is OpenAI's newer name for "system"; chat templates know "system"
-        out.append({"role": "system" if role == "developer" else role,
-                    "content": _text_content(content, f"{where}.content")})
-    return out
+        message = {"role": "system" if role == "developer" else role,
+                   "content": _text_content(content, f"{where}.content")}
+        if role == "assistant" and m.get("tool_calls"):  # the calls it made, for the template
+            message["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        if role == "tool" and m.get("tool_call_id") is not None:
+            message["tool_call_id"] = str(m["tool_call_id"])
+        out.append(message)
+    return tool_calls.template_messages(out)
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    """An assistant message's tool_calls: [{"id", "type": "function", "function": {"name",
+    "arguments"}}]."""
+    if not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict)
+            and isinstance(c["function"].get("name"), str)
+            and isinstance(c["function"].get("arguments", ""), (str, dict)) for c in calls):
+        raise _bad(where, f"{where} must be a list of {{\"id\", \"type\": \"function\", "
+                          f"\"function\": {{\"name\", \"arguments\"}}}}, got {_show(calls)}")
+    return [{"id": c.get("id"), "type": "function", "function": dict(c["function"])}
+            for c in calls]
+
+
+def _tools(body: dict, chat: bool) -> tuple[list[dict] | None, str, str | None]:
+    """-> (the request's tools as sent, checked; tool_choice's mode; the function it names)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none"):
+            raise _bad("tool_choice", f"tool_choice={_show(choice)} needs tools")
+        return None, "none", None
+    if not chat:
+        raise _bad("tools", "tools are a chat request's field (POST /v1/chat/completions)",
+                   code="unsupported_parameter")
+    try:
+        functions = tool_calls.check_tools(tools)
+    except ValueError as e:
+        raise _bad("tools", str(e)) from None
+    try:
+        mode, name = tool_calls.check_tool_choice(choice, functions)
+    except ValueError as e:
+        raise _bad("tool_choice", str(e)) from None
+    _field(body, "parallel_tool_calls", bool, True)
+    return tools, mode, name
 
 
 @dataclass
@@ -397,6 +443,9 @@ class Params:
     logprobs: int | None = None  # likeliest tokens listed with each chosen one; None: no logprobs
     echo: bool = False
     prompt_text: str | None = None  # what echo repeats: the prompt as sent (None: its ids')
+    tools: str | None = None  # how the reply's calls are read: "auto", "forced" (a grammar's
+    # one call), None: not at all
+    parallel_tool_calls: bool = True  # False: the first call only
 
 
 # A token's log-probability as the worker hands it on: (its text, logprob, the likeliest
@@ -667,9 +716,19 @@ class Server:
         stops = _stops(body)
         logprobs, echo = _logprobs(body, chat)
         grammar = _grammar_request(body)
+        tools, tool_mode, tool_name = _tools(body, chat)
+        if tool_mode in ("required", "named"):  # one call, held to its function's parameters
+            if grammar is not None:
+                raise _bad(grammar[0], f"{grammar[0]} and tool_choice={_show(body['tool_choice'])}"
+                                       " both constrain the reply: send one of them")
+            grammar = ("tool_choice", "json_schema", tool_calls.forced_call_schema(
+                tool_calls.check_tools(tools), tool_name))
+        if tools is not None and tool_mode != "none" and logprobs is not None:
+            raise _bad("logprobs", "logprobs with tools is not supported",
+                       code="unsupported_parameter")
         prompt_text, extra_stops = None, []
         if chat:
-            ids, extra_stops = self._chat_ids(_messages(body))
+            ids, extra_stops = self._chat_ids(_messages(body), tools)
         else:
             ids, prompt_text = self._prompt_ids(body.get("prompt"))
         params = Params(ids=ids, max_tokens=self._max_tokens(body, len(ids)),
@@ -682,7 +741,10 @@ class Server:
                         processors=_penalties(body, len(ids)) + (
                             () if grammar is None else (self._constraint(grammar, len(ids)),)),
                         logprobs=logprobs, echo=echo,
-                        prompt_text=prompt_text)
+                        prompt_text=prompt_text,
+                        tools={"auto": "auto", "required": "forced", "named": "forced"}.get(
+                            tool_mode),
+                        parallel_tool_calls=body.get("parallel_tool_calls") is not False)
         job = Job(params, chat, stream, include_usage, loop)
         self.engine.submit(job)
         return job
@@ -703,10 +765,13 @@ class Server:
         except GrammarError as e:
             raise _bad(name, f"{name} cannot be used: {e}") from None
 
-    def _chat_ids(self, messages: list[dict]) -> tuple[list[int], list[str]]:
+    def _chat_ids(self, messages: list[dict], tools: list[dict] | None = None
+                  ) -> tuple[list[int], list[str]]:
         with self.engine.tokenizer_lock:
             try:
-                return chat_prompt(self.tokenizer, messages)
+                return chat_prompt(self.tokenizer, messages, tools)
+            except NoToolSupport as e:
+                raise _bad("tools", str(e), code="unsupported_parameter") from None
             except ValueError as e:
                 raise _bad("messages", str(e)) from None
 
@@ -752,12 +817,15 @@ class Server:
                 "total_tokens": prompt + completion}
 
     def _chunk(self, job: Job, text: str | None, finish: str | None = None,
-               role: bool = False, entries: list[Entry] | None = None) -> dict:
+               role: bool = False, entries: list[Entry] | None = None,
+               calls: list[dict] | None = None) -> dict:
         logprobs = self._logprobs(job, entries) if entries else None
         if job.chat:
             delta = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
+            if calls:  # each whole, in one chunk
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": logprobs,
@@ -793,12 +861,19 @@ class Server:
 
         if job.chat:
             yield sse(self._chunk(job, "", role=True))
+        held = []  # with tools: the text, read for calls once whole
         while True:
             event = await job.events.get()
-            if event[0] == "text":
+            if event[0] == "text" and job.params.tools is not None:
+                held.append(event[1])
+            elif event[0] == "text":
                 yield sse(self._chunk(job, event[1], entries=event[2]))
             elif event[0] == "done":
                 _, finish, prompt, completion = event
+                if job.params.tools is not None:
+                    content, calls, finish = self._calls(job, "".join(held), finish)
+                    if content or calls:
+                        yield sse(self._chunk(job, content, calls=calls))
                 yield sse(self._chunk(job, None if job.chat else "", finish))
                 if job.include_usage:
                     yield sse({"id": job.id, "object": self._chunk(job, None)["object"],
@@ -837,12 +912,32 @@ class Server:
             self.engine.cancel(job)
         text = "".join(parts)
         logprobs = None if job.params.logprobs is None else self._logprobs(job, entries)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text},
+        content, calls, finish = self._calls(job, text, finish)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        choice = ({"index": 0, "message": message,
                    "logprobs": logprobs, "finish_reason": finish} if job.chat else
                   {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
         return {"id": job.id, "object": "chat.completion" if job.chat else "text_completion",
                 "created": job.created, "model": self.name, "choices": [choice],
                 "usage": self._usage(prompt, completion)}
+
+    @staticmethod
+    def _calls(job: Job, text: str, finish: str) -> tuple[str | None, list[dict], str]:
+        """A reply's (content, tool calls, finish_reason): with tools, the calls read from its
+        text (then finish_reason "tool_calls"); a forced call cut short by max_tokens is left
+        as the text it is."""
+        p = job.params
+        if p.tools is None:
+            return text, [], finish
+        try:
+            content, calls = tool_calls.parse_calls(text, forced=p.tools == "forced")
+        except (ValueError, KeyError, TypeError):
+            return text, [], finish
+        if not calls:
+            return text, [], finish
+        return content, calls if p.parallel_tool_calls else calls[:1], "tool_calls"
 
     @staticmethod
     async def _next(job: Job, disconnected) -> tuple | None:

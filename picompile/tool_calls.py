@@ -1,0 +1,148 @@
+"""Tool calling for `serve`'s chat endpoint, as OpenAI's API has it (and vLLM's and llama.cpp's
+servers offer it): the request's `tools` (functions with JSON-schema parameters) go to the model
+through its chat template, and the reply's calls come back as `tool_calls`.
+
+    tools = check_tools(body["tools"])                  # ValueError naming what is wrong
+    mode, name = check_tool_choice(body.get("tool_choice"), tools)
+    schema = forced_call_schema(tools, name)            # "required" / a named function
+    content, calls = parse_calls(text, forced=...)      # the reply -> (text or None, calls)
+
+How a model calls a tool is its chat template's business; most instruction-tuned models with
+tool support (Qwen2.5, Hermes, and others with Hermes' format) write each call as
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, which is what `parse_calls` reads
+with tool_choice "auto". With tool_choice "required" or a named function, the reply is held by
+a grammar (runtime/grammar.py) to one JSON object {"name": ..., "arguments": ...} matching a
+tool's parameters, whatever format the model was trained on (vLLM does the same).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+# A Hermes-style call: <tool_call> a JSON object </tool_call>
+_HERMES_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # OpenAI's rule for function names
+
+
+def check_tools(tools) -> list[dict]:
+    """OpenAI's `tools`: a non-empty list of {"type": "function", "function": {"name",
+    "description"?, "parameters"?}} with distinct names -> the functions ({"name",
+    "description", "parameters"}), as chat templates take them. ValueError otherwise."""
+    if not isinstance(tools, list) or not tools:
+        raise ValueError(f"tools must be a non-empty list of {{\"type\": \"function\", "
+                         f"\"function\": {{...}}}} objects, got {_show(tools)}")
+    functions, names = [], set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise ValueError(f"{where} must be {{\"type\": \"function\", \"function\": "
+                             f"{{...}}}}, got {_show(tool)}")
+        fn = tool.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+                not _NAME.fullmatch(fn["name"]):
+            raise ValueError(f"{where}.function must have a name of 1 to 64 letters, digits, "
+                             f"_ . or -, got {_show(fn)}")
+        if fn["name"] in names:
+            raise ValueError(f"{where}.function.name {fn['name']!r} is given twice")
+        names.add(fn["name"])
+        parameters = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, dict):
+            raise ValueError(f"{where}.function.parameters must be a JSON schema object, got "
+                             f"{_show(parameters)}")
+        description = fn.get("description")
+        if description is not None and not isinstance(description, str):
+            raise ValueError(f"{where}.function.description must be a string")
+        functions.append({"name": fn["name"], "description": description or "",
+                          "parameters": parameters})
+    return functions
+
+
+def check_tool_choice(choice, functions: list[dict]) -> tuple[str, str | None]:
+    """OpenAI's `tool_choice` -> (mode, function name): "auto" (the default with tools: the
+    model decides), "none" (it may not call), "required" (one call, any function), or
+    ("named", name): a call of that function. ValueError for anything else."""
+    if choice is None or choice in ("auto", "none", "required"):
+        return choice or "auto", None
+    names = [f["name"] for f in functions]
+    if isinstance(choice, dict) and choice.get("type") == "function" and \
+            isinstance(choice.get("function"), dict) and choice["function"].get("name") in names:
+        return "named", choice["function"]["name"]
+    raise ValueError(f"tool_choice must be \"auto\", \"none\", \"required\" or {{\"type\": "
+                     f"\"function\", \"function\": {{\"name\": one of {names}}}}}, got "
+                     f"{_show(choice)}")
+
+
+def forced_call_schema(functions: list[dict], name: str | None = None) -> str:
+    """The JSON schema (text) of one call, {"name": ..., "arguments": {...}}, of the function
+    `name`, or of any of `functions`."""
+    def call(fn: dict) -> dict:
+        return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                "properties": {"name": {"const": fn["name"]}, "arguments": fn["parameters"]}}
+
+    chosen = [fn for fn in functions if name is None or fn["name"] == name]
+    schema = call(chosen[0]) if len(chosen) == 1 else {"anyOf": [call(fn) for fn in chosen]}
+    return json.dumps(schema)
+
+
+def parse_calls(text: str, forced: bool = False) -> tuple[str | None, list[dict]]:
+    """A reply's text -> (its content, None where nothing but calls; the calls, OpenAI's
+    tool_calls entries). forced: the whole text is one call's JSON (a grammar held it so);
+    else each well-formed Hermes-style <tool_call> block is a call, and the text outside them
+    the content (a block whose JSON is not a call stays in the content)."""
+    if forced:
+        value = json.loads(text)
+        return None, [_call(value["name"], value["arguments"])]
+    calls, kept, end = [], [], 0
+    for match in _HERMES_CALL.finditer(text):
+        try:
+            value = json.loads(match.group(1))
+        except ValueError:
+            continue
+        if not (isinstance(value, dict) and isinstance(value.get("name"), str)):
+            continue
+        arguments = value.get("arguments", value.get("parameters", {}))
+        calls.append(_call(value["name"], arguments))
+        kept.append(text[end:match.start()])
+        end = match.end()
+    if not calls:
+        return text, []
+    content = "".join(kept + [text[end:]]).strip()
+    return content or None, calls
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Messages as chat templates take them: an assistant's tool_calls with their arguments
+    as objects (OpenAI sends them as JSON text; templates write them with `tojson`)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            m = {**m, "tool_calls": [
+                {**c, "function": {**c["function"],
+                                   "arguments": _arguments(c["function"].get("arguments"))}}
+                for c in calls]}
+        out.append(m)
+    return out
+
+
+def _arguments(arguments):
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
+
+
+def _call(name: str, arguments) -> dict:
+    if isinstance(arguments, str):  # some models write the arguments as JSON text
+        arguments = _arguments(arguments)
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments)}}
+
+
+def _show(value) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
