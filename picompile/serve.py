@@ -31,8 +31,8 @@ its parser cannot follow to the end is a 400, never a short reply. Tools (picomp
 chat's tools, tool_choice ("auto": the Hermes-style <tool_call> blocks the model writes are read;
 "required" or a named function: a grammar holds the reply to one call's JSON) and
 parallel_tool_calls, through the model's chat template (a 400 where it has none that describes
-tools); calls come back as tool_calls with finish_reason "tool_calls", streamed as one delta at
-the end (the text is held back until it can be read for calls). Parameters
+tools); calls come back as tool_calls with finish_reason "tool_calls" (streamed: the text
+before a call streams as it comes, each call whole in one delta at the end). Parameters
 picompile cannot honour (n > 1, logit_bias, ...)
 get a 400 naming them rather than being silently ignored; fields OpenAI's client sends for
 bookkeeping (user, metadata, ...) are ignored.
@@ -861,19 +861,22 @@ class Server:
 
         if job.chat:
             yield sse(self._chunk(job, "", role=True))
-        held = []  # with tools: the text, read for calls once whole
+        calls = None if job.params.tools is None else \
+            tool_calls.CallStream(forced=job.params.tools == "forced")
         while True:
             event = await job.events.get()
-            if event[0] == "text" and job.params.tools is not None:
-                held.append(event[1])
+            if event[0] == "text" and calls is not None:  # the text before any call streams
+                text = calls.feed(event[1])
+                if text:
+                    yield sse(self._chunk(job, text))
             elif event[0] == "text":
                 yield sse(self._chunk(job, event[1], entries=event[2]))
             elif event[0] == "done":
                 _, finish, prompt, completion = event
-                if job.params.tools is not None:
-                    content, calls, finish = self._calls(job, "".join(held), finish)
-                    if content or calls:
-                        yield sse(self._chunk(job, content, calls=calls))
+                if calls is not None:
+                    content, found, finish = self._finish_calls(job, calls, finish)
+                    if content or found:
+                        yield sse(self._chunk(job, content, calls=found))
                 yield sse(self._chunk(job, None if job.chat else "", finish))
                 if job.include_usage:
                     yield sse({"id": job.id, "object": self._chunk(job, None)["object"],
@@ -926,18 +929,29 @@ class Server:
     @staticmethod
     def _calls(job: Job, text: str, finish: str) -> tuple[str | None, list[dict], str]:
         """A reply's (content, tool calls, finish_reason): with tools, the calls read from its
-        text (then finish_reason "tool_calls"); a forced call cut short by max_tokens is left
-        as the text it is."""
-        p = job.params
-        if p.tools is None:
+        text (then finish_reason "tool_calls")."""
+        if job.params.tools is None:
             return text, [], finish
+        reader = tool_calls.CallStream(forced=job.params.tools == "forced")
+        before = reader.feed(text)
+        content, calls, finish = Server._finish_calls(job, reader, finish)
+        if calls:
+            content = (before + (content or "")).strip() or None
+        else:
+            content = before + (content or "")
+        return content, calls, finish
+
+    @staticmethod
+    def _finish_calls(job: Job, reader, finish: str) -> tuple[str | None, list[dict], str]:
+        """The rest of a reply a CallStream read: (content not yet sent, calls, finish_reason);
+        a forced call cut short by max_tokens is left as the text it is."""
         try:
-            content, calls = tool_calls.parse_calls(text, forced=p.tools == "forced")
+            content, calls = reader.finish()
         except (ValueError, KeyError, TypeError):
-            return text, [], finish
+            return reader.held or None, [], finish
         if not calls:
-            return text, [], finish
-        return content, calls if p.parallel_tool_calls else calls[:1], "tool_calls"
+            return content, [], finish
+        return content, calls if job.params.parallel_tool_calls else calls[:1], "tool_calls"
 
     @staticmethod
     async def _next(job: Job, disconnected) -> tuple | None:

@@ -112,6 +112,37 @@ def parse_calls(text: str, forced: bool = False) -> tuple[str | None, list[dict]
     return content or None, calls
 
 
+class CallStream:
+    """A streamed reply read for calls: feed() each text delta, and stream what it returns (the
+    text before a call could start: a tail that may begin "<tool_call>" is held back), then
+    finish() -> (the rest of the content, None where none; the calls). forced: the whole reply
+    is one call, nothing streams."""
+
+    MARK = "<tool_call>"
+
+    def __init__(self, forced: bool = False):
+        self.forced, self.held, self.calling = forced, "", forced
+
+    def feed(self, delta: str) -> str:
+        self.held += delta
+        if self.calling:
+            return ""
+        at = self.held.find(self.MARK)
+        if at >= 0:
+            self.calling = True
+            cut = at
+        else:  # hold back a tail that may be the mark's beginning
+            cut = len(self.held) - next((k for k in range(min(len(self.MARK) - 1,
+                                                               len(self.held)), 0, -1)
+                                         if self.MARK.startswith(self.held[-k:])), 0)
+        out, self.held = self.held[:cut], self.held[cut:]
+        return out
+
+    def finish(self) -> tuple[str | None, list[dict]]:
+        content, calls = parse_calls(self.held, self.forced)
+        return (content or None) if calls else (self.held or None), calls
+
+
 def template_messages(messages: list[dict]) -> list[dict]:
     """Messages as chat templates take them: an assistant's tool_calls with their arguments
     as objects (OpenAI sends them as JSON text; templates write them with `tojson`)."""

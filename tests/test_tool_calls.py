@@ -94,6 +94,11 @@ def test_auto_reads_the_calls_the_model_writes_and_the_text_around_them(client):
     assert r.choices[0].finish_reason == "tool_calls" and message.content == "Checking."
     (got,) = message.tool_calls
     assert _check_call(got) == ("get_weather", {"city": "Oslo"})
+    chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Checking. "
+    (got,) = [call for c in chunks for call in c.choices[0].delta.tool_calls or []]
+    assert _check_call(got) == ("get_weather", {"city": "Oslo"})
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
     r = client.chat.completions.create(tool_choice="none", **kw)  # written, not read
     assert r.choices[0].message.tool_calls is None and "<tool_call>" in r.choices[0].message.content
     r = client.chat.completions.create(**{**kw, "extra_body": {"guided_choice": ["Sunny."]}})
@@ -166,3 +171,18 @@ def test_parse_calls():
     schema = json.loads(tool_calls.forced_call_schema(
         tool_calls.check_tools([WEATHER, TIME]), "get_time"))
     assert schema["properties"]["name"] == {"const": "get_time"}
+
+
+def test_a_streamed_reply_streams_its_text_until_a_call_could_start():
+    text = 'Let me look. <tool_call>{"name": "f", "arguments": {}}</tool_call> done'
+    reader = tool_calls.CallStream()
+    streamed = "".join(reader.feed(ch) for ch in text)  # one character a delta
+    assert streamed == "Let me look. "
+    content, calls = reader.finish()
+    assert content == "done" and calls[0]["function"]["name"] == "f"
+    reader = tool_calls.CallStream()
+    assert reader.feed("a <tool") == "a " and reader.feed("box>") == "<toolbox>"
+    assert reader.feed("<") == "" and reader.finish() == ("<", [])  # held back, then given
+    forced = tool_calls.CallStream(forced=True)
+    assert forced.feed('{"name": "f", ') == "" and forced.feed('"arguments": {}}') == ""
+    assert forced.finish()[1][0]["function"] == {"name": "f", "arguments": "{}"}
