@@ -406,13 +406,14 @@ def _tool_calls(calls, where: str) -> list[dict]:
             for c in calls]
 
 
-def _tools(body: dict, chat: bool) -> tuple[list[dict] | None, str, str | None]:
-    """-> (the request's tools as sent, checked; tool_choice's mode; the function it names)."""
+def _tools(body: dict, chat: bool) -> tuple[list[dict] | None, list[dict], str, str | None]:
+    """-> (the request's tools as sent, checked; their functions; tool_choice's mode; the
+    function it names)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools is None or tools == []:
         if choice not in (None, "none"):
             raise _bad("tool_choice", f"tool_choice={_show(choice)} needs tools")
-        return None, "none", None
+        return None, [], "none", None
     if not chat:
         raise _bad("tools", "tools are a chat request's field (POST /v1/chat/completions)",
                    code="unsupported_parameter")
@@ -425,7 +426,7 @@ def _tools(body: dict, chat: bool) -> tuple[list[dict] | None, str, str | None]:
     except ValueError as e:
         raise _bad("tool_choice", str(e)) from None
     _field(body, "parallel_tool_calls", bool, True)
-    return tools, mode, name
+    return tools, functions, mode, name
 
 
 @dataclass
@@ -716,13 +717,13 @@ class Server:
         stops = _stops(body)
         logprobs, echo = _logprobs(body, chat)
         grammar = _grammar_request(body)
-        tools, tool_mode, tool_name = _tools(body, chat)
+        tools, functions, tool_mode, tool_name = _tools(body, chat)
         if tool_mode in ("required", "named"):  # one call, held to its function's parameters
             if grammar is not None:
                 raise _bad(grammar[0], f"{grammar[0]} and tool_choice={_show(body['tool_choice'])}"
                                        " both constrain the reply: send one of them")
-            grammar = ("tool_choice", "json_schema", tool_calls.forced_call_schema(
-                tool_calls.check_tools(tools), tool_name))
+            grammar = ("tool_choice", "json_schema",
+                       tool_calls.forced_call_schema(functions, tool_name))
         if tools is not None and tool_mode != "none" and logprobs is not None:
             raise _bad("logprobs", "logprobs with tools is not supported",
                        code="unsupported_parameter")
