@@ -16,8 +16,10 @@ llama.cpp's repeat_penalty (the same over the last repeat_last_n tokens, 64 unle
 all); the model's generation_config plays no part. seed seeds torch's global RNG, which is safe
 because one request runs at a time. max_tokens (or max_completion_tokens) defaults to
 DEFAULT_MAX_TOKENS, within the model's context; a prompt plus max_tokens past the context is a
-400. stop takes up to 4 strings. finish_reason is "stop" (an EOS
-token or a stop string) or "length". Replies count prompt and completion tokens in "usage".
+400. stop takes up to 4 strings; vLLM's stop_token_ids end the reply too, its ignore_eos lets it
+run past the model's end tokens, and its min_tokens holds end tokens back for that many tokens
+(stop strings still apply). finish_reason is "stop" (an end token or a stop string) or
+"length". Replies count prompt and completion tokens in "usage".
 The "model" field is accepted whatever it names: the server serves one model, and replies carry
 its name. Log-probabilities as OpenAI gives them: chat's logprobs with top_logprobs (at most
 20), a completion's logprobs=N (the N likeliest, and the chosen token) and echo (the prompt, its
@@ -100,7 +102,6 @@ _UNSUPPORTED = {"n": 1, "best_of": 1,
                 "suffix": None, "logit_bias": None, "functions": None, "function_call": "none",
                 "typical_p": None, "tfs_z": None,
                 "mirostat": None, "dry_multiplier": None, "xtc_probability": None,
-                "min_tokens": None, "ignore_eos": None, "stop_token_ids": None,
                 "guided_whitespace_pattern": None}
 # Structured output: each field that asks for it -> its grammar format (runtime/grammar.py)
 _GRAMMAR_FIELDS = {"json_schema": "json_schema", "guided_json": "json_schema",  # llama.cpp, vLLM
@@ -447,6 +448,9 @@ class Params:
     tools: str | None = None  # how the reply's calls are read: "auto", "forced" (a grammar's
     # one call), None: not at all
     parallel_tool_calls: bool = True  # False: the first call only
+    min_tokens: int = 0  # end tokens held back before this many (vLLM's)
+    ignore_eos: bool = False  # the model's end tokens do not end the reply (vLLM's)
+    stop_token_ids: tuple[int, ...] = ()  # more tokens that end it (vLLM's)
 
 
 # A token's log-probability as the worker hands it on: (its text, logprob, the likeliest
@@ -624,10 +628,12 @@ class Engine:
         text = TextDeltas(self.tokenizer, p.stops, self.tokenizer_lock)
         logprobs = (None if p.logprobs is None
                     else _Logprobs(p.logprobs, self.tokenizer, self.tokenizer_lock))
-        streamer = _Streamer(job, text, self.eos, logprobs)
+        ends = (set() if p.ignore_eos else self.eos) | set(p.stop_token_ids)
+        streamer = _Streamer(job, text, ends, logprobs)
         ids = torch.tensor([p.ids])
         kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=p.max_tokens,
-                      eos_token_id=sorted(self.eos) or None, pad_token_id=self.pad,
+                      min_new_tokens=p.min_tokens, eos_token_id=sorted(ends) or None,
+                      pad_token_id=self.pad,
                       streamer=streamer, do_sample=p.temperature > 0,
                       repetition_penalty=1.0,  # the request's penalties only, not the model's
                       logits_processor=list(p.processors))
@@ -745,7 +751,10 @@ class Server:
                         prompt_text=prompt_text,
                         tools={"auto": "auto", "required": "forced", "named": "forced"}.get(
                             tool_mode),
-                        parallel_tool_calls=body.get("parallel_tool_calls") is not False)
+                        parallel_tool_calls=body.get("parallel_tool_calls") is not False,
+                        min_tokens=_field(body, "min_tokens", int, 0, 0),
+                        ignore_eos=_field(body, "ignore_eos", bool, False),
+                        stop_token_ids=self._token_ids(body, "stop_token_ids"))
         job = Job(params, chat, stream, include_usage, loop)
         self.engine.submit(job)
         return job
@@ -765,6 +774,18 @@ class Server:
             raise _bad(name, str(e), code="unsupported_parameter") from None
         except GrammarError as e:
             raise _bad(name, f"{name} cannot be used: {e}") from None
+
+    def _token_ids(self, body: dict, name: str) -> tuple[int, ...]:
+        """A list of token ids of the model's vocabulary (none where absent)."""
+        ids = body.get(name)
+        if ids is None:
+            return ()
+        if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab
+                for t in ids):
+            raise _bad(name, f"{name} must be a list of token ids in [0, {self.vocab}), got "
+                             f"{_show(ids)}")
+        return tuple(ids)
 
     def _chat_ids(self, messages: list[dict], tools: list[dict] | None = None
                   ) -> tuple[list[int], list[str]]:

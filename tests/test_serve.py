@@ -244,6 +244,31 @@ def test_stop_strings_cut_the_reply(client):
     assert "".join(c.choices[0].text for c in streamed) == want
 
 
+def test_vllms_stop_token_ids_min_tokens_and_ignore_eos(client, model):
+    cm, tok = model
+    prompt_ids = tok(PROMPT)["input_ids"]
+    greedy = cm.generate(torch.tensor([prompt_ids]), max_new_tokens=8,
+                         do_sample=False)[0, len(prompt_ids):].tolist()
+    stop = greedy[2]
+    first = greedy.index(stop)  # where it first comes
+    kw = dict(model="m", prompt=PROMPT, max_tokens=8, temperature=0)
+    r = client.completions.create(**kw, extra_body={"stop_token_ids": [stop]})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == first + 1
+    assert r.choices[0].text == tok.decode(greedy[:first], skip_special_tokens=True)
+    r = client.completions.create(**kw, extra_body={"stop_token_ids": [stop],
+                                                     "min_tokens": first + 2})
+    assert r.usage.completion_tokens >= first + 2  # held back until then
+    choice = {"guided_choice": ["ab"]}  # complete after "ab": then only the end token is allowed
+    r = client.completions.create(**kw, extra_body=choice)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == ("ab", "stop")
+    r = client.completions.create(**kw, extra_body={**choice, "ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
+    for bad in ({"stop_token_ids": [-1]}, {"stop_token_ids": "2"}, {"min_tokens": -1},
+                {"ignore_eos": "yes"}):
+        with pytest.raises(openai.BadRequestError, match=next(iter(bad))):
+            client.completions.create(**kw, extra_body=bad)
+
+
 def test_sampling_with_a_seed_repeats(client):
     kw = dict(model="m", prompt=PROMPT, max_tokens=16, temperature=1.0, top_p=0.9, seed=7,
               extra_body={"top_k": 40, "min_p": 0.02})
