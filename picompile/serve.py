@@ -13,7 +13,8 @@ samples with temperature, top_p, and the extras top_k (0 or absent is off) and m
 llama.cpp's). Penalties act in both: OpenAI's frequency_penalty and presence_penalty (in [-2, 2],
 over the reply's tokens), vLLM's repetition_penalty (HF's, over the prompt and reply) or
 llama.cpp's repeat_penalty (the same over the last repeat_last_n tokens, 64 unless given; -1:
-all); the model's generation_config plays no part. seed seeds torch's global RNG, which is safe
+all); OpenAI's logit_bias adds to the listed tokens' scores before them; the model's
+generation_config plays no part. seed seeds torch's global RNG, which is safe
 because one request runs at a time. max_tokens (or max_completion_tokens) defaults to
 DEFAULT_MAX_TOKENS, within the model's context; a prompt plus max_tokens past the context is a
 400. stop takes up to 4 strings; vLLM's stop_token_ids end the reply too, its ignore_eos lets it
@@ -35,7 +36,7 @@ chat's tools, tool_choice ("auto": the Hermes-style <tool_call> blocks the model
 parallel_tool_calls, through the model's chat template (a 400 where it has none that describes
 tools); calls come back as tool_calls with finish_reason "tool_calls" (streamed: the text
 before a call streams as it comes, each call whole in one delta at the end). Parameters
-picompile cannot honour (n > 1, logit_bias, ...)
+picompile cannot honour (n > 1, best_of, suffix, ...)
 get a 400 naming them rather than being silently ignored; fields OpenAI's client sends for
 bookkeeping (user, metadata, ...) are ignored.
 
@@ -87,7 +88,8 @@ from picompile import tool_calls
 from picompile.conversation import (NoToolSupport, ReplyStreamer, StopString, TextDeltas,
                                     chat_prompt, end_tokens)
 from picompile.runtime.grammar import GrammarComplete, GrammarError, Grammars
-from picompile.runtime.sampling import FrequencyPresencePenalty, RecentRepetitionPenalty
+from picompile.runtime.sampling import (FrequencyPresencePenalty, LogitBias,
+                                        RecentRepetitionPenalty)
 
 DEFAULT_MAX_TOKENS = 512
 DEFAULT_MAX_QUEUE = 16
@@ -99,7 +101,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # llama.cpp's and vLLM's names for samplers and constraints a client may send expecting them to
 # act (other unknown fields are ignored, as both servers do).
 _UNSUPPORTED = {"n": 1, "best_of": 1,
-                "suffix": None, "logit_bias": None, "functions": None, "function_call": "none",
+                "suffix": None, "functions": None, "function_call": "none",
                 "typical_p": None, "tfs_z": None,
                 "mirostat": None, "dry_multiplier": None, "xtc_probability": None,
                 "guided_whitespace_pattern": None}
@@ -745,7 +747,7 @@ class Server:
                         min_p=_field(body, "min_p", float, 0.0, 0, 1),
                         seed=_field(body, "seed", int, None, -2**63, 2**64 - 1),
                         stops=tuple(stops + extra_stops),
-                        processors=_penalties(body, len(ids)) + (
+                        processors=self._logit_bias(body) + _penalties(body, len(ids)) + (
                             () if grammar is None else (self._constraint(grammar, len(ids)),)),
                         logprobs=logprobs, echo=echo,
                         prompt_text=prompt_text,
@@ -774,6 +776,24 @@ class Server:
             raise _bad(name, str(e), code="unsupported_parameter") from None
         except GrammarError as e:
             raise _bad(name, f"{name} cannot be used: {e}") from None
+
+    def _logit_bias(self, body: dict) -> tuple:
+        """OpenAI's logit_bias {"token id": bias in [-100, 100]} as its logits processor."""
+        bias = body.get("logit_bias")
+        if not bias:
+            return ()
+        if not isinstance(bias, dict):
+            raise _bad("logit_bias", f"logit_bias must be an object of token ids and biases, "
+                                     f"got {_show(bias)}")
+        out = {}
+        for key, value in bias.items():
+            token = int(key) if isinstance(key, str) and key.isdigit() else None
+            if token is None or token >= self.vocab or isinstance(value, bool) or not (
+                    isinstance(value, (int, float)) and -100 <= value <= 100):
+                raise _bad("logit_bias", f"logit_bias maps token ids in [0, {self.vocab}) to "
+                                         f"biases in [-100, 100], got {_show({key: value})}")
+            out[token] = float(value)
+        return (LogitBias(out),)
 
     def _token_ids(self, body: dict, name: str) -> tuple[int, ...]:
         """A list of token ids of the model's vocabulary (none where absent)."""

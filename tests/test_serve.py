@@ -269,6 +269,23 @@ def test_vllms_stop_token_ids_min_tokens_and_ignore_eos(client, model):
             client.completions.create(**kw, extra_body=bad)
 
 
+def test_logit_bias_bans_and_forces_tokens(client, model):
+    cm, tok = model
+    prompt_ids = tok(PROMPT)["input_ids"]
+    first = int(cm.generate(torch.tensor([prompt_ids]), max_new_tokens=1,
+                            do_sample=False)[0, -1])
+    kw = dict(model="m", prompt=PROMPT, max_tokens=1, temperature=0, logprobs=0)
+    r = client.completions.create(**kw, logit_bias={str(first): -100})
+    banned = r.choices[0].logprobs.tokens[0]
+    assert banned != tok.decode([first])
+    forced = (first + 7) % len(tok)
+    r = client.completions.create(**kw, logit_bias={str(forced): 100})
+    assert r.choices[0].logprobs.tokens[0] == tok.decode([forced])
+    for bad in ({"x": 1}, {str(cm.config.vocab_size): 1}, {"3": 101}, {"3": True}, [3]):
+        with pytest.raises(openai.BadRequestError, match="logit_bias"):
+            client.completions.create(**kw, logit_bias=bad)
+
+
 def test_sampling_with_a_seed_repeats(client):
     kw = dict(model="m", prompt=PROMPT, max_tokens=16, temperature=1.0, top_p=0.9, seed=7,
               extra_body={"top_k": 40, "min_p": 0.02})

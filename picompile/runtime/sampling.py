@@ -9,9 +9,10 @@ HF's: torch.multinomial draws one exponential per vocabulary entry, a sizeable p
 decode step, where one uniform per row through the cumulative distribution costs little
 (BENCHMARKS.md, session 22); so a seed gives its own tokens, not HF's for that seed.
 
-`FrequencyPresencePenalty` (OpenAI's frequency and presence penalties) and
-`RecentRepetitionPenalty` (llama.cpp's repeat_penalty over its last tokens), which HF does not
-have, are such logits processors, for `serve`: being ones, they run in HF's generate too.
+`FrequencyPresencePenalty` (OpenAI's frequency and presence penalties), `LogitBias` (OpenAI's
+logit_bias) and `RecentRepetitionPenalty` (llama.cpp's repeat_penalty over its last tokens),
+which HF does not have, are such logits processors, for `serve`: being ones, they run in HF's
+generate too.
 """
 
 from __future__ import annotations
@@ -198,6 +199,19 @@ class FrequencyPresencePenalty:
             inside = tokens < scores.shape[1]
             tokens, counts = tokens[inside], counts[inside].to(scores.dtype)
             scores[b, tokens] -= self.frequency * counts + self.presence
+        return scores
+
+
+class LogitBias:
+    """OpenAI's logit_bias as an HF logits processor: each listed token's score plus its bias
+    ({token id: bias}; -100 bans a token in practice, 100 all but forces it)."""
+
+    def __init__(self, bias: dict[int, float]):
+        self.tokens = torch.tensor(list(bias), dtype=torch.long)  # [n]
+        self.bias = torch.tensor(list(bias.values()), dtype=torch.float32)  # [n]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores[:, self.tokens] += self.bias.to(scores.dtype)
         return scores
 
 
