@@ -50,8 +50,10 @@ A client that goes away (mid-stream, or while waiting) is cancelled: its generat
 next token (the streamer checks a flag) and the next request starts.
 
 Browsers: a web page on another origin may call the server only where `allowed_origins` (the
-CLI's --allowed-origins) names its origin, or "*" for any (CORS, preflight requests answered;
-none by default, so that a page the user happens to open cannot reach a server on localhost).
+CLI's --allowed-origins) names its origin, or "*" for any (CORS, preflight requests answered);
+none by default, and a request from a page elsewhere (its Origin header) gets a 403 before it
+runs, even one a browser sends without asking first, so that a page the user happens to open
+cannot make a server on localhost generate.
 
 Errors are JSON in OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad
 request, 401 for a missing or wrong API key (when one is set; /health needs none), 404 / 405 for
@@ -291,7 +293,8 @@ def _grammar_request(body: dict) -> tuple[str, str, str] | None:
     if form is not None:
         kind = form.get("type") if isinstance(form, dict) else None
         spec = form.get("json_schema") if isinstance(form, dict) else None
-        schema = spec.get("schema") if isinstance(spec, dict) else (form or {}).get("schema")
+        schema = (spec.get("schema") if isinstance(spec, dict) else
+                  form.get("schema") if isinstance(form, dict) else None)
         if kind == "json_object" and schema is None:
             asked.append(("response_format", "json_schema", '{"type": "object"}'))
         elif kind in ("json_object", "json_schema") and isinstance(schema, dict):
@@ -450,6 +453,7 @@ class Params:
     tools: str | None = None  # how the reply's calls are read: "auto", "forced" (a grammar's
     # one call), None: not at all
     parallel_tool_calls: bool = True  # False: the first call only
+    tool_names: tuple[str, ...] = ()  # the functions a call may name
     min_tokens: int = 0  # end tokens held back before this many (vLLM's)
     ignore_eos: bool = False  # the model's end tokens do not end the reply (vLLM's)
     stop_token_ids: tuple[int, ...] = ()  # more tokens that end it (vLLM's)
@@ -732,15 +736,22 @@ class Server:
                                        " both constrain the reply: send one of them")
             grammar = ("tool_choice", "json_schema",
                        tool_calls.forced_call_schema(functions, tool_name))
+        for name in ("min_tokens", "ignore_eos"):  # a complete grammar allows only an end token
+            if grammar is not None and body.get(name):
+                raise _bad(name, f"{name} cannot be combined with {grammar[0]}: once complete, "
+                                 "the grammar allows only an end token",
+                           code="unsupported_parameter")
         if tools is not None and tool_mode != "none" and logprobs is not None:
             raise _bad("logprobs", "logprobs with tools is not supported",
                        code="unsupported_parameter")
         prompt_text, extra_stops = None, []
         if chat:
-            ids, extra_stops = self._chat_ids(_messages(body), tools)
+            ids, extra_stops = self._chat_ids(_messages(body), tools,
+                                              tools_optional=tool_mode == "none")
         else:
             ids, prompt_text = self._prompt_ids(body.get("prompt"))
-        params = Params(ids=ids, max_tokens=self._max_tokens(body, len(ids)),
+        max_tokens = self._max_tokens(body, len(ids))
+        params = Params(ids=ids, max_tokens=max_tokens,
                         temperature=_field(body, "temperature", float, 1.0, 0, 2),
                         top_p=_field(body, "top_p", float, 1.0, 0, 1),
                         top_k=_field(body, "top_k", int, 0, 0),
@@ -754,7 +765,8 @@ class Server:
                         tools={"auto": "auto", "required": "forced", "named": "forced"}.get(
                             tool_mode),
                         parallel_tool_calls=body.get("parallel_tool_calls") is not False,
-                        min_tokens=_field(body, "min_tokens", int, 0, 0),
+                        tool_names=tuple(f["name"] for f in functions),
+                        min_tokens=_field(body, "min_tokens", int, 0, 0, max_tokens),
                         ignore_eos=_field(body, "ignore_eos", bool, False),
                         stop_token_ids=self._token_ids(body, "stop_token_ids"))
         job = Job(params, chat, stream, include_usage, loop)
@@ -807,13 +819,18 @@ class Server:
                              f"{_show(ids)}")
         return tuple(ids)
 
-    def _chat_ids(self, messages: list[dict], tools: list[dict] | None = None
-                  ) -> tuple[list[int], list[str]]:
+    def _chat_ids(self, messages: list[dict], tools: list[dict] | None = None,
+                  tools_optional: bool = False) -> tuple[list[int], list[str]]:
+        """The chat prompt's ids and stop strings; tools_optional (tool_choice "none"): a
+        template that cannot describe the tools gets the messages alone."""
         with self.engine.tokenizer_lock:
             try:
-                return chat_prompt(self.tokenizer, messages, tools)
-            except NoToolSupport as e:
-                raise _bad("tools", str(e), code="unsupported_parameter") from None
+                try:
+                    return chat_prompt(self.tokenizer, messages, tools)
+                except NoToolSupport as e:
+                    if not tools_optional:
+                        raise _bad("tools", str(e), code="unsupported_parameter") from None
+                    return chat_prompt(self.tokenizer, messages)
             except ValueError as e:
                 raise _bad("messages", str(e)) from None
 
@@ -903,8 +920,8 @@ class Server:
 
         if job.chat:
             yield sse(self._chunk(job, "", role=True))
-        calls = None if job.params.tools is None else \
-            tool_calls.CallStream(forced=job.params.tools == "forced")
+        calls = None if job.params.tools is None else tool_calls.CallStream(
+            forced=job.params.tools == "forced", names=job.params.tool_names)
         while True:
             event = await job.events.get()
             if event[0] == "text" and calls is not None:  # the text before any call streams
@@ -974,7 +991,8 @@ class Server:
         text (then finish_reason "tool_calls")."""
         if job.params.tools is None:
             return text, [], finish
-        reader = tool_calls.CallStream(forced=job.params.tools == "forced")
+        reader = tool_calls.CallStream(forced=job.params.tools == "forced",
+                                       names=job.params.tool_names)
         before = reader.feed(text)
         content, calls, finish = Server._finish_calls(job, reader, finish)
         if calls:
@@ -1014,6 +1032,31 @@ def model_name_of(model) -> str:
     return pathlib.Path(path).name.removesuffix(".gguf") or "picompile"
 
 
+class _OriginGuard:
+    """ASGI middleware: a request that a web page on another origin sends (a browser adds
+    Origin) runs only where that origin is allowed, or is the server's own (FastAPI's /docs):
+    a "simple" cross-origin POST (text/plain, no preflight) would otherwise run, whatever CORS
+    then lets the page read. Preflights (OPTIONS) are CORS's to answer. (Plain ASGI, not
+    Starlette's BaseHTTPMiddleware, which hides a client's disconnect from the routes.)"""
+
+    def __init__(self, app, allowed: tuple[str, ...]):
+        self.app, self.allowed = app, allowed
+
+    async def __call__(self, scope, receive, send):
+        headers = dict(scope.get("headers") or ()) if scope["type"] == "http" else {}
+        origin = headers.get(b"origin", b"").decode("latin-1")
+        if (not origin or scope["method"] == "OPTIONS" or "*" in self.allowed
+                or origin in self.allowed
+                or origin.partition("://")[2] == headers.get(b"host", b"").decode("latin-1")):
+            return await self.app(scope, receive, send)
+        from fastapi.responses import JSONResponse
+
+        e = APIError(403, f"requests from web pages at {origin} are refused: start the server "
+                          f"with --allowed-origins {origin} to allow them",
+                     code="origin_not_allowed")
+        await JSONResponse(e.body(), status_code=e.status)(scope, receive, send)
+
+
 def make_app(cm, tokenizer, *, api_key: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
              max_tokens: int = DEFAULT_MAX_TOKENS, model_name: str | None = None,
              allowed_origins: Sequence[str] = ()):
@@ -1042,11 +1085,6 @@ def make_app(cm, tokenizer, *, api_key: str | None = None, max_queue: int = DEFA
     app.state.engine = engine
     for origin in allowed_origins:
         check_origin(origin)
-    if allowed_origins:
-        from starlette.middleware.cors import CORSMiddleware
-
-        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins),
-                           allow_methods=["GET", "POST"], allow_headers=["*"])
 
     def error(e: APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
@@ -1060,6 +1098,14 @@ def make_app(cm, tokenizer, *, api_key: str | None = None, max_queue: int = DEFA
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
         return error(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
                               kind))
+
+    app.add_middleware(_OriginGuard, allowed=tuple(allowed_origins))
+    if allowed_origins:  # (added after: the outer layer, so preflights are answered first)
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["*"],
+                           allow_private_network=True)
 
     @app.exception_handler(Exception)  # a bug: uvicorn logs the traceback, the client gets JSON
     async def internal_error(request: Request, e: Exception):

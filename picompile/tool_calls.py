@@ -21,8 +21,6 @@ import json
 import re
 import uuid
 
-# A Hermes-style call: <tool_call> a JSON object </tool_call>
-_HERMES_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # OpenAI's rule for function names
 
 
@@ -47,10 +45,13 @@ def check_tools(tools) -> list[dict]:
         if fn["name"] in names:
             raise ValueError(f"{where}.function.name {fn['name']!r} is given twice")
         names.add(fn["name"])
-        parameters = fn.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(parameters, dict):
-            raise ValueError(f"{where}.function.parameters must be a JSON schema object, got "
-                             f"{_show(parameters)}")
+        # none (or {}): a function of no arguments, as OpenAI reads an omitted schema
+        parameters = fn.get("parameters") or {"type": "object", "properties": {},
+                                              "additionalProperties": False}
+        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+            raise ValueError(f"{where}.function.parameters must be the JSON schema of an object "
+                             f"(\"type\": \"object\"), got {_show(parameters)}")
+        parameters = {"type": "object", **parameters}
         description = fn.get("description")
         if description is not None and not isinstance(description, str):
             raise ValueError(f"{where}.function.description must be a string")
@@ -76,36 +77,57 @@ def check_tool_choice(choice, functions: list[dict]) -> tuple[str, str | None]:
 
 def forced_call_schema(functions: list[dict], name: str | None = None) -> str:
     """The JSON schema (text) of one call, {"name": ..., "arguments": {...}}, of the function
-    `name`, or of any of `functions`."""
+    `name`, or of any of `functions`. Each function's shared definitions ($defs, definitions:
+    what Pydantic's schemas refer to as "#/$defs/...") move to the root, where those references
+    point; ValueError where two functions define one name differently."""
+    root: dict[str, dict] = {}
+
     def call(fn: dict) -> dict:
+        parameters = dict(fn["parameters"])
+        for key in ("$defs", "definitions"):
+            for def_name, definition in (parameters.pop(key, None) or {}).items():
+                if root.setdefault(key, {}).setdefault(def_name, definition) != definition:
+                    raise ValueError(f"the functions define {key}/{def_name} differently: "
+                                     "force a call of one of them (a named tool_choice)")
         return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                "properties": {"name": {"const": fn["name"]}, "arguments": fn["parameters"]}}
+                "properties": {"name": {"const": fn["name"]}, "arguments": parameters}}
 
     chosen = [fn for fn in functions if name is None or fn["name"] == name]
     schema = call(chosen[0]) if len(chosen) == 1 else {"anyOf": [call(fn) for fn in chosen]}
-    return json.dumps(schema)
+    return json.dumps({**schema, **root})
 
 
-def parse_calls(text: str, forced: bool = False) -> tuple[str | None, list[dict]]:
+def parse_calls(text: str, forced: bool = False, names=None) -> tuple[str | None, list[dict]]:
     """A reply's text -> (its content, None where nothing but calls; the calls, OpenAI's
     tool_calls entries). forced: the whole text is one call's JSON (a grammar held it so);
-    else each well-formed Hermes-style <tool_call> block is a call, and the text outside them
-    the content (a block whose JSON is not a call stays in the content)."""
+    else each Hermes-style <tool_call> block holding one JSON object with a name (of `names`,
+    where given) and object arguments is a call, and the text outside them the content (any
+    other block stays in the content)."""
     if forced:
         value = json.loads(text)
         return None, [_call(value["name"], value["arguments"])]
     calls, kept, end = [], [], 0
-    for match in _HERMES_CALL.finditer(text):
+    decoder = json.JSONDecoder()
+    for start in (m.start() for m in re.finditer(re.escape(CallStream.MARK), text)):
+        if start < end:
+            continue
+        body = start + len(CallStream.MARK)
+        body += len(text[body:]) - len(text[body:].lstrip())
         try:
-            value = json.loads(match.group(1))
+            value, stop = decoder.raw_decode(text, body)
         except ValueError:
             continue
-        if not (isinstance(value, dict) and isinstance(value.get("name"), str)):
+        close = re.match(r"\s*</tool_call>", text[stop:])
+        if close is None or not isinstance(value, dict):
             continue
-        arguments = value.get("arguments", value.get("parameters", {}))
-        calls.append(_call(value["name"], arguments))
-        kept.append(text[end:match.start()])
-        end = match.end()
+        name, arguments = value.get("name"), value.get("arguments", value.get("parameters", {}))
+        arguments = _arguments(arguments)
+        if not (isinstance(name, str) and name and (names is None or name in names)
+                and isinstance(arguments, dict)):
+            continue
+        calls.append(_call(name, arguments))
+        kept.append(text[end:start])
+        end = stop + close.end()
     if not calls:
         return text, []
     content = "".join(kept + [text[end:]]).strip()
@@ -120,8 +142,8 @@ class CallStream:
 
     MARK = "<tool_call>"
 
-    def __init__(self, forced: bool = False):
-        self.forced, self.held, self.calling = forced, "", forced
+    def __init__(self, forced: bool = False, names=None):
+        self.forced, self.names, self.held, self.calling = forced, names, "", forced
 
     def feed(self, delta: str) -> str:
         self.held += delta
@@ -139,7 +161,7 @@ class CallStream:
         return out
 
     def finish(self) -> tuple[str | None, list[dict]]:
-        content, calls = parse_calls(self.held, self.forced)
+        content, calls = parse_calls(self.held, self.forced, self.names)
         return (content or None) if calls else (self.held or None), calls
 
 

@@ -258,13 +258,17 @@ def test_vllms_stop_token_ids_min_tokens_and_ignore_eos(client, model):
     r = client.completions.create(**kw, extra_body={"stop_token_ids": [stop],
                                                      "min_tokens": first + 2})
     assert r.usage.completion_tokens >= first + 2  # held back until then
-    choice = {"guided_choice": ["ab"]}  # complete after "ab": then only the end token is allowed
-    r = client.completions.create(**kw, extra_body=choice)
-    assert (r.choices[0].text, r.choices[0].finish_reason) == ("ab", "stop")
-    r = client.completions.create(**kw, extra_body={**choice, "ignore_eos": True})
-    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
+    end = {str(tok.eos_token_id): 100}  # the end token forced at every step
+    r = client.completions.create(**kw, logit_bias=end)
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("stop", 1)
+    r = client.completions.create(**kw, logit_bias=end, extra_body={"min_tokens": 3})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens >= 3
+    r = client.completions.create(**kw, logit_bias=end, extra_body={"ignore_eos": True})
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 8)
     for bad in ({"stop_token_ids": [-1]}, {"stop_token_ids": "2"}, {"min_tokens": -1},
-                {"ignore_eos": "yes"}):
+                {"min_tokens": 9}, {"ignore_eos": "yes"},
+                {"min_tokens": 2, "guided_choice": ["ab"]},  # a complete grammar allows only
+                {"ignore_eos": True, "guided_regex": "a+"}):  # the end token
         with pytest.raises(openai.BadRequestError, match=next(iter(bad))):
             client.completions.create(**kw, extra_body=bad)
 
@@ -624,7 +628,8 @@ def test_openai_client_raises_bad_request(client):
 
 def test_browsers_may_call_it_only_from_the_allowed_origins(model):
     """CORS: a page on an allowed origin gets the header (and its preflight, which asks to send
-    an Authorization header, an answer); another origin, or a server with none allowed, not."""
+    an Authorization header, an answer); a page on another origin, or on any with none allowed,
+    is refused (403), even for requests a browser sends without asking first."""
     page, other = "http://localhost:3000", "https://example.com"
     preflight = {"Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "authorization, content-type"}
@@ -637,15 +642,27 @@ def test_browsers_may_call_it_only_from_the_allowed_origins(model):
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
         r = httpx.get(f"{base}/v1/models", headers={"Origin": other,
                                                     "Authorization": f"Bearer {KEY}"})
-        assert "access-control-allow-origin" not in r.headers
+        assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
+        assert r.json()["error"]["code"] == "origin_not_allowed"
         assert httpx.options(f"{base}/v1/models", headers={"Origin": other, **preflight}
                              ).status_code == 400
+        r = httpx.options(f"{base}/v1/completions", headers={  # Chrome's private-network ask
+            "Origin": page, "Access-Control-Request-Private-Network": "true", **preflight})
+        assert r.status_code == 200, r.text
     with running(make_app(*model, allowed_origins=["*"])) as base:
         r = httpx.get(f"{base}/v1/models", headers={"Origin": other})
         assert r.headers["access-control-allow-origin"] == "*"
     with running(make_app(*model)) as base:
-        assert "access-control-allow-origin" not in httpx.get(
-            f"{base}/v1/models", headers={"Origin": page}).headers
+        r = httpx.get(f"{base}/v1/models", headers={"Origin": page})
+        assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
+        # a "simple" request (no preflight) from a page elsewhere does not run either
+        r = httpx.post(f"{base}/v1/completions", headers={"Origin": other,
+                                                          "Content-Type": "text/plain"},
+                       content=json.dumps({"model": "m", "prompt": "x", "max_tokens": 1}))
+        assert r.status_code == 403
+        host = base.removeprefix("http://")  # the server's own pages (FastAPI's /docs) may
+        assert httpx.get(f"{base}/v1/models", headers={"Origin": f"http://{host}"}
+                         ).status_code == 200
     for bad in ("http://localhost:3000/", "localhost:3000", "http://h/path"):
         with pytest.raises(ValueError, match="not a web origin"):
             make_app(*model, allowed_origins=[bad])

@@ -52,9 +52,14 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def client(tokenizer):
+def compiled():
     dense = AutoModelForCausalLM.from_pretrained(FIXTURE, local_files_only=True).eval()
-    with running(make_app(picompile.compile(dense, quiet=True), tokenizer)) as base:
+    return picompile.compile(dense, quiet=True)
+
+
+@pytest.fixture(scope="module")
+def client(compiled, tokenizer):
+    with running(make_app(compiled, tokenizer)) as base:
         yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
@@ -84,6 +89,25 @@ def test_required_and_named_tool_choice_give_one_call_of_the_right_shape(client)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_forced_calls_of_pydantic_style_schemas_and_bare_parameters(client):
+    """A function's "$defs" (Pydantic's schemas refer to them) and one with no parameters."""
+    units = {"type": "function", "function": {"name": "convert", "parameters": {
+        "$defs": {"Unit": {"enum": ["C", "F"], "type": "string"}}, "type": "object",
+        "additionalProperties": False, "required": ["unit"],
+        "properties": {"unit": {"$ref": "#/$defs/Unit"}}}}}
+    bare = {"type": "function", "function": {"name": "now", "parameters": {}}}
+    kw = dict(model="m", messages=USER, max_tokens=60, temperature=0)
+    for tools, want in (([units], "convert"), ([units, WEATHER], None), ([bare], "now")):
+        r = client.chat.completions.create(tools=tools, tool_choice="required", **kw)
+        assert r.choices[0].message.tool_calls, (tools, r.choices[0])
+        (call,) = r.choices[0].message.tool_calls
+        assert want in (None, call.function.name)
+        args = json.loads(call.function.arguments)
+        assert isinstance(args, dict)
+        if call.function.name == "convert":
+            assert args["unit"] in ("C", "F")
+
+
 def test_auto_reads_the_calls_the_model_writes_and_the_text_around_them(client):
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
     regex = "Checking\\. " + call.replace("{", "\\{").replace("}", "\\}")
@@ -99,6 +123,10 @@ def test_auto_reads_the_calls_the_model_writes_and_the_text_around_them(client):
     (got,) = [call for c in chunks for call in c.choices[0].delta.tool_calls or []]
     assert _check_call(got) == ("get_weather", {"city": "Oslo"})
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    other = json.dumps({"name": "get_time", "arguments": {"zone": "UTC"}})  # not among tools
+    r = client.chat.completions.create(**{**kw, "extra_body": {"guided_choice": [
+        f"<tool_call>{other}</tool_call>"]}})
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "stop"
     r = client.chat.completions.create(tool_choice="none", **kw)  # written, not read
     assert r.choices[0].message.tool_calls is None and "<tool_call>" in r.choices[0].message.content
     r = client.chat.completions.create(**{**kw, "extra_body": {"guided_choice": ["Sunny."]}})
@@ -131,6 +159,17 @@ def test_a_conversation_with_calls_and_results_reaches_the_template(tokenizer):
     assert "<|tool|>Snow, -3 C" in text and text.count("get_weather") == 2  # tools + the call
 
 
+def test_a_template_without_tools_takes_them_only_with_tool_choice_none(compiled, tokenizer):
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"  # no tools
+    with running(make_app(compiled, plain)) as base:
+        body = {"model": "m", "messages": USER, "tools": [WEATHER], "max_tokens": 2}
+        r = httpx.post(f"{base}/v1/chat/completions", json={**body, "tool_choice": "none"})
+        assert r.status_code == 200, r.text
+        r = httpx.post(f"{base}/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
 def test_bad_tool_requests_get_400s_naming_the_field(client, tokenizer):
     base = client.base_url
     for body, field in [
@@ -148,6 +187,9 @@ def test_bad_tool_requests_get_400s_naming_the_field(client, tokenizer):
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
     r = httpx.post(f"{base}completions", json={"model": "m", "prompt": "x", "tools": [WEATHER]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    r = httpx.post(f"{base}chat/completions", json={"model": "m", "messages": USER,
+                                                    "response_format": "json_object"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
     plain = copy.deepcopy(tokenizer)
     plain.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"  # no tools
     with pytest.raises(NoToolSupport, match="takes no tools"):
@@ -166,6 +208,14 @@ def test_parse_calls():
     content, calls = tool_calls.parse_calls(
         '<tool_call>{"name": "g", "parameters": "{\\"y\\": 2}"}</tool_call>')  # Llama's key,
     assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"y": 2}  # text
+    tricky = '<tool_call>{"name": "f", "arguments": {"s": "a}</tool_call>b"}}</tool_call>'
+    assert json.loads(tool_calls.parse_calls(tricky)[1][0]["function"]["arguments"]) == {
+        "s": "a}</tool_call>b"}
+    for text in ('<tool_call>{"name": "", "arguments": {}}</tool_call>',
+                 '<tool_call>{"name": "f", "arguments": [1]}</tool_call>'):
+        assert tool_calls.parse_calls(text) == (text, [])
+    assert tool_calls.parse_calls('<tool_call>{"name": "f", "arguments": {}}</tool_call>',
+                                  names=("g",))[1] == []
     _, calls = tool_calls.parse_calls('{"name": "f", "arguments": {}}', forced=True)
     assert calls[0]["function"] == {"name": "f", "arguments": "{}"}
     schema = json.loads(tool_calls.forced_call_schema(
