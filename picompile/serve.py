@@ -734,8 +734,11 @@ class Server:
             if grammar is not None:
                 raise _bad(grammar[0], f"{grammar[0]} and tool_choice={_show(body['tool_choice'])}"
                                        " both constrain the reply: send one of them")
-            grammar = ("tool_choice", "json_schema",
-                       tool_calls.forced_call_schema(functions, tool_name))
+            try:
+                grammar = ("tool_choice", "json_schema",
+                           tool_calls.forced_call_schema(functions, tool_name))
+            except ValueError as e:  # two functions' $defs disagree
+                raise _bad("tool_choice", str(e)) from None
         for name in ("min_tokens", "ignore_eos"):  # a complete grammar allows only an end token
             if grammar is not None and body.get(name):
                 raise _bad(name, f"{name} cannot be combined with {grammar[0]}: once complete, "

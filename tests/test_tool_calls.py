@@ -218,6 +218,10 @@ def test_parse_calls():
                                   names=("g",))[1] == []
     _, calls = tool_calls.parse_calls('{"name": "f", "arguments": {}}', forced=True)
     assert calls[0]["function"] == {"name": "f", "arguments": "{}"}
+    clash = [{"type": "function", "function": {"name": n, "parameters": {
+        "type": "object", "$defs": {"U": {"const": n}}}}} for n in ("a", "b")]
+    with pytest.raises(ValueError, match="define \\$defs/U differently"):
+        tool_calls.forced_call_schema(tool_calls.check_tools(clash))
     schema = json.loads(tool_calls.forced_call_schema(
         tool_calls.check_tools([WEATHER, TIME]), "get_time"))
     assert schema["properties"]["name"] == {"const": "get_time"}
