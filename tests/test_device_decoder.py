@@ -194,6 +194,28 @@ def test_a_failing_device_decoder_falls_back_to_the_modules(monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:picompile. no CUDA GPU found")
+def test_float16_host_layers_run_in_c_over_their_16_bit_kv_cache():
+    """A float16 model (as on a GPU): its host layer's C call reads and writes the float16 KV
+    cache the device decoder's prefill filled; the tokens the dense model's and the modules'."""
+    dense = zoo.make("llama_relu", torch.float16, layers=3)
+    kw = dict(max_context=64, quiet=True, mode="predicted",
+              calibration=torch.randint(0, zoo.VOCAB, (4, 16)))
+    probe = picompile.compile(copy.deepcopy(dense), gpu_budget=2**40, **kw)
+    budget = place.budget_for_share(probe.plan.placement.fixed_bytes, (), 0.0, less=1)
+    cm = picompile.compile(copy.deepcopy(dense), gpu_budget=budget, **kw)
+    cm.distribute("cpu")
+    for f in cm.ffns().values():
+        f.predictor.tau = float("-inf")
+    dec = cm.decoder()
+    ids = _ids(seed=3)
+    got = cm.generate(ids, max_new_tokens=10, do_sample=False)
+    assert list(dec.host_runs) == [(2,)] and dec.k_cache[2].dtype == torch.float16
+    assert torch.equal(got, dense.generate(ids, max_new_tokens=10, do_sample=False))
+    dec.host_runs = {}  # the modules' path, for comparison
+    assert torch.equal(cm.generate(ids, max_new_tokens=10, do_sample=False), got)
+
+
+@pytest.mark.filterwarnings("ignore:picompile. no CUDA GPU found")
 @pytest.mark.parametrize("arch", ["llama_relu", "opt", "gemma2"])
 def test_layers_the_budget_leaves_on_the_cpu_run_between_segments_as_dense(arch, tmp_path):
     """A budget that holds the parts outside the FFN blocks of all layers but the last: that
