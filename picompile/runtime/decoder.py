@@ -839,6 +839,10 @@ class HostLayers:
         self._work = torch.empty(int(self.lib.pi_decoder_work_floats(ctypes.byref(s))))
         s.work = self._work.data_ptr()
         self._struct = s
+        # what the struct points into, kept alive with it (the caller's tables may be its own
+        # temporaries: a float32 copy of a 16-bit model's RoPE tables)
+        self._tensors = (rope, [k_caches[i] for i in self.indices],
+                         [v_caches[i] for i in self.indices])
         self._libs = _threaded_libs(self.lib, [], [stack.layers[i] for i in self.indices])
 
     def __call__(self, x: torch.Tensor, pos: int) -> None:
