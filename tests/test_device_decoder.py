@@ -13,7 +13,6 @@ from transformers import AutoModelForCausalLM
 
 import picompile
 from picompile.compiler import apply_order
-from picompile.passes import place
 from picompile.runtime import generate as fast
 from picompile.runtime.device_decoder import DeviceDecoder
 from tests import zoo
@@ -199,11 +198,8 @@ def test_float16_host_layers_run_in_c_over_their_16_bit_kv_cache():
     cache the device decoder's prefill filled; a step's logits the dense model's and the
     modules' path's (within float16's rounding: the C call keeps the stream in float32)."""
     dense = zoo.make("llama_relu", torch.float16, layers=3)
-    kw = dict(max_context=64, quiet=True, mode="predicted",
-              calibration=torch.randint(0, zoo.VOCAB, (4, 16)))
-    probe = picompile.compile(copy.deepcopy(dense), gpu_budget=2**40, **kw)
-    budget = place.budget_for_share(probe.plan.placement.fixed_bytes, (), 0.0, less=1)
-    cm = picompile.compile(copy.deepcopy(dense), gpu_budget=budget, **kw)
+    cm, _ = zoo.last_layer_on_host(dense, max_context=64, quiet=True, mode="predicted",
+                                   calibration=torch.randint(0, zoo.VOCAB, (4, 16)))
     cm.distribute("cpu")
     for f in cm.ffns().values():
         f.predictor.tau = float("-inf")
@@ -229,11 +225,8 @@ def test_layers_the_budget_leaves_on_the_cpu_run_between_segments_as_dense(arch,
     layer runs wholly on the host, between the device's segments (the stand-in), and through
     hooks on the per-module path."""
     dense = zoo.make(arch, layers=3)
-    kw = dict(max_context=64, quiet=True, mode="predicted",
-              calibration=torch.randint(0, zoo.VOCAB, (4, 16)))
-    probe = picompile.compile(copy.deepcopy(dense), gpu_budget=2**40, **kw)
-    budget = place.budget_for_share(probe.plan.placement.fixed_bytes, (), 0.0, less=1)
-    cm = picompile.compile(copy.deepcopy(dense), gpu_budget=budget, **kw)
+    cm, budget = zoo.last_layer_on_host(dense, max_context=64, quiet=True, mode="predicted",
+                                        calibration=torch.randint(0, zoo.VOCAB, (4, 16)))
     placement = cm.plan.placement
     (last,) = placement.host_layers
     assert last.endswith("layers.2") and placement.fixed_on_gpu

@@ -146,3 +146,17 @@ def make(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, **sizes) 
 def logits(model, ids):
     out = model(ids)
     return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def last_layer_on_host(dense: nn.Module, **compile_kw):
+    """dense compiled (a copy) with a gpu_budget one byte short of every decoder layer's parts
+    outside the FFN blocks, so that placement leaves the last layer wholly on the CPU ->
+    (the compiled model, the budget). Not yet distributed."""
+    import copy
+
+    import picompile
+    from picompile.passes import place
+
+    probe = picompile.compile(copy.deepcopy(dense), gpu_budget=2**40, **compile_kw)
+    budget = place.budget_for_share(probe.plan.placement.fixed_bytes, (), 0.0, less=1)
+    return picompile.compile(copy.deepcopy(dense), gpu_budget=budget, **compile_kw), budget
