@@ -412,14 +412,15 @@ def _tool_calls(calls, where: str) -> list[dict]:
             for c in calls]
 
 
-def _tools(body: dict, chat: bool) -> tuple[list[dict] | None, list[dict], str, str | None]:
+def _tools(body: dict, chat: bool
+           ) -> tuple[list[dict] | None, list[dict], str, str | None, bool]:
     """-> (the request's tools as sent, checked; their functions; tool_choice's mode; the
-    function it names)."""
+    function it names; parallel_tool_calls)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools is None or tools == []:
         if choice not in (None, "none"):
             raise _bad("tool_choice", f"tool_choice={_show(choice)} needs tools")
-        return None, [], "none", None
+        return None, [], "none", None, True
     if not chat:
         raise _bad("tools", "tools are a chat request's field (POST /v1/chat/completions)",
                    code="unsupported_parameter")
@@ -431,8 +432,7 @@ def _tools(body: dict, chat: bool) -> tuple[list[dict] | None, list[dict], str, 
         mode, name = tool_calls.check_tool_choice(choice, functions)
     except ValueError as e:
         raise _bad("tool_choice", str(e)) from None
-    _field(body, "parallel_tool_calls", bool, True)
-    return tools, functions, mode, name
+    return tools, functions, mode, name, _field(body, "parallel_tool_calls", bool, True)
 
 
 @dataclass
@@ -729,7 +729,7 @@ class Server:
         stops = _stops(body)
         logprobs, echo = _logprobs(body, chat)
         grammar = _grammar_request(body)
-        tools, functions, tool_mode, tool_name = _tools(body, chat)
+        tools, functions, tool_mode, tool_name, parallel = _tools(body, chat)
         if tool_mode in ("required", "named"):  # one call, held to its function's parameters
             if grammar is not None:
                 raise _bad(grammar[0], f"{grammar[0]} and tool_choice={_show(body['tool_choice'])}"
@@ -767,7 +767,7 @@ class Server:
                         prompt_text=prompt_text,
                         tools={"auto": "auto", "required": "forced", "named": "forced"}.get(
                             tool_mode),
-                        parallel_tool_calls=body.get("parallel_tool_calls") is not False,
+                        parallel_tool_calls=parallel,
                         tool_names=tuple(f["name"] for f in functions),
                         min_tokens=_field(body, "min_tokens", int, 0, 0, max_tokens),
                         ignore_eos=_field(body, "ignore_eos", bool, False),
@@ -992,17 +992,16 @@ class Server:
     def _calls(job: Job, text: str, finish: str) -> tuple[str | None, list[dict], str]:
         """A reply's (content, tool calls, finish_reason): with tools, the calls read from its
         text (then finish_reason "tool_calls")."""
-        if job.params.tools is None:
+        p = job.params
+        if p.tools is None:
             return text, [], finish
-        reader = tool_calls.CallStream(forced=job.params.tools == "forced",
-                                       names=job.params.tool_names)
-        before = reader.feed(text)
-        content, calls, finish = Server._finish_calls(job, reader, finish)
-        if calls:
-            content = (before + (content or "")).strip() or None
-        else:
-            content = before + (content or "")
-        return content, calls, finish
+        try:
+            content, calls = tool_calls.parse_calls(text, p.tools == "forced", p.tool_names)
+        except (ValueError, KeyError, TypeError):  # a forced call cut short by max_tokens
+            return text, [], finish
+        if not calls:
+            return text, [], finish
+        return content, calls if p.parallel_tool_calls else calls[:1], "tool_calls"
 
     @staticmethod
     def _finish_calls(job: Job, reader, finish: str) -> tuple[str | None, list[dict], str]:

@@ -113,6 +113,18 @@ def test_a_conversation_interrupted_by_another_prompt_keeps_its_cache(monkeypatc
     assert [len(s[0]) for s in dec._snapshots] == [other.shape[1] - 1]  # the other, saved
 
 
+def test_the_oldest_snapshot_comes_back_when_the_slots_are_full(monkeypatch):
+    """All slots taken and the held prompt about to be saved (which drops the oldest): the
+    oldest is the one the next prompt continues, and it is the one brought back."""
+    cm = _compiled("llama_relu")
+    dec = cm.decoder()
+    outs = [cm.generate(_ids(40, 30 + j), max_new_tokens=NEW)
+            for j in range(PROMPT_SNAPSHOTS + 1)]
+    assert len(dec._snapshots) == PROMPT_SNAPSHOTS
+    _, reused = _generate_both(cm, torch.cat([outs[0], _ids(5, 2)], 1), monkeypatch)
+    assert reused == outs[0].shape[1] - 1
+
+
 def test_snapshots_are_bounded_and_dropped_where_stale(monkeypatch):
     cm = _compiled("llama_relu")
     dec = cm.decoder()

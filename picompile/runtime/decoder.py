@@ -492,16 +492,15 @@ class Stack:
         reuse = _common_prefix(held, tokens) if fresh else 0
         snapshots = self._snapshots = [s for s in self._snapshots or []
                                        if _same_weights(s[1], now)]
-        best = max(range(len(snapshots)), default=None,
-                   key=lambda j: _common_prefix(snapshots[j][0], tokens))
-        if best is not None and _common_prefix(snapshots[best][0], tokens) <= reuse:
-            best = None
+        shared = [_common_prefix(s[0], tokens) for s in snapshots]
+        best = max(range(len(snapshots)), key=shared.__getitem__, default=None)
+        # taken out before the held prompt is saved (saving may drop the oldest snapshot)
+        restore = snapshots.pop(best) if best is not None and shared[best] > reuse else None
         if fresh and reuse < len(held) and self.snapshot_slots:  # about to be overwritten
             self._save(held, weights)
-        if best is not None:
-            saved, _, keys, values = snapshots.pop(best)
-            self._restore_kv(keys, values)
-            reuse = _common_prefix(saved, tokens)
+        if restore is not None:
+            self._restore_kv(*restore[2:])
+            reuse = shared[best]
         self.prompt_reused = reuse
         return reuse
 
