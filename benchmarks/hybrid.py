@@ -167,9 +167,10 @@ def gpu_peak_bytes() -> int:
 
 
 def decoder_overlap(cm, ids) -> list[str]:
-    """Per segment with a cold part, through the decode step that runs (the device decoder, its
-    graphs replayed), 8 tokens timed: device time (CUDA events), the cold worker's kernel time,
-    wall time (timing waits for each segment's device work); medians."""
+    """Per split block, through the decode step that runs (the device decoder; a timed step runs
+    its segments eagerly and waits for each segment's device work), 8 tokens timed: the block's
+    wall from its input to its merged output and its GPU part (norm, predictor, hot rows), both
+    CUDA events; the cold worker's kernel time and its wait for the input; medians."""
     dec = cm.decoder()
     if getattr(dec, "timings", None) is None:
         return []
@@ -182,16 +183,17 @@ def decoder_overlap(cm, ids) -> list[str]:
     if hosted:
         lines.append(f"device decoder: {sum(dec.on_host)} decoder layers on the CPU, "
                      f"{statistics.median(hosted) * 1e6:.0f} us per step (median of {len(hosted)})")
-    segments = [s for s in timeline if s["layer"] is not None]
-    if not segments:
-        return lines + ["device decoder: no segment hands off to the CPU"]
-    med = lambda key: statistics.median(s[key] for s in segments)  # noqa: E731
-    ratio = statistics.median(s["wall_s"] / max(s["device_s"], s["cold_s"], 1e-9) for s in segments)
+    blocks = [s for s in timeline if s["layer"] is not None]
+    if not blocks:
+        return lines + ["device decoder: no block hands off to the CPU"]
+    med = lambda key: statistics.median(s[key] for s in blocks)  # noqa: E731
+    ratio = statistics.median(s["wall_s"] / max(s["device_s"], s["cold_s"], 1e-9) for s in blocks)
     return lines + [
-        f"device decoder, per segment with a hand-off (median of {len(segments)}): device "
-        f"{med('device_s') * 1e6:.0f} us (CUDA events: attention, predictor, hot rows), cold "
+        f"device decoder, per split block (median of {len(blocks)}, eager timed steps): GPU part "
+        f"{med('device_s') * 1e6:.0f} us (CUDA events: norm, predictor, hot rows), cold "
         f"{med('cold_s') * 1e6:.0f} us (its wait for the input {med('cold_wait_s') * 1e6:.0f}"
-        f" us), wall {med('wall_s') * 1e6:.0f} us; wall / max(device, cold) = {ratio:.2f}"]
+        f" us), wall {med('wall_s') * 1e6:.0f} us (input to merged output); "
+        f"wall / max(GPU, cold) = {ratio:.2f}"]
 
 
 def overlap_report(cm) -> list[str]:

@@ -268,6 +268,24 @@ def test_compile_with_nvcc_one_variant(dtype):
 
 
 @needs_nvcc
+@pytest.mark.parametrize("arch", cuda.ARCHS)
+def test_nvcc_builds_the_device_wait_for_the_host(arch):
+    """kernels/host_wait.cu, the kernel the device decoder's graphs wait with for each split
+    block's cold rows (its system-scope acquire load and the global timer need sm_70 and up)."""
+    path = cuda.compile_source_with_nvcc(build.package_source(cuda.HOST_WAIT_SOURCE), arch,
+                                         tag="wait")
+    data = path.read_bytes()
+    assert data[:4] == b"\x7fELF" and b"pi_wait_value" in data
+
+
+def test_the_device_wait_takes_a_pinned_int32_flag_only():
+    import torch
+
+    with pytest.raises(ValueError, match="pinned int32 host tensor"):
+        cuda.wait_value(torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+
+
+@needs_nvcc
 def test_nvcc_failure_names_stderr(tmp_path, monkeypatch):
     monkeypatch.setenv("PICOMPILE_CACHE_DIR", str(tmp_path))
     bad = "extern \"C\" __global__ void k(int* p) { this_is_not_defined(p); }\n"

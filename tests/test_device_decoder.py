@@ -52,8 +52,9 @@ def test_split_model_decodes_through_the_device_decoder_as_dense(arch, shares):
     dense, cm = _split(arch, shares)
     dec = cm.decoder()
     assert isinstance(dec, DeviceDecoder), cm.decoder_reason
-    cold = sum(f.hybrid.cold is not None for f in cm.ffns().values())
-    assert len(dec.segments) == cold + 1  # one cut per hand-off to the CPU
+    cold = [i for i, f in enumerate(cm.ffns().values()) if f.hybrid.cold is not None]
+    # no layer on the host: one segment, its split blocks one batch of the cold worker's
+    assert [(c, host) for _, c, host in dec.segments] == [(cold, [])]
     assert dec.graphs is None and "cpu" in dec.graph_reason
     ids = _ids()
     want = dense.generate(ids, max_new_tokens=10, do_sample=False)
@@ -172,8 +173,9 @@ def test_explain_names_the_decode_step():
     _, cm = _split("llama_relu", (0.5,))
     cm.decoder()
     text = picompile.explain(cm)
-    assert ("decode step: picompile device decoder (runtime/device_decoder.py, 3 segments per "
-            "token, eager: no CUDA graphs on cpu)") in text  # 2 layers, each handing off
+    assert ("decode step: picompile device decoder (runtime/device_decoder.py, 1 segment per "
+            "token, 2 split blocks waited for on the device, eager: no CUDA graphs on cpu)"
+            ) in text  # 2 layers, each handing off
 
 
 def test_a_failing_device_decoder_falls_back_to_the_modules(monkeypatch):
@@ -272,7 +274,7 @@ def test_layers_the_budget_leaves_on_the_cpu_run_between_segments_as_dense(arch,
         assert f"the last 1 decoder layer ({last} on) runs wholly on the CPU" in page
 
 
-def test_a_timeline_times_each_segment_of_each_step():
+def test_a_timeline_times_each_segment_and_split_block_of_each_step():
     dense, cm = _split("llama_relu", (0.5, 1.0), mode="predicted")
     dec = cm.decoder()
     assert isinstance(dec, DeviceDecoder), cm.decoder_reason
@@ -280,10 +282,11 @@ def test_a_timeline_times_each_segment_of_each_step():
     want = cm.generate(ids, max_new_tokens=6, do_sample=False)
     dec.timeline = []
     assert torch.equal(cm.generate(ids, max_new_tokens=6, do_sample=False), want)
-    steps = dec.timings()
-    assert len(steps) == 5 * len(dec.segments)  # the decode steps after the prompt's token
-    assert [s["segment"] for s in steps[: len(dec.segments)]] == list(range(len(dec.segments)))
-    for s in steps:
-        assert 0 < s["device_s"] <= s["wall_s"]
-        cold = s["layer"] is not None
-        assert (s["cold_s"] > 0) == cold and (s["layer"] == 0) == cold  # layer 1 is all hot
+    entries = dec.timings()
+    # per decode step after the prompt's token: layer 0's block (split), then the segment
+    assert [(e["segment"], e["layer"]) for e in entries] == [(0, 0), (0, None)] * 5
+    for block, segment in zip(entries[::2], entries[1::2]):
+        assert 0 < block["device_s"] < block["wall_s"] < segment["wall_s"]
+        assert block["cold_s"] > 0 and block["cold_wait_s"] >= 0
+        # the block's wall runs from its input to its merged output: its cold part is in it
+        assert block["wall_s"] >= block["cold_s"]

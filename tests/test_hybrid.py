@@ -131,7 +131,7 @@ def test_cold_rows_are_read_from_the_full_weights_on_the_host():
         torch.testing.assert_close(zoo.logits(cm, ids), zoo.logits(dense, ids), **TOL[torch.float32])
 
 
-def _cold_job(ffn, x, mask, out, ready):
+def _cold_job(ffn, x, mask, out, ready, done):
     """A cold-worker job over all of `ffn`'s rows (its C kernel's pointers)."""
     from picompile.codegen import cold_worker
     from picompile.codegen.decoder import function_pointer
@@ -140,39 +140,57 @@ def _cold_job(ffn, x, mask, out, ready):
     return cold_worker.Job(function_pointer(k.library.ffn), *k.pointers(), ffn.n_ff, ffn.d_model,
                            x.shape[0], ffn.threshold, x.data_ptr(),
                            None if mask is None else mask.data_ptr(), out.data_ptr(),
-                           ready.data_ptr(), 1)
+                           ready.data_ptr(), 1, done.data_ptr())
 
 
 @pytest.mark.parametrize("arch", ["llama_relu", "opt"])
-def test_cold_worker_waits_for_ready_then_equals_the_kernel(arch):
-    """The worker spins on `ready` (on a GPU the device's copy sets it) and then computes what
-    the block's kernel computes on the calling thread."""
+def test_cold_worker_runs_a_batch_in_order_each_job_after_its_ready(arch):
+    """The worker takes a batch of jobs (a decode step's split blocks), runs each once its
+    `ready` is set (on a GPU the device's copy sets it), computes what the block's kernel
+    computes on the calling thread, and sets each job's `done` to the batch's serial as its
+    output is written (what the device waits for)."""
     import ctypes
     import threading
     import time
 
     from picompile.codegen import cold_worker
+    from picompile.runtime.hybrid import last_cold_seconds, start_cold, wait_cold
 
-    cm = picompile.compile(zoo.make(arch), quiet=True)
-    ffn = next(iter(cm.ffns().values()))
+    cm = picompile.compile(zoo.make(arch), quiet=True)  # 2 decoder layers
+    ffns = list(cm.ffns().values())
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(3, ffn.d_model, generator=gen)
-    mask = torch.rand(3, ffn.n_ff, generator=gen) < 0.5
-    want, want_active = ffn.kernel(x, threshold=ffn.threshold, mask=mask)
-    out, ready = torch.full_like(x, float("nan")), torch.zeros(1, dtype=torch.int32)
-    job = _cold_job(ffn, x, mask, out, ready)
+    jobs, io, inputs = [], [], []  # inputs: alive while the worker reads them
+    for ffn in ffns:
+        x = torch.randn(3, ffn.d_model, generator=gen)
+        mask = torch.rand(3, ffn.n_ff, generator=gen) < 0.5
+        out = torch.full_like(x, float("nan"))
+        ready, done = torch.ones(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+        io.append((ffn.kernel(x, threshold=ffn.threshold, mask=mask), out, ready, done))
+        jobs.append(_cold_job(ffn, x, mask, out, ready, done))
+        inputs.append((x, mask))
     lib = cold_worker.load()
-    assert lib.pi_cold_start(ctypes.byref(job)) == 0
-    assert lib.pi_cold_start(ctypes.byref(job)) == -1  # one job at a time
+    serial = start_cold(jobs)  # zeroes each `ready`
+    assert serial > 0 and all(int(ready) == 0 for *_, ready, _ in io)
+    assert lib.pi_cold_start(jobs[0], 1, 5) == -1  # one batch at a time
     time.sleep(0.05)
-    assert torch.isnan(out).all()  # nothing computed before `ready`
-    threading.Timer(0.05, ready.fill_, args=(1,)).start()
-    assert lib.pi_cold_wait() == want_active
-    torch.testing.assert_close(out, want)
-    waited, ran = ctypes.c_double(), ctypes.c_double()
-    lib.pi_cold_last_seconds(ctypes.byref(waited), ctypes.byref(ran))
-    assert waited.value >= 0.05 and ran.value > 0
-    assert lib.pi_cold_wait() == -4  # nothing outstanding
+    assert all(torch.isnan(out).all() for _, out, _, _ in io)  # nothing before `ready`
+    (_, first), (_, second) = io[0][0], io[1][0]
+    io[1][2].fill_(1)  # the second block's input first: the worker still waits for the first
+    time.sleep(0.05)
+    assert torch.isnan(io[1][1]).all() and int(io[0][3]) == 0
+    threading.Timer(0.05, io[0][2].fill_, args=(1,)).start()
+    assert lib.pi_wait_value(io[1][3].data_ptr(), serial) == 0  # the last block is done
+    assert wait_cold(2) == [first, second]
+    for (want, _), out, _, done in io:
+        torch.testing.assert_close(out, want)
+        assert int(done) == serial
+    waited, ran = last_cold_seconds(0)
+    assert waited >= 0.05 and ran > 0 and last_cold_seconds(1)[1] > 0
+    assert lib.pi_cold_wait(None) == -4  # nothing outstanding
+    assert lib.pi_cold_start(jobs[0], 0, 1) == -5  # an empty batch
+    assert start_cold(jobs[:1]) == serial + 1  # each batch its own serial
+    io[0][2].fill_(1)
+    assert wait_cold(1) == [first] and int(io[0][3]) == serial + 1
 
 
 def test_decode_runs_the_cold_part_on_the_worker():

@@ -210,10 +210,10 @@ def test_quantized_model_splits_across_the_gpu_within_the_budget(fmt):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("ffn_share", [0.3, 1.5])
 def test_decode_replays_cuda_graphs_and_equals_the_eager_segments(dtype, ffn_share, monkeypatch):
-    """The device decoder's segments captured as CUDA graphs (split blocks: one graph per hand-off
-    to the CPU; everything on the GPU: one graph per step): the same tokens as the segments run
-    eagerly, in float32 with every neuron predicted the dense model's, its only KV cache within
-    the budget."""
+    """The device decoder's step captured as one CUDA graph (its split blocks' cold rows waited
+    for on the device, split or not): the same tokens as the segments run eagerly, in float32
+    with every neuron predicted the dense model's, its only KV cache within the budget; a timed
+    step (eager) gives each split block's wall from CUDA events."""
     from picompile.runtime.device_decoder import DeviceDecoder
 
     dense = _model(dtype, "llama_relu")
@@ -223,15 +223,22 @@ def test_decode_replays_cuda_graphs_and_equals_the_eager_segments(dtype, ffn_sha
         f.predictor.tau = float("-inf")
     dec = cm.decoder()
     assert isinstance(dec, DeviceDecoder), cm.decoder_reason
-    cold = sum(f.hybrid.cold is not None for f in cm.ffns().values())
-    assert len(dec.segments) == cold + 1 and (cold > 0) == (ffn_share < 1), picompile.explain(cm)
+    cold = [i for i, f in enumerate(cm.ffns().values()) if f.hybrid.cold is not None]
+    assert [(c, h) for _, c, h in dec.segments] == [(cold, [])], picompile.explain(cm)
+    assert bool(cold) == (ffn_share < 1)
     _measure_from_here(cm)
     ids = torch.randint(0, zoo.VOCAB, (1, 8))
     got = cm.generate(ids, max_new_tokens=12, do_sample=False)
-    assert dec.graphs is not None and len(dec.graphs) == len(dec.segments), dec.graph_reason
+    assert dec.graphs is not None and len(dec.graphs) == 1, dec.graph_reason
     _assert_within(budget, cm)
     if dtype == torch.float32:
         assert torch.equal(got.cpu(), dense.generate(ids, max_new_tokens=12, do_sample=False))
+    dec.timeline = []
+    assert torch.equal(cm.generate(ids, max_new_tokens=4, do_sample=False), got[:, :12])
+    blocks = [e for e in dec.timings() if e["layer"] is not None]
+    dec.timeline = None
+    assert len(blocks) == 3 * len(cold)
+    assert all(0 < b["device_s"] < b["wall_s"] and b["cold_s"] > 0 for b in blocks)
     monkeypatch.setenv("PICOMPILE_CUDA_GRAPHS", "0")
     eager = cm.decoder()
     assert isinstance(eager, DeviceDecoder) and eager is not dec and eager.graphs is None

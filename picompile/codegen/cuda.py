@@ -66,7 +66,7 @@ from pathlib import Path
 
 from picompile import quant
 from picompile.activations import ACT_MACROS
-from picompile.codegen.build import BuildFailed, compile_cached, splice_headers
+from picompile.codegen.build import BuildFailed, compile_cached, package_source, splice_headers
 from picompile.codegen.variant import ACTS, DTYPES, QFORMATS, Variant
 from picompile.config import KERNEL_MAX_TOKENS
 
@@ -546,6 +546,45 @@ def memcpy_async(dst, src) -> None:
     stream = torch.cuda.current_stream(device).cuda_stream
     cp.cuda.runtime.memcpyAsync(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size(),
                                 cp.cuda.runtime.memcpyDefault, stream)
+
+
+HOST_WAIT_SOURCE = "host_wait.cu"
+HOST_WAIT_TIMEOUT_NS = 120 * 10**9  # longer than the cold worker's own wait for its input
+
+
+@functools.lru_cache(maxsize=None)
+def _host_wait_kernel(device_index: int, backend: str):
+    cp = _cupy()
+    src = package_source(HOST_WAIT_SOURCE)
+    with cp.cuda.Device(device_index):
+        if backend == "nvcc":
+            cc = cp.cuda.Device().compute_capability
+            module = cp.RawModule(path=str(compile_source_with_nvcc(src, f"sm_{cc}", tag="wait")))
+        else:
+            module = cp.RawModule(code=src)
+        return module.get_function("pi_wait_value")
+
+
+def wait_value(flag, value) -> None:
+    """Queue on PyTorch's current stream a wait until flag [1] int32 (pinned host memory the
+    host writes) equals value [1] int32 (on the device): the stream's later work runs after the
+    host has written what the flag announces. Nothing waits on the host; a CUDA graph captures it
+    as a kernel node (kernels/host_wait.cu)."""
+    import torch
+
+    if flag.device.type != "cpu" or not flag.is_pinned() or flag.dtype != torch.int32:
+        raise ValueError("wait_value: the flag must be a pinned int32 host tensor")
+    _require_cuda(value)
+    index = value.device.index if value.device.index is not None else torch.cuda.current_device()
+    kernel = _host_wait_kernel(index, os.environ.get(BACKEND_ENV, "nvrtc"))
+    with torch_stream(value.device):
+        kernel((1,), (1,), (_ptr(flag), _ptr(value), _u64(HOST_WAIT_TIMEOUT_NS)))
+
+
+def _u64(v: int):
+    import numpy as np
+
+    return np.uint64(v)
 
 
 def _require_cuda(t) -> None:

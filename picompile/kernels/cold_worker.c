@@ -1,4 +1,4 @@
-/* picompile cold worker: one FFN call on a thread of its own, the CPU half of the hybrid runtime
+/* picompile cold worker: FFN calls on a thread of their own, the CPU half of the hybrid runtime
  * (picompile/runtime/hybrid.py). Built by picompile/codegen/cold_worker.py with the flags of
  * the other C kernels.
  *
@@ -8,23 +8,38 @@
  * on a worker thread in C, so neither side needs Python's GIL while the other works:
  *
  *     caller                              worker
- *     queue device->pinned copies of x, the cold mask, then `ready` (0 -> 1)
- *     pi_cold_start(job)   ------------>  spin until *ready != 0 (the copies have landed)
- *     launch the GPU (hot) kernels        ffn(x, mask) over the cold rows -> out
- *     pi_cold_wait()       <------------  done: n_active
+ *     pi_cold_start(jobs, n, serial) ---> for each job in order:
+ *     (device: per block, copies of x,      spin until *ready == 1 (the copies have landed)
+ *      its cold mask, then `ready` 0 -> 1;  ffn(x, mask) over the block's cold rows -> out
+ *      the hot kernels; then it waits       *done = serial (the device's wait sees it and
+ *      until *done == serial, and reads      merges `out`)
+ *      `out`)
+ *     pi_cold_wait(n_active)  <---------  all done: active pairs, per job and in all
+ *
+ * A batch is every split block between two points where the host must step in (a decode step of
+ * the device decoder, up to a decoder layer run on the host): the device waits for each block's
+ * `done` itself (a kernel polling pinned memory, codegen/cuda.py's wait_value, or
+ * pi_wait_value on the CPU stand-in), so the host neither wakes nor launches anything per
+ * block. `done` may be NULL (the caller waits with pi_cold_wait before it merges).
  *
  * The FFN itself is the block's own kernel (codegen/c.py's ffn() of its variant library), called
  * through a function pointer, so the worker has no math of its own.
  *
  * Exported:
- *     int pi_cold_start(const pi_cold_job* job);  0, or -1 while a job is still outstanding,
- *         -2 when the worker thread cannot be started. The job is copied; its buffers must stay
- *         alive until pi_cold_wait returns.
- *     int64_t pi_cold_wait(void);  blocks until the job is done. Its active (token, neuron) pairs,
- *         or -1 when the kernel ran out of memory, -3 when `ready` did not turn nonzero within
- *         PI_READY_TIMEOUT_S seconds (the device never copied), -4 with no job outstanding.
- *     void pi_cold_last_seconds(double* ready_s, double* run_s);  the last job's wait for `ready`
- *         and its kernel time (for the hybrid runtime's timeline)
+ *     int pi_cold_start(const pi_cold_job* jobs, int32_t n, int32_t serial);  0, or -1 while a
+ *         batch is still outstanding, -2 when the worker thread cannot be started, -5 when n is
+ *         not in 1..PI_MAX_JOBS. Each job's `ready` is zeroed (before the device may set it);
+ *         the jobs are copied; their buffers must stay alive until pi_cold_wait returns.
+ *     int64_t pi_cold_wait(int64_t* n_active);  blocks until the batch is done. Its active
+ *         (token, neuron) pairs in all (n_active, if not NULL: [n], per job), or the first
+ *         error: -1 when a kernel ran out of memory, -3 when a `ready` did not turn 1
+ *         within PI_READY_TIMEOUT_S seconds (the device never copied), -4 with no batch
+ *         outstanding. After an error the later jobs are not run, but each `done` is still
+ *         written, so a device waiting for it goes on.
+ *     void pi_cold_last_seconds(int32_t k, double* ready_s, double* run_s);  job k of the last
+ *         batch: its wait for `ready` and its kernel time (for the hybrid runtime's timelines)
+ *     int32_t pi_wait_value(const int32_t* flag, int32_t value);  spins until *flag == value
+ *         (0), or -3 after PI_READY_TIMEOUT_S seconds: the CPU stand-in of the device's wait.
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -40,6 +55,7 @@
 #endif
 
 #define PI_READY_TIMEOUT_S 60.0
+#define PI_MAX_JOBS 1024  /* blocks in one batch: the split blocks of a model's decode step */
 
 typedef void (*pi_ffn_fn)(const float* x, int64_t T, int64_t d, int64_t n_ff, const void* w_gate,
                           const void* w_up, const void* w_down_t, const float* b_gate,
@@ -59,19 +75,22 @@ typedef struct {
     const float* x;             /* [T, d] float32 */
     const uint8_t* mask;        /* [T, n_ff] bool, or NULL: every neuron is a candidate */
     float* out;                 /* [T, d] float32 */
-    const volatile int32_t* ready; /* nonzero once x and mask are in place; NULL: already are */
+    volatile int32_t* ready;    /* 1 once x and mask are in place; NULL: already are */
     int32_t threads;            /* OpenMP threads for the kernel (<= 0: the runtime's default) */
+    volatile int32_t* done;     /* set to the batch's serial once out is written; or NULL */
 } pi_cold_job;
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t changed = PTHREAD_COND_INITIALIZER;
 static pthread_t worker;
 static int started = 0;
-static int pending = 0;  /* a job was handed over and not yet waited for */
-static int done = 0;     /* the worker finished the pending job */
-static pi_cold_job job;
-static int64_t result;
-static double last_ready_s, last_run_s;  /* written by the worker before `done`, under the lock */
+static int pending = 0;  /* a batch was handed over and not yet waited for */
+static int done = 0;     /* the worker finished the pending batch */
+static pi_cold_job jobs[PI_MAX_JOBS];
+static int32_t n_jobs, batch_serial;
+/* Written by the worker before `done`, read under the lock once it is set. */
+static int64_t result, job_active[PI_MAX_JOBS];
+static double ready_seconds[PI_MAX_JOBS], run_seconds[PI_MAX_JOBS];
 
 static double seconds(void) {
     struct timespec ts;
@@ -79,13 +98,11 @@ static double seconds(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* Spin until *ready != 0: the copies land within microseconds, sleeping would cost more. */
-static int wait_ready(const volatile int32_t* ready) {
-    if (!ready)
-        return 0;
+/* Spin until *flag == value: the copies land within microseconds, sleeping would cost more. */
+static int spin_until(const int32_t* flag, int32_t value) {
     const double deadline = seconds() + PI_READY_TIMEOUT_S;
     for (uint64_t spins = 1;; ++spins) {
-        if (__atomic_load_n((const int32_t*)ready, __ATOMIC_ACQUIRE) != 0)
+        if (__atomic_load_n(flag, __ATOMIC_ACQUIRE) == value)
             return 0;
         pi_pause();
         if ((spins & 0xFFFFF) == 0 && seconds() > deadline)
@@ -95,7 +112,7 @@ static int wait_ready(const volatile int32_t* ready) {
 
 static int64_t run(const pi_cold_job* j, double* ready_s, double* run_s) {
     const double t0 = seconds();
-    if (wait_ready(j->ready) != 0)
+    if (j->ready && spin_until((const int32_t*)j->ready, 1) != 0)
         return -3;
     const double t1 = seconds();
 #ifdef _OPENMP
@@ -116,21 +133,30 @@ static void* loop(void* arg) {
     for (;;) {
         while (!pending || done)
             pthread_cond_wait(&changed, &lock);
-        pi_cold_job j = job;
+        const int32_t n = n_jobs, serial = batch_serial;
         pthread_mutex_unlock(&lock);
-        double ready_s = 0.0, run_s = 0.0;
-        const int64_t r = run(&j, &ready_s, &run_s);
+        int64_t total = 0;
+        for (int32_t k = 0; k < n; ++k) {
+            int64_t r = 0;
+            ready_seconds[k] = run_seconds[k] = 0.0;
+            if (total >= 0)  /* after an error the rest only say they are done */
+                r = run(&jobs[k], &ready_seconds[k], &run_seconds[k]);
+            job_active[k] = r < 0 ? 0 : r;
+            total = total < 0 ? total : r < 0 ? r : total + r;
+            if (jobs[k].done)  /* out is written: the device may read it */
+                __atomic_store_n((int32_t*)jobs[k].done, serial, __ATOMIC_RELEASE);
+        }
         pthread_mutex_lock(&lock);
-        result = r;
-        last_ready_s = ready_s;
-        last_run_s = run_s;
+        result = total;
         done = 1;
         pthread_cond_broadcast(&changed);
     }
     return NULL;
 }
 
-int pi_cold_start(const pi_cold_job* j) {
+int pi_cold_start(const pi_cold_job* j, int32_t n, int32_t serial) {
+    if (n < 1 || n > PI_MAX_JOBS)
+        return -5;
     pthread_mutex_lock(&lock);
     if (pending) {
         pthread_mutex_unlock(&lock);
@@ -144,7 +170,13 @@ int pi_cold_start(const pi_cold_job* j) {
         pthread_detach(worker);
         started = 1;
     }
-    job = *j;
+    for (int32_t k = 0; k < n; ++k) {
+        jobs[k] = j[k];
+        if (j[k].ready)
+            __atomic_store_n((int32_t*)j[k].ready, 0, __ATOMIC_RELEASE);
+    }
+    n_jobs = n;
+    batch_serial = serial;
     pending = 1;
     done = 0;
     pthread_cond_broadcast(&changed);
@@ -152,7 +184,7 @@ int pi_cold_start(const pi_cold_job* j) {
     return 0;
 }
 
-int64_t pi_cold_wait(void) {
+int64_t pi_cold_wait(int64_t* n_active) {
     pthread_mutex_lock(&lock);
     if (!pending) {
         pthread_mutex_unlock(&lock);
@@ -162,13 +194,21 @@ int64_t pi_cold_wait(void) {
         pthread_cond_wait(&changed, &lock);
     pending = 0;
     const int64_t r = result;
+    if (n_active)
+        for (int32_t k = 0; k < n_jobs; ++k)
+            n_active[k] = job_active[k];
     pthread_mutex_unlock(&lock);
     return r;
 }
 
-void pi_cold_last_seconds(double* ready_s, double* run_s) {
+void pi_cold_last_seconds(int32_t k, double* ready_s, double* run_s) {
     pthread_mutex_lock(&lock);
-    *ready_s = last_ready_s;
-    *run_s = last_run_s;
+    const int ok = !pending && k >= 0 && k < n_jobs;
+    *ready_s = ok ? ready_seconds[k] : 0.0;
+    *run_s = ok ? run_seconds[k] : 0.0;
     pthread_mutex_unlock(&lock);
+}
+
+int32_t pi_wait_value(const int32_t* flag, int32_t value) {
+    return spin_until(flag, value) == 0 ? 0 : -3;
 }

@@ -11,30 +11,33 @@ The interface and the structure checks (decoder.Stack) of the C whole-step decod
 that one cannot run, and a prefill of its own (so that on a GPU the only KV cache is the
 decoder's, within the budget placement counted for it): the non-FFN layers on the device (the model's own modules: norms,
 projections, LM head), attention over a static KV cache written in place, and per layer the
-block's hybrid hand-off in its phases (runtime/hybrid.py): the cold worker armed, the block
-input sent to the host, the hot rows' kernels, the cold output received and merged.
+block's hybrid hand-off in its phases (runtime/hybrid.py): the block input sent to the host, the
+hot rows' kernels, a wait on the device for the cold output, the cold output merged.
 
 Why a step of its own: Hugging Face eager runs some 15 launches per layer with Python between
-them; here every shape is static and the position is a device tensor, so on a GPU the device
-work between two hand-offs is one CUDA graph, replayed per step:
+them; here every shape is static and the position is a device tensor, so on a GPU the step's
+device work is one CUDA graph, replayed per step:
 
-    segment 0: embed, layer 0 attention, layer 0 FFN input sent + hot kernels
-    host:      wait for layer 0's cold rows (the CPU computed them meanwhile)
-    segment 1: layer 0 merged, layer 1 attention, layer 1 sent + hot ...
-    ...
-    segment L: layer L-1 merged, final norm, LM head
+    host:   start the cold worker on every split block of the step (one batch, in order)
+    graph:  embed, layer 0 attention, its FFN input sent, hot kernels, wait until the worker
+            has written layer 0's cold rows (a kernel polling a pinned flag), merge,
+            layer 1 attention, ... final norm, LM head
+    worker: per block: spin until its input lands, its cold rows, set its `done` flag
+    host:   wait for the worker (its counts, its errors)
 
-A layer whose rows are all hot has no hand-off, so its work joins the next segment (a model
-entirely on the GPU is one graph per step). Decoder layers that placement left wholly on the CPU
-(their attention did not fit the budget: Placement.host_layers) run on the host between two
-segments: the residual stream goes to pinned memory at the end of one, the host runs those
-layers (their KV cache on the CPU, the FFN through its own module and C kernels), and the next
-segment starts by copying it back. Before a segment is replayed the host arms its cold
-worker, which spins until the segment's copies land; nothing in a segment waits for the host.
+So nothing in a step waits for the host, and the host does not wake per block (a GPU waiting
+on the host's flag costs about a PCIe read; a host waking and launching the next graph cost
+hundreds of microseconds per block). Decoder layers that placement left wholly on the CPU
+(their attention did not fit the budget: Placement.host_layers) cut the step into segments:
+the residual stream goes to pinned memory at the end of one, the host runs those layers (their
+KV cache on the CPU, as one kernels/decoder.c call, or through their modules), and the next
+segment starts by copying it back; each segment's split blocks are one batch of the worker.
 The graphs are captured at reserve() and checked against the eager step on the same inputs;
 where capture fails or differs the decoder runs the same segments eagerly and says why
-(`graph_reason`). On the CPU stand-in (device "cpu", how CI runs this file) the segments run
-eagerly: every hand-off, copy and merge of the GPU path runs, with no graph.
+(`graph_reason`); a timed step (`timeline`) runs them eagerly too, with CUDA events around
+each split block. On the CPU stand-in (device "cpu", how CI runs this file) the segments run
+eagerly, the calling thread waiting for each block's flag: every hand-off, copy and merge of
+the GPU path runs, with no graph.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from torch import nn
 
 from picompile.config import KV_CACHE_STEP, cuda_graphs_enabled
 from picompile.runtime.decoder import HostLayers, Stack, Unsupported, ffn_block, rotated
-from picompile.runtime.hybrid import HybridFFN, copy_async
+from picompile.runtime.hybrid import copy_async, last_cold_seconds, start_cold, wait_cold
 from picompile.runtime.sparse_ffn import SparseFFN
 
 # Largest difference between a graph replay's logits and the eager step's, relative to the
@@ -120,6 +123,9 @@ class DeviceDecoder(Stack):
                        for f in self.ffns]
         L = len(self.layers)
         self.n_active = torch.zeros(L, dtype=torch.int64, device=self.device)  # hot side, [L]
+        # The cold worker's batch's serial (hybrid.start_cold), which it writes to each block's
+        # `done` flag and the device waits for: set before each segment runs.
+        self.serial = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.tok = torch.zeros(1, dtype=torch.long, device=self.device)  # the step's token
         self.pos = torch.zeros(1, dtype=torch.long, device=self.device)  # and its position
         self.pos_host = torch.zeros(1, dtype=torch.long)  # the same, for the host layers
@@ -134,28 +140,29 @@ class DeviceDecoder(Stack):
         self.host_runs: dict[tuple, HostLayers] = {}
         self.host_reason = ""
         self.k_cache, self.v_cache = [], []  # per layer [1, KV, max_len, hd], where it runs
-        # [] to time each segment of the steps that follow (timings() resolves them); None: off.
-        # Timing waits for each segment's device work before the next is launched.
+        # [] to time each segment and split block of the steps that follow (timings() resolves
+        # them); None: off. Timed steps run eagerly and wait for each segment's device work.
         self.timeline: list[dict] | None = None
+        self._marks: dict[int, dict] | None = None  # per split block, while a timed step runs
         self.graphs = None
         self.graph_reason = "not captured (no reserve yet)"
-        # The step's device work, cut where a layer's cold part goes to the CPU and where the
-        # residual stream goes to the host layers: [(functions to run in order, the layer whose
-        # cold part follows or None, the host layers that run after it)].
-        self.segments, fns = [], [self._embed]
+        # The step's device work, cut where the residual stream goes to the host layers:
+        # [(functions to run in order, the split layers whose cold parts the cold worker
+        # computes meanwhile, as one batch, the host layers that run after it)].
+        self.segments, fns, cold = [], [self._embed], []
         for i, stage in enumerate(self.stages):
             if self.on_host[i]:
                 if i == 0 or not self.on_host[i - 1]:  # a run of host layers starts
-                    self.segments.append((fns + [self._to_host], None, []))
-                    fns = [self._from_host]
+                    self.segments.append((fns + [self._to_host], cold, []))
+                    fns, cold = [self._from_host], []
                 self.segments[-1][2].append(i)
                 continue
             fns += [functools.partial(self._attention, i), functools.partial(self._ffn_begin, i)]
             if stage is not None:
-                self.segments.append((fns, i, []))
-                fns = []
+                cold.append(i)
+                fns.append(functools.partial(self._ffn_wait, i))
             fns.append(functools.partial(self._ffn_end, i))
-        self.segments.append((fns + [self._head], None, []))
+        self.segments.append((fns + [self._head], cold, []))
 
     def describe(self) -> str:
         graphs = ("each a CUDA graph" if self.graphs is not None else
@@ -165,8 +172,10 @@ class DeviceDecoder(Stack):
                "kernels/decoder.c" if self.host_runs else "not bound yet")
         host = (f", {n} decoder layer{'s' if n > 1 else ''} on the CPU between them ({how})"
                 if n else "")
-        return (f"picompile device decoder (runtime/device_decoder.py, {len(self.segments)} "
-                f"segments per token{host}, {graphs})")
+        n_seg, n_split = len(self.segments), sum(s is not None for s in self.stages)
+        return (f"picompile device decoder (runtime/device_decoder.py, {n_seg} "
+                f"segment{'s' if n_seg > 1 else ''} per token{host}, {n_split} split block"
+                f"{'s' if n_split != 1 else ''} waited for on the device, {graphs})")
 
     # ---- the step's pieces (device work only: capturable) --------------------------------
     def _embed(self) -> None:
@@ -265,6 +274,7 @@ class DeviceDecoder(Stack):
         """Layer i's FFN input to the cold worker's staging (where it has cold rows) and its hot
         rows' kernels on the device; the hot output and count stay on the device."""
         ffn, hy = self.ffns[i], self.ffns[i].hybrid
+        self._mark(i, "begin")
         h = self.layers[i].ffn_norm.module(self.x)  # [1, d]
         predicted = ffn.predictor(h) if self.predicted[i] else None  # [1, n_ff] bool or None
         h = h.float()
@@ -276,13 +286,19 @@ class DeviceDecoder(Stack):
             out, n_active = hy.hot.kernel(h, threshold=hy.hot.threshold, mask=mask)
             self.n_active[i : i + 1].add_(n_active)
             self.hot_out[i] = out  # [1, d] float32
+        self._mark(i, "hot_end")
+
+    def _ffn_wait(self, i: int) -> None:
+        """The device waits until the cold worker has written layer i's cold output."""
+        self.ffns[i].hybrid.wait_done(self.stages[i], self.serial)
 
     def _ffn_end(self, i: int) -> None:
         out = self.hot_out[i]
-        if self.stages[i] is not None:  # landed on the host: receive() has returned
+        if self.stages[i] is not None:  # written on the host: _ffn_wait has seen it
             copy_async(self.cold_out[i], self.stages[i].out[:1])
             out = self.cold_out[i] if out is None else out + self.cold_out[i]
         self.x = self.x + self._residual(_post(self.layers[i].post_norms[1], out.to(self.dtype)))
+        self._mark(i, "end")
 
     def _residual(self, y: torch.Tensor) -> torch.Tensor:
         """A sublayer's output as it joins the residual stream (Granite scales it)."""
@@ -304,36 +320,35 @@ class DeviceDecoder(Stack):
     # ---- running ------------------------------------------------------------------------
     def _run(self) -> None:
         """One step over the inputs in self.tok, self.pos: each segment (a graph replay where
-        captured), its cold part armed before and received after."""
+        captured, eagerly while timed), the cold worker started on its split blocks before and
+        waited for after; the host layers between segments."""
+        timing = self.timeline is not None
         for k, (fns, cold, host) in enumerate(self.segments):
-            timing = self.timeline is not None
-            if timing:
-                t0 = time.perf_counter()
-                marks = self._marks()
-            stage = None
-            if cold is not None:
-                stage = self.ffns[cold].hybrid.arm(1, self.predicted[cold])
+            t0 = time.perf_counter()
+            self._marks = {} if timing else None
+            if cold:
+                self.serial.fill_(start_cold([self.ffns[i].hybrid.job(1, self.predicted[i])
+                                              for i in cold]))
             try:
-                if self.graphs is not None:
+                if self.graphs is not None and not timing:
                     self.graphs[k].replay()
                 else:
                     for fn in fns:
                         fn()
-                launched = time.perf_counter()
-                if timing and marks is not None:  # behind the segment's device work, before
-                    marks[1].record()  # the wait for its cold part: device time only
             except BaseException:
-                if stage is not None:  # release the worker before waiting for it
+                if cold:  # release the worker before waiting for it: inputs it never got
                     if self.device.type == "cuda":  # a queued copy of `ready` lands now, not
-                        with contextlib.suppress(RuntimeError):  # after the next arm()
+                        with contextlib.suppress(RuntimeError):  # after the next start
                             torch.cuda.current_stream(self.device).synchronize()
-                    stage.ready.fill_(1)
+                    for i in cold:
+                        self.stages[i].ready.fill_(1)
                 raise
             finally:
-                if stage is not None:
-                    self.ffns[cold].hybrid.receive(stage, 1)
+                if cold:
+                    for i, n in zip(cold, wait_cold(len(cold))):
+                        self.ffns[i].hybrid.cold.active_pairs += n
             if timing:
-                self._timed(k, cold, t0, launched, marks)
+                self._timed(k, cold, t0)
             if host:
                 if self.device.type == "cuda":  # x_host has landed
                     torch.cuda.current_stream(self.device).synchronize()
@@ -341,38 +356,48 @@ class DeviceDecoder(Stack):
                 self._host_layers(host)
                 if timing:
                     self.timeline[-1]["host_s"] = time.perf_counter() - t_host
+        self._marks = None
 
     # ---- timing -------------------------------------------------------------------------
-    def _marks(self):
-        """(start, end) CUDA events, the start recorded now; None off a GPU."""
-        if self.device.type != "cuda":
-            return None
-        marks = tuple(torch.cuda.Event(enable_timing=True) for _ in range(2))
-        marks[0].record()
-        return marks
+    def _mark(self, i: int, key: str) -> None:
+        """While a timed step runs: a time stamp of split block i's `key` point (a CUDA event
+        on a GPU, recorded on the stream; the host's clock on the stand-in)."""
+        if self._marks is None or self.stages[i] is None:
+            return
+        if self.device.type == "cuda":
+            mark = torch.cuda.Event(enable_timing=True)
+            mark.record()
+        else:
+            mark = time.perf_counter()
+        self._marks.setdefault(i, {})[key] = mark
 
-    def _timed(self, k: int, cold: int | None, t0: float, launched: float, marks) -> None:
-        """Segment k's entry: its device work waited for, then wall time from before its cold
-        part was armed; the cold worker's own times."""
-        if marks is not None:
-            marks[1].synchronize()
-        entry = dict(segment=k, layer=cold, wall_s=time.perf_counter() - t0, events=marks,
-                     cold_s=0.0, cold_wait_s=0.0, host_s=0.0)
-        if marks is None:  # on the stand-in the segment ran on this thread, eagerly
-            entry["device_s"] = launched - t0
-        if cold is not None:
-            entry["cold_wait_s"], entry["cold_s"] = HybridFFN.last_cold_seconds()
-        self.timeline.append(entry)
+    def _timed(self, k: int, cold: list[int], t0: float) -> None:
+        """Segment k's entries, its device work waited for: one per split block (its time
+        stamps, the cold worker's own times), then the segment's wall time."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        wall = time.perf_counter() - t0
+        for j, i in enumerate(cold):
+            wait_s, cold_s = last_cold_seconds(j)
+            self.timeline.append(dict(segment=k, layer=i, marks=self._marks.pop(i), cold_s=cold_s,
+                                      cold_wait_s=wait_s, host_s=0.0))
+        self.timeline.append(dict(segment=k, layer=None, wall_s=wall, host_s=0.0))
 
     def timings(self) -> list[dict]:
-        """The timeline, each segment's device time resolved from its events: per segment
-        wall_s, device_s (its device work, CUDA events), cold_s and cold_wait_s (the cold
-        worker's kernel time and its wait for the input; 0 where no cold part follows), host_s
-        (the host layers that run after it, if any: not in wall_s)."""
+        """The timeline: per segment (layer None) wall_s and host_s (the host layers that run
+        after it, if any: not in wall_s); per split block (layer i) wall_s (from its FFN input
+        to its merged output), device_s (its norm, predictor and hot rows; on a GPU both from
+        CUDA events), cold_s and cold_wait_s (the cold worker's kernel time and its wait for
+        the input)."""
         for entry in self.timeline or []:
-            marks = entry.pop("events", None)
-            if marks is not None:
-                entry["device_s"] = marks[0].elapsed_time(marks[1]) / 1e3
+            marks = entry.pop("marks", None)
+            if marks is None:
+                continue
+            if self.device.type == "cuda":
+                span = lambda a, b: marks[a].elapsed_time(marks[b]) / 1e3  # noqa: E731
+            else:
+                span = lambda a, b: marks[b] - marks[a]  # noqa: E731
+            entry["wall_s"], entry["device_s"] = span("begin", "end"), span("begin", "hot_end")
         return self.timeline or []
 
     def step(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
@@ -482,6 +507,7 @@ class DeviceDecoder(Stack):
             return "CUDA graphs switched off (PICOMPILE_CUDA_GRAPHS=0)"
         counts = self.n_active.clone(), [f.hybrid.cold.active_pairs if s is not None else 0
                                          for f, s in zip(self.ffns, self.stages)]
+        timeline, self.timeline = self.timeline, None  # the scratch steps are not timed
         try:
             # A scratch step at the last position (rewritten when decoding reaches it), eager
             # on a side stream first: cuBLAS, cupy's modules and the allocator warm up there,
@@ -519,6 +545,7 @@ class DeviceDecoder(Stack):
             first = (str(e).strip().splitlines() or [""])[0][:200]
             return f"capture failed ({type(e).__name__}: {first}); running eagerly"
         finally:
+            self.timeline = timeline
             self.n_active.copy_(counts[0])
             for f, s, cold in zip(self.ffns, self.stages, counts[1]):
                 if s is not None:

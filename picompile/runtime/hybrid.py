@@ -13,8 +13,12 @@ Per block and step (SparseFFN.forward hands over when the block has a `hybrid`):
       4. the cold partial output goes back through the pinned buffer and is added on the device.
 
 So the CPU starts the moment x reaches it, and the launches of the GPU part overlap it. The
-hand-off's phases are methods of their own (arm: host, send: device, receive: host), so that the
-device decoder (runtime/device_decoder.py) can replay the device side as part of a CUDA graph. Each
+hand-off's phases are methods of their own (job / arm: host, send: device, wait_done: device,
+receive: host), so that the device decoder (runtime/device_decoder.py) starts the worker once on
+every split block of a step (start_cold: a batch, each block's job in order), replays the
+device side as one CUDA graph in which the device itself waits for each block's cold output
+(wait_done: the worker sets a `done` flag in pinned memory to the batch's serial), and waits for
+the worker once (wait_cold). Each
 side is an ordinary SparseFFN over its rows (a "view"), so decode (the kernels over the predicted
 rows) and prefill (dense BLAS over each side's rows, masked, on the calling thread) are the same
 code as the CPU-only runtime. With `device="cpu"` the CPU stands in for the GPU: every split and merge runs, which is
@@ -121,7 +125,43 @@ class _Staging:
         self.mask = torch.empty(tokens, n_cold, dtype=torch.bool, pin_memory=pinned)  # cold mask
         self.out = torch.empty(tokens, d, dtype=torch.float32, pin_memory=pinned)  # cold output
         self.ready = torch.zeros(1, dtype=torch.int32, pin_memory=pinned)
-        self.job = None  # a cold_worker.Job over these buffers, made by HybridFFN
+        # The worker sets `done` to its batch's serial once `out` is written (the device's wait).
+        self.done = torch.zeros(1, dtype=torch.int32, pin_memory=pinned)
+        self.job = None  # a cold_worker.Job over these buffers, made by HybridFFN.job
+
+
+_serial = 0  # the last batch's serial: one cold worker per process, so one count
+
+
+def start_cold(jobs: list[cold_worker.Job]) -> int:
+    """Start the cold worker on `jobs` in order (a batch; each spins on its `ready`). -> the
+    batch's serial, which each job writes to its `done` once its output is written: a number
+    no earlier batch used (int32, never 0, the flags' first value)."""
+    global _serial
+    _serial = _serial % (2**31 - 1) + 1
+    batch = (cold_worker.Job * len(jobs))(*jobs)
+    rc = cold_worker.load().pi_cold_start(batch, len(jobs), _serial)
+    if rc != 0:
+        raise RuntimeError(f"picompile: the cold worker did not start (pi_cold_start {rc}: "
+                           f"{cold_worker.ERRORS.get(rc, 'a batch is still outstanding')})")
+    return _serial
+
+
+def wait_cold(n: int) -> list[int]:
+    """Wait for the cold worker's batch of n jobs (the GIL released). -> active pairs per job."""
+    counts = (ctypes.c_int64 * n)()
+    total = cold_worker.load().pi_cold_wait(counts)
+    if total < 0:
+        raise RuntimeError(f"picompile: cold FFN part failed: "
+                           f"{cold_worker.ERRORS.get(total, total)}")
+    return list(counts)
+
+
+def last_cold_seconds(k: int) -> tuple[float, float]:
+    """Job k of the last batch: its wait for the input and its kernel time, in s (timelines)."""
+    ready_s, run_s = ctypes.c_double(), ctypes.c_double()
+    cold_worker.load().pi_cold_last_seconds(k, ctypes.byref(ready_s), ctypes.byref(run_s))
+    return ready_s.value, run_s.value
 
 
 class HybridFFN:
@@ -182,11 +222,9 @@ class HybridFFN:
             self._staging = _Staging(KERNEL_MAX_TOKENS, self.d, self.n_ff - self.n_hot, self.cuda)
         return self._staging
 
-    def arm(self, T: int, predicted: bool) -> _Staging:
-        """Host side of the hand-off: start the cold worker on this block's staging for T tokens
-        (with the predictor's mask or without); it spins until send()'s `ready` lands. The
-        device work that sends may be queued before or after (a CUDA graph replayed next).
-        -> the staging, for send() and receive()."""
+    def job(self, T: int, predicted: bool) -> cold_worker.Job:
+        """The cold worker's job over this block's staging for T tokens, with the predictor's
+        mask or without (made once, its per-call fields set here)."""
         if T > KERNEL_MAX_TOKENS:
             raise ValueError(f"picompile: the cold worker takes up to {KERNEL_MAX_TOKENS} tokens "
                              f"a call, got {T}")
@@ -196,18 +234,23 @@ class HybridFFN:
             stage.job = cold_worker.Job(
                 function_pointer(kernel.library.ffn), *kernel.pointers(), self.cold.n_ff, self.d,
                 0, self.cold.threshold, stage.x.data_ptr(), None, stage.out.data_ptr(),
-                stage.ready.data_ptr(), cold_threads())
-        stage.ready.zero_()
-        stage.job.T = T
-        stage.job.mask = stage.mask.data_ptr() if predicted else None
+                stage.ready.data_ptr(), cold_threads(), stage.done.data_ptr())
+        job = stage.job
+        job.T = T
+        job.mask = stage.mask.data_ptr() if predicted else None
         # The job's threshold follows the block's (calibration may set it after distribute), its
         # threads cold_threads() (whose override may change between steps: a benchmark's sweep).
-        stage.job.threshold = self.cold.threshold
-        stage.job.threads = cold_threads()
-        rc = cold_worker.load().pi_cold_start(ctypes.byref(stage.job))
-        if rc != 0:
-            raise RuntimeError(f"picompile: the cold worker did not start (pi_cold_start {rc})")
-        return stage
+        job.threshold = self.cold.threshold
+        job.threads = cold_threads()
+        return job
+
+    def arm(self, T: int, predicted: bool) -> _Staging:
+        """Host side of the hand-off, for this block alone: start the cold worker on its staging
+        for T tokens (with the predictor's mask or without); it spins until send()'s `ready`
+        lands. The device work that sends may be queued before or after. -> the staging, for
+        send() and receive()."""
+        start_cold([self.job(T, predicted)])
+        return self.staging()
 
     def send(self, stage: _Staging, x: torch.Tensor, predicted: torch.Tensor | None) -> None:
         """Device side of the hand-off: x [T, d] float32 and the cold columns of `predicted`
@@ -219,21 +262,24 @@ class HybridFFN:
             copy_async(stage.mask[:T], predicted[:, self.n_hot :].contiguous())
         copy_async(stage.ready, self._one)
 
+    def wait_done(self, stage: _Staging, serial: torch.Tensor) -> None:
+        """Device side: the device's work that follows waits until the cold worker has written
+        this block's output (`done` equals serial [1] int32, on the device). On a GPU a kernel
+        queued on the current stream (capturable); on the CPU stand-in this thread waits."""
+        if self.cuda:
+            from picompile.codegen.cuda import wait_value
+
+            wait_value(stage.done, serial)
+        elif cold_worker.load().pi_wait_value(stage.done.data_ptr(), int(serial)) != 0:
+            raise RuntimeError("picompile: the cold worker never finished a block's rows "
+                               f"({cold_worker.ERRORS[-3]})")
+
     def receive(self, stage: _Staging, T: int) -> torch.Tensor:
         """Wait for the cold worker (the GIL released). -> its output [T, d] float32 on the host;
         its active pairs are added to the cold side's count."""
-        n_active = cold_worker.load().pi_cold_wait()
-        if n_active < 0:
-            raise RuntimeError(f"picompile: cold FFN part failed: {cold_worker.ERRORS.get(n_active, n_active)}")
+        (n_active,) = wait_cold(1)
         self.cold.active_pairs += n_active
         return stage.out[:T]
-
-    @staticmethod
-    def last_cold_seconds() -> tuple[float, float]:
-        """The last cold job's wait for its input and its kernel time, in s (for the timeline)."""
-        ready_s, run_s = ctypes.c_double(), ctypes.c_double()
-        cold_worker.load().pi_cold_last_seconds(ctypes.byref(ready_s), ctypes.byref(run_s))
-        return ready_s.value, run_s.value
 
     def __call__(self, x: torch.Tensor, predicted: torch.Tensor | None) -> torch.Tensor:
         """x [T, d] on the device, predicted [T, n_ff] bool or None -> out [T, d] float32."""
@@ -268,7 +314,7 @@ class HybridFFN:
             if stage is not None:  # 3. the cold part's result (waited for even on an error)
                 cold_out = self.receive(stage, T)
                 if timing:
-                    cold_wait_s, cold_s = self.last_cold_seconds()
+                    cold_wait_s, cold_s = last_cold_seconds(0)
         if self.cold is not None:
             if stage is None:  # prefill, or no C kernel for the cold rows: on this thread
                 t_cold = time.perf_counter()
