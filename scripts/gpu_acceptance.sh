@@ -18,10 +18,12 @@
 # build/llama-offload and build/carry-llama, where llama-cpp-prebuild leaves llama-bench
 # xz-compressed: the uncompressed 58 MB binary and the tree pass the 64 MiB carry limit):
 #   S=scripts/gpu_acceptance.sh; timeout 370 bash $S llama-13b; timeout 200 bash $S llama-cpp
-# (441 s in all), then on the warm machine kernels (27 s) and tests (300 s). Next: llama-13b
-# again (the host layers now run in C, and the per-segment device time was mis-recorded), tests
-# (new: the prompt cache's reuse and the host layers in C on a GPU), kernel-tests, quant-tests,
-# opt-13b. Without carried cubins NVRTC compiles the variants a part uses (seconds each).
+# (441 s in all), then on the warm machine kernels (27 s) and tests (300 s). Next: tests first
+# and short (`timeout 240 ... tests`: the device now waits for each split block's cold rows
+# itself, kernels/host_wait.cu, never run on a GPU yet; a hang there is bounded by its 20 s
+# timeout per wait), then llama-13b again (one CUDA graph per step, host layers in C, the per
+# block ratio from CUDA events), llama-cpp, kernel-tests, quant-tests, opt-13b. Without
+# carried cubins NVRTC compiles the variants a part uses (seconds each).
 #
 # Here, before a lent machine: `bash scripts/gpu_acceptance.sh cubins` compiles every CUDA kernel
 # variant for sm_90 with nvcc (no GPU needed) into build/cuda-cubins.tar.xz; carried along, the

@@ -281,8 +281,9 @@ def test_nvcc_builds_the_device_wait_for_the_host(arch):
 def test_the_device_wait_takes_a_pinned_int32_flag_only():
     import torch
 
-    with pytest.raises(ValueError, match="pinned int32 host tensor"):
-        cuda.wait_value(torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="flag must be a pinned int32 host tensor"):
+        flag = torch.zeros(1, dtype=torch.int32)  # not pinned: the device cannot read it
+        cuda.wait_value(flag, torch.zeros(1, dtype=torch.int32), flag)
 
 
 @needs_nvcc

@@ -207,6 +207,21 @@ def test_quantized_model_splits_across_the_gpu_within_the_budget(fmt):
     _assert_within(budget, cm)
 
 
+def test_the_device_waits_for_the_host_and_says_when_it_gave_up():
+    """codegen.cuda.wait_value, the device decoder's wait for each split block's cold rows: it
+    sees the host's write to pinned memory, and past its timeout it goes on and sets gave_up."""
+    import time
+
+    from picompile.codegen import cuda
+
+    assert cuda.host_wait_works(torch.cuda.current_device()) == ""
+    flag, gave_up = (torch.zeros(1, dtype=torch.int32, pin_memory=True) for _ in range(2))
+    t0 = time.perf_counter()
+    cuda.wait_value(flag, torch.ones(1, dtype=torch.int32, device="cuda"), gave_up, timeout_s=0.2)
+    torch.cuda.synchronize()
+    assert int(gave_up) == 1 and time.perf_counter() - t0 >= 0.2
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("ffn_share", [0.3, 1.5])
 def test_decode_replays_cuda_graphs_and_equals_the_eager_segments(dtype, ffn_share, monkeypatch):

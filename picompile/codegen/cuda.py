@@ -549,7 +549,9 @@ def memcpy_async(dst, src) -> None:
 
 
 HOST_WAIT_SOURCE = "host_wait.cu"
-HOST_WAIT_TIMEOUT_NS = 120 * 10**9  # longer than the cold worker's own wait for its input
+# Longer than any cold part takes, shorter than a hang anyone waits out: past it the device
+# goes on and says so (wait_value's gave_up).
+HOST_WAIT_TIMEOUT_S = 20.0
 
 
 @functools.lru_cache(maxsize=None)
@@ -565,20 +567,45 @@ def _host_wait_kernel(device_index: int, backend: str):
         return module.get_function("pi_wait_value")
 
 
-def wait_value(flag, value) -> None:
+def wait_value(flag, value, gave_up, timeout_s: float = HOST_WAIT_TIMEOUT_S) -> None:
     """Queue on PyTorch's current stream a wait until flag [1] int32 (pinned host memory the
     host writes) equals value [1] int32 (on the device): the stream's later work runs after the
-    host has written what the flag announces. Nothing waits on the host; a CUDA graph captures it
-    as a kernel node (kernels/host_wait.cu)."""
+    host has written what the flag announces. Past timeout_s the device goes on and sets
+    gave_up [1] int32 (pinned) to 1. Nothing waits on the host; a CUDA graph captures it as a
+    kernel node (kernels/host_wait.cu)."""
     import torch
 
-    if flag.device.type != "cpu" or not flag.is_pinned() or flag.dtype != torch.int32:
-        raise ValueError("wait_value: the flag must be a pinned int32 host tensor")
+    for name, t in (("flag", flag), ("gave_up", gave_up)):
+        if t.device.type != "cpu" or not t.is_pinned() or t.dtype != torch.int32:
+            raise ValueError(f"wait_value: {name} must be a pinned int32 host tensor")
     _require_cuda(value)
     index = value.device.index if value.device.index is not None else torch.cuda.current_device()
     kernel = _host_wait_kernel(index, os.environ.get(BACKEND_ENV, "nvrtc"))
     with torch_stream(value.device):
-        kernel((1,), (1,), (_ptr(flag), _ptr(value), _u64(HOST_WAIT_TIMEOUT_NS)))
+        kernel((1,), (1,), (_ptr(flag), _ptr(value), _ptr(gave_up), _u64(int(timeout_s * 1e9))))
+
+
+@functools.lru_cache(maxsize=None)
+def host_wait_works(device_index: int) -> str:
+    """Whether the device sees the host's writes to pinned memory (what wait_value relies on):
+    a wait for a flag the host sets a moment after the launch. -> "" where it does, else why
+    not. Once per device and process; bounded by a 2 s timeout."""
+    import time
+
+    import torch
+
+    device = torch.device("cuda", device_index)
+    flag, gave_up = (torch.zeros(1, dtype=torch.int32, pin_memory=True) for _ in range(2))
+    value = torch.ones(1, dtype=torch.int32, device=device)
+    with torch.cuda.device(device):
+        wait_value(flag, value, gave_up, timeout_s=2.0)
+        time.sleep(0.01)
+        flag.fill_(1)
+        torch.cuda.current_stream(device).synchronize()
+    if int(gave_up):
+        return ("the GPU does not see the host's writes to pinned memory within 2 s (a wait "
+                "for a flag the host set gave up)")
+    return ""
 
 
 def _u64(v: int):

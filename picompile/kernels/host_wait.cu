@@ -8,14 +8,16 @@
 //
 // One thread polls the flag through the system-scope acquire load (the host's writes before
 // the flag are visible after it); each poll crosses PCIe (about a microsecond), which paces
-// the loop. It gives up after `timeout_ns` (the worker always writes `done`, even after an
-// error, so this only bounds a hang: the host then reports the worker's error).
+// the loop. It gives up after `timeout_ns`, setting *gave_up (pinned host memory, which the
+// host checks: the step that follows read an output never written). The worker always writes
+// `done`, even after an error, so this only bounds a hang.
 //
-// Pointers: flag [1] int32 in pinned host memory (unified addressing: its host address is its
-// device address), value [1] int32 on the device (the step's serial, set before a replay).
+// Pointers: flag [1] int32 and gave_up [1] int32 in pinned host memory (unified addressing:
+// their host addresses are their device addresses), value [1] int32 on the device (the
+// batch's serial, set before a replay).
 
 extern "C" __global__ void __launch_bounds__(1)
-pi_wait_value(const int* flag, const int* value, unsigned long long timeout_ns) {
+pi_wait_value(const int* flag, const int* value, int* gave_up, unsigned long long timeout_ns) {
     const int want = *value;
     unsigned long long start, now;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
@@ -25,7 +27,9 @@ pi_wait_value(const int* flag, const int* value, unsigned long long timeout_ns) 
         if (seen == want)
             return;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-        if (now - start > timeout_ns)
+        if (now - start > timeout_ns) {
+            asm volatile("st.release.sys.b32 [%0], %1;" :: "l"(gave_up), "r"(1) : "memory");
             return;
+        }
     }
 }

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from picompile.codegen.cuda import HOST_WAIT_TIMEOUT_S, host_wait_works
 from picompile.config import KV_CACHE_STEP, cuda_graphs_enabled
 from picompile.runtime.decoder import HostLayers, Stack, Unsupported, ffn_block, rotated
 from picompile.runtime.hybrid import copy_async, last_cold_seconds, start_cold, wait_cold
@@ -121,6 +122,10 @@ class DeviceDecoder(Stack):
         self.predicted = [f.predictor is not None and f.predictor.enabled for f in self.ffns]
         self.stages = [None if f.hybrid is None or f.hybrid.cold is None else f.hybrid.staging()
                        for f in self.ffns]
+        if self.device.type == "cuda" and any(s is not None for s in self.stages):
+            why = host_wait_works(self.device.index or 0)
+            if why:  # the per-module path runs instead (its host waits for each block)
+                raise Unsupported(why)
         L = len(self.layers)
         self.n_active = torch.zeros(L, dtype=torch.int64, device=self.device)  # hot side, [L]
         # The cold worker's batch's serial (hybrid.start_cold), which it writes to each block's
@@ -130,6 +135,9 @@ class DeviceDecoder(Stack):
         self.pos = torch.zeros(1, dtype=torch.long, device=self.device)  # and its position
         self.pos_host = torch.zeros(1, dtype=torch.long)  # the same, for the host layers
         pinned = self.device.type == "cuda"
+        # Set by the device if a wait for a cold output ever gave up (codegen.cuda.wait_value):
+        # the step that went on read an output never written, so decoding stops (_check_waits).
+        self.gave_up = torch.zeros(1, dtype=torch.int32, pin_memory=pinned)
         self.x_host = torch.empty(1, self.d, dtype=self.dtype, pin_memory=pinned)  # [1, d]
         self.x_back = torch.empty(1, self.d, dtype=self.dtype, device=self.device)  # [1, d]
         self.cold_out = [None if s is None else torch.empty(1, self.d, device=self.device)
@@ -290,7 +298,7 @@ class DeviceDecoder(Stack):
 
     def _ffn_wait(self, i: int) -> None:
         """The device waits until the cold worker has written layer i's cold output."""
-        self.ffns[i].hybrid.wait_done(self.stages[i], self.serial)
+        self.ffns[i].hybrid.wait_done(self.stages[i], self.serial, self.gave_up)
 
     def _ffn_end(self, i: int) -> None:
         out = self.hot_out[i]
@@ -322,6 +330,7 @@ class DeviceDecoder(Stack):
         """One step over the inputs in self.tok, self.pos: each segment (a graph replay where
         captured, eagerly while timed), the cold worker started on its split blocks before and
         waited for after; the host layers between segments."""
+        self._check_waits()
         timing = self.timeline is not None
         for k, (fns, cold, host) in enumerate(self.segments):
             t0 = time.perf_counter()
@@ -357,6 +366,17 @@ class DeviceDecoder(Stack):
                 if timing:
                     self.timeline[-1]["host_s"] = time.perf_counter() - t_host
         self._marks = None
+
+    def _check_waits(self) -> None:
+        """Raise if the device ever stopped waiting for a cold output (a step already run read
+        one never written; the device's work runs behind the host, so a later step or
+        flush_stats finds out)."""
+        if int(self.gave_up):
+            raise RuntimeError(
+                "picompile: the GPU stopped waiting for the CPU's cold rows of a split FFN block "
+                f"after {HOST_WAIT_TIMEOUT_S:g} s, so a decode step used an output never written: "
+                "the cold worker hung or the host is overloaded. Decode again; if it recurs, run "
+                "on the CPU (gpu_budget=None) and report it")
 
     # ---- timing -------------------------------------------------------------------------
     def _mark(self, i: int, key: str) -> None:
@@ -555,7 +575,8 @@ class DeviceDecoder(Stack):
     def flush_stats(self, steps: int) -> None:
         """Add what `steps` decode steps computed to each block's statistics: the hot side's
         active pairs (counted on the device) to its hot rows, n_ff pairs per token to the block.
-        The cold side counted its own (hybrid.receive)."""
+        The cold side counted its own (wait_cold)."""
+        self._check_waits()
         for run in self.host_runs.values():  # the host layers that ran in C
             for i, n in zip(run.indices, run.n_active.tolist()):
                 self.ffns[i].active_pairs += n

@@ -262,14 +262,15 @@ class HybridFFN:
             copy_async(stage.mask[:T], predicted[:, self.n_hot :].contiguous())
         copy_async(stage.ready, self._one)
 
-    def wait_done(self, stage: _Staging, serial: torch.Tensor) -> None:
+    def wait_done(self, stage: _Staging, serial: torch.Tensor, gave_up: torch.Tensor) -> None:
         """Device side: the device's work that follows waits until the cold worker has written
         this block's output (`done` equals serial [1] int32, on the device). On a GPU a kernel
-        queued on the current stream (capturable); on the CPU stand-in this thread waits."""
+        queued on the current stream (capturable), which sets gave_up [1] int32 (pinned) if it
+        ever stops waiting; on the CPU stand-in this thread waits."""
         if self.cuda:
             from picompile.codegen.cuda import wait_value
 
-            wait_value(stage.done, serial)
+            wait_value(stage.done, serial, gave_up)
         elif cold_worker.load().pi_wait_value(stage.done.data_ptr(), int(serial)) != 0:
             raise RuntimeError("picompile: the cold worker never finished a block's rows "
                                f"({cold_worker.ERRORS[-3]})")
