@@ -35,8 +35,11 @@ chat's tools, tool_choice ("auto": the Hermes-style <tool_call> blocks the model
 "required" or a named function: a grammar holds the reply to one call's JSON) and
 parallel_tool_calls, through the model's chat template (a 400 where it has none that describes
 tools); calls come back as tool_calls with finish_reason "tool_calls" (streamed: the text
-before a call streams as it comes, each call whole in one delta at the end). Parameters
-picompile cannot honour (n > 1, best_of, suffix, ...)
+before a call streams as it comes, each call whole in one delta at the end). n (up to
+MAX_CHOICES) asks for that many replies to one prompt: they run one after the other (the prompt
+cache spares each the prompt's prefill), choice i seeded with seed + i where a seed is given;
+streamed, each choice's chunks carry its index, choice after choice; usage counts the prompt
+once and every choice's tokens. Parameters picompile cannot honour (best_of, suffix, ...)
 get a 400 naming them rather than being silently ignored; fields OpenAI's client sends for
 bookkeeping (user, metadata, ...) are ignored.
 
@@ -97,12 +100,13 @@ DEFAULT_MAX_TOKENS = 512
 DEFAULT_MAX_QUEUE = 16
 MAX_STOPS = 4
 MAX_TOP_LOGPROBS = 20  # OpenAI's chat limit (its completions': 5; vLLM's: 20)
+MAX_CHOICES = 16  # n: replies to one request (OpenAI's limit is 128; each runs in turn here)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Parameters picompile cannot honour -> the value that means "off" besides null / false / 0 /
-# empty (n=1 is the default, not "off": n=0 is refused like n=2). Beside OpenAI's own,
+# empty (best_of=1 is the default, not "off": best_of=0 is refused like 2). Beside OpenAI's own,
 # llama.cpp's and vLLM's names for samplers and constraints a client may send expecting them to
 # act (other unknown fields are ignored, as both servers do).
-_UNSUPPORTED = {"n": 1, "best_of": 1,
+_UNSUPPORTED = {"best_of": 1,
                 "suffix": None, "functions": None, "function_call": "none",
                 "typical_p": None, "tfs_z": None,
                 "mirostat": None, "dry_multiplier": None, "xtc_probability": None,
@@ -444,7 +448,9 @@ class Params:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    processors: tuple = ()  # HF logits processors: penalties, a grammar (after logprobs' recorder)
+    # per choice, HF logits processors: penalties, a grammar (after logprobs' recorder); one
+    # tuple per choice (a grammar's matcher keeps state): n of them
+    processors: tuple[tuple, ...] = ((),)
     seed: int | None = None
     stops: tuple[str, ...] = ()
     logprobs: int | None = None  # likeliest tokens listed with each chosen one; None: no logprobs
@@ -457,6 +463,11 @@ class Params:
     min_tokens: int = 0  # end tokens held back before this many (vLLM's)
     ignore_eos: bool = False  # the model's end tokens do not end the reply (vLLM's)
     stop_token_ids: tuple[int, ...] = ()  # more tokens that end it (vLLM's)
+
+    @property
+    def n(self) -> int:
+        """Replies asked for (OpenAI's n)."""
+        return len(self.processors)
 
 
 # A token's log-probability as the worker hands it on: (its text, logprob, the likeliest
@@ -474,9 +485,9 @@ class _Cancelled(Exception):
 
 class Job:
     """A request on its way through the queue. The worker sends events to the request's event
-    loop through `events`: ("text", delta, [Entry] of the tokens since the last), then ("done",
-    finish_reason, prompt_tokens, completion_tokens) or ("error", message, HTTP status).
-    `cancelled` is set when the client goes away."""
+    loop through `events`, per choice i in turn: ("text", i, delta, [Entry] of the tokens since
+    the last), then ("done", i, finish_reason, prompt_tokens, completion_tokens); or ("error",
+    message, HTTP status), which ends the job. `cancelled` is set when the client goes away."""
 
     def __init__(self, params: Params, chat: bool, stream: bool, include_usage: bool,
                  loop: asyncio.AbstractEventLoop):
@@ -487,7 +498,8 @@ class Job:
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
-        self.text_offset = 0  # characters of the reply sent: a completion's logprobs count them
+        # per choice, characters of the reply sent: a completion's logprobs count them
+        self.text_offset = [0] * params.n
 
     def emit(self, *event) -> None:
         try:
@@ -539,9 +551,10 @@ class _Streamer(ReplyStreamer):
     """The reply's text as events for the job, with its tokens' log-probabilities where asked;
     generation stops at the next token once the job is cancelled."""
 
-    def __init__(self, job: Job, text: TextDeltas, ends: set[int], logprobs: _Logprobs | None):
+    def __init__(self, job: Job, index: int, text: TextDeltas, ends: set[int],
+                 logprobs: _Logprobs | None):
         super().__init__(text, ends)
-        self.job, self.logprobs = job, logprobs
+        self.job, self.index, self.logprobs = job, index, logprobs
         self.entries: list[Entry] = []  # the tokens since the last text sent
 
     def put(self, value: torch.Tensor) -> None:
@@ -553,7 +566,7 @@ class _Streamer(ReplyStreamer):
         super().put(value)
 
     def on_text(self, delta: str) -> None:
-        self.job.emit("text", delta, self.entries)
+        self.job.emit("text", self.index, delta, self.entries)
         self.entries = []
 
 
@@ -630,19 +643,28 @@ class Engine:
                     self._running = None
 
     def _run(self, job: Job) -> None:
+        """The job's choices, one after the other (the prompt cache spares each the prefill)."""
+        p = job.params
+        for i in range(p.n):
+            if not self._choice(job, i):
+                return
+
+    def _choice(self, job: Job, i: int) -> bool:
+        """Generate the job's choice i, its events emitted. -> False where the job ended (an
+        error, sent as its event; or the client gone)."""
         p = job.params
         text = TextDeltas(self.tokenizer, p.stops, self.tokenizer_lock)
         logprobs = (None if p.logprobs is None
                     else _Logprobs(p.logprobs, self.tokenizer, self.tokenizer_lock))
         ends = (set() if p.ignore_eos else self.eos) | set(p.stop_token_ids)
-        streamer = _Streamer(job, text, ends, logprobs)
+        streamer = _Streamer(job, i, text, ends, logprobs)
         ids = torch.tensor([p.ids])
         kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=p.max_tokens,
                       min_new_tokens=p.min_tokens, eos_token_id=sorted(ends) or None,
                       pad_token_id=self.pad,
                       streamer=streamer, do_sample=p.temperature > 0,
                       repetition_penalty=1.0,  # the request's penalties only, not the model's
-                      logits_processor=list(p.processors))
+                      logits_processor=list(p.processors[i]))
         if logprobs is not None:  # first: it sees the model's own logits
             kwargs["logits_processor"].insert(0, logprobs)
         if p.temperature > 0:
@@ -653,10 +675,10 @@ class Engine:
                 with self.tokenizer_lock:
                     prompt = p.prompt_text if p.prompt_text is not None else \
                         self.tokenizer.decode(p.ids, skip_special_tokens=True)
-                job.emit("text", prompt,
+                job.emit("text", i, prompt,
                          [] if logprobs is None else logprobs.prompt(self.model, ids))
-            if p.seed is not None:
-                torch.manual_seed(p.seed)
+            if p.seed is not None:  # choice i: seed + i (within torch's seeds)
+                torch.manual_seed(p.seed if i == 0 else (p.seed + i) % 2**64)
             complete = False
             try:
                 self.model.generate(ids, **kwargs)
@@ -668,17 +690,18 @@ class Engine:
             if stopped or complete:
                 streamer.finish = "stop"
         except _Cancelled:
-            return
+            return False
         except StopString:
             pass
         except GrammarError as e:  # the request's grammar, past what its parser can follow
             job.emit("error", f"the reply cannot be held to the grammar: {e}", 400)
-            return
+            return False
         except Exception as e:  # the request fails, the server goes on
             log.exception("picompile serve: generation failed")
             job.emit("error", f"generation failed: {type(e).__name__}: {e}", 500)
-            return
-        job.emit("done", streamer.finish, len(p.ids), streamer.count)
+            return False
+        job.emit("done", i, streamer.finish, len(p.ids), streamer.count)
+        return True
 
 
 # ---- the HTTP side (no FastAPI types: make_app wires these to routes) --------------------
@@ -754,6 +777,8 @@ class Server:
         else:
             ids, prompt_text = self._prompt_ids(body.get("prompt"))
         max_tokens = self._max_tokens(body, len(ids))
+        n = _field(body, "n", int, 1, 1, MAX_CHOICES)
+        shared = self._logit_bias(body) + _penalties(body, len(ids))  # stateless
         params = Params(ids=ids, max_tokens=max_tokens,
                         temperature=_field(body, "temperature", float, 1.0, 0, 2),
                         top_p=_field(body, "top_p", float, 1.0, 0, 1),
@@ -761,8 +786,9 @@ class Server:
                         min_p=_field(body, "min_p", float, 0.0, 0, 1),
                         seed=_field(body, "seed", int, None, -2**63, 2**64 - 1),
                         stops=tuple(stops + extra_stops),
-                        processors=self._logit_bias(body) + _penalties(body, len(ids)) + (
-                            () if grammar is None else (self._constraint(grammar, len(ids)),)),
+                        processors=tuple(shared + (
+                            () if grammar is None else (self._constraint(grammar, len(ids)),))
+                            for _ in range(n)),
                         logprobs=logprobs, echo=echo,
                         prompt_text=prompt_text,
                         tools={"auto": "auto", "required": "forced", "named": "forced"}.get(
@@ -878,19 +904,20 @@ class Server:
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
-    def _chunk(self, job: Job, text: str | None, finish: str | None = None,
+    def _chunk(self, job: Job, i: int, text: str | None, finish: str | None = None,
                role: bool = False, entries: list[Entry] | None = None,
                calls: list[dict] | None = None) -> dict:
-        logprobs = self._logprobs(job, entries) if entries else None
+        """A streamed chunk of choice i."""
+        logprobs = self._logprobs(job, i, entries) if entries else None
         if job.chat:
             delta = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
             if calls:  # each whole, in one chunk
                 delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": logprobs,
+            choice = {"index": i, "text": text or "", "logprobs": logprobs,
                       "finish_reason": finish}
         chunk = {"id": job.id, "object": "chat.completion.chunk" if job.chat else "text_completion",
                  "created": job.created, "model": self.name, "choices": [choice]}
@@ -899,9 +926,9 @@ class Server:
         return chunk
 
     @staticmethod
-    def _logprobs(job: Job, entries: list[Entry]) -> dict:
-        """OpenAI's logprobs object of a reply's (or a chunk's) tokens: chat's content list, or
-        a completion's parallel lists with each token's character offset in the text."""
+    def _logprobs(job: Job, i: int, entries: list[Entry]) -> dict:
+        """OpenAI's logprobs object of choice i's (or its chunk's) tokens: chat's content list,
+        or a completion's parallel lists with each token's character offset in its text."""
         if job.chat:
             def one(text: str, logprob: float) -> dict:
                 return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
@@ -909,55 +936,64 @@ class Server:
                                 for text, logprob, top in entries]}
         tops, offsets = [], []
         for text, logprob, top in entries:
-            offsets.append(job.text_offset)
-            job.text_offset += len(text)
+            offsets.append(job.text_offset[i])
+            job.text_offset[i] += len(text)
             # the likeliest, and the chosen token (OpenAI: up to logprobs + 1 of them)
             tops.append(None if top is None else {**dict(top), text: logprob})
         return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
                 "top_logprobs": tops, "text_offset": offsets}
 
     async def events(self, job: Job) -> AsyncIterator[str]:
-        """The job's reply as server-sent events (the caller cancels the job when done)."""
+        """The job's reply as server-sent events, choice after choice (the caller cancels the
+        job when done)."""
         def sse(obj) -> str:
             return f"data: {json.dumps(obj)}\n\n"
 
-        if job.chat:
-            yield sse(self._chunk(job, "", role=True))
-        calls = None if job.params.tools is None else tool_calls.CallStream(
-            forced=job.params.tools == "forced", names=job.params.tool_names)
-        while True:
-            event = await job.events.get()
-            if event[0] == "text" and calls is not None:  # the text before any call streams
-                text = calls.feed(event[1])
-                if text:
-                    yield sse(self._chunk(job, text))
-            elif event[0] == "text":
-                yield sse(self._chunk(job, event[1], entries=event[2]))
-            elif event[0] == "done":
-                _, finish, prompt, completion = event
-                if calls is not None:
-                    content, found, finish = self._finish_calls(job, calls, finish)
-                    if content or found:
-                        yield sse(self._chunk(job, content, calls=found))
-                yield sse(self._chunk(job, None if job.chat else "", finish))
-                if job.include_usage:
-                    yield sse({"id": job.id, "object": self._chunk(job, None)["object"],
-                               "created": job.created, "model": self.name, "choices": [],
-                               "usage": self._usage(prompt, completion)})
-                break
-            else:
-                yield sse(_failed(event).body())
-                break
+        p = job.params
+        calls = [None if p.tools is None else
+                 tool_calls.CallStream(forced=p.tools == "forced", names=p.tool_names)
+                 for _ in range(p.n)]
+        completion = 0
+        for i in range(p.n):
+            if job.chat:
+                yield sse(self._chunk(job, i, "", role=True))
+            while True:
+                event = await job.events.get()
+                if event[0] == "text" and calls[i] is not None:  # text before a call streams
+                    text = calls[i].feed(event[2])
+                    if text:
+                        yield sse(self._chunk(job, i, text))
+                elif event[0] == "text":
+                    yield sse(self._chunk(job, i, event[2], entries=event[3]))
+                elif event[0] == "done":
+                    _, _, finish, prompt, tokens = event
+                    completion += tokens
+                    if calls[i] is not None:
+                        content, found, finish = self._finish_calls(job, calls[i], finish)
+                        if content or found:
+                            yield sse(self._chunk(job, i, content, calls=found))
+                    yield sse(self._chunk(job, i, None if job.chat else "", finish))
+                    break
+                else:
+                    yield sse(_failed(event).body())
+                    yield "data: [DONE]\n\n"
+                    return
+        if job.include_usage:
+            yield sse({"id": job.id, "object": self._chunk(job, 0, None)["object"],
+                       "created": job.created, "model": self.name, "choices": [],
+                       "usage": self._usage(prompt, completion)})
         yield "data: [DONE]\n\n"
 
     async def result(self, job: Job, disconnected: Callable[[], Awaitable[bool]]) -> dict | None:
         """The job's whole reply as one JSON body; None if the client went away meanwhile (the
         job is cancelled then)."""
-        parts, entries = [], []
+        n = job.params.n
+        parts, entries = [[] for _ in range(n)], [[] for _ in range(n)]
+        finished, prompt = {}, 0  # choice -> (finish_reason, completion tokens)
         loop = asyncio.get_running_loop()
         checked = loop.time()
         try:
-            while True:
+            while len(finished) < n:
                 event = await self._next(job, disconnected)
                 if event is None:
                     return None
@@ -966,27 +1002,30 @@ class Server:
                     if await disconnected():
                         return None
                 if event[0] == "text":
-                    parts.append(event[1])
-                    entries += event[2]
-                    continue
-                if event[0] == "error":
+                    parts[event[1]].append(event[2])
+                    entries[event[1]] += event[3]
+                elif event[0] == "error":
                     raise _failed(event)
-                _, finish, prompt, completion = event
-                break
+                else:
+                    _, i, finish, prompt, completion = event
+                    finished[i] = finish, completion
         finally:
             self.engine.cancel(job)
-        text = "".join(parts)
-        logprobs = None if job.params.logprobs is None else self._logprobs(job, entries)
-        content, calls, finish = self._calls(job, text, finish)
-        message = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = calls
-        choice = ({"index": 0, "message": message,
-                   "logprobs": logprobs, "finish_reason": finish} if job.chat else
-                  {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
+        choices = []
+        for i in range(n):
+            text = "".join(parts[i])
+            logprobs = None if job.params.logprobs is None else self._logprobs(job, i, entries[i])
+            content, calls, finish = self._calls(job, text, finished[i][0])
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            choices.append({"index": i, "message": message, "logprobs": logprobs,
+                            "finish_reason": finish} if job.chat else
+                           {"index": i, "text": text, "logprobs": logprobs,
+                            "finish_reason": finish})
         return {"id": job.id, "object": "chat.completion" if job.chat else "text_completion",
-                "created": job.created, "model": self.name, "choices": [choice],
-                "usage": self._usage(prompt, completion)}
+                "created": job.created, "model": self.name, "choices": choices,
+                "usage": self._usage(prompt, sum(c for _, c in finished.values()))}
 
     @staticmethod
     def _calls(job: Job, text: str, finish: str) -> tuple[str | None, list[dict], str]:

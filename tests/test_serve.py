@@ -301,6 +301,50 @@ def test_sampling_with_a_seed_repeats(client):
     assert others - {greedy}, "sampling gave the greedy text for every seed"
 
 
+def test_n_replies_are_n_choices_each_seeded_in_turn(client, model):
+    """n > 1: choice i is what a request with seed + i gives alone (choice 0: the seed's own),
+    usage counts the prompt once and every choice's tokens; greedy choices are all the greedy
+    reply."""
+    kw = dict(model="m", prompt=PROMPT, max_tokens=12, temperature=1.0, seed=11)
+    r = client.completions.create(**kw, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    alone = [client.completions.create(**dict(kw, seed=11 + i)) for i in range(3)]
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+    assert [c.finish_reason for c in r.choices] == [a.choices[0].finish_reason for a in alone]
+    assert len({c.text for c in r.choices}) > 1, "three samples, one text"
+    assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    greedy = client.chat.completions.create(model="m", messages=USER, max_tokens=8,
+                                            temperature=0, n=2)
+    want = client.chat.completions.create(model="m", messages=USER, max_tokens=8, temperature=0)
+    assert [c.message.content for c in greedy.choices] == [want.choices[0].message.content] * 2
+
+
+def test_n_choices_stream_by_index_as_they_reply_whole(client):
+    """Streamed, each chunk carries its choice's index (each choice opened by a role delta),
+    and the chunks of each index make that choice of the same request unstreamed; logprobs
+    come per choice; one usage chunk at the end."""
+    kw = dict(model="m", messages=USER, max_tokens=10, temperature=0.9, seed=3, n=2,
+              logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**kw)
+    text, roles, tokens, usage = {0: "", 1: ""}, [], {0: [], 1: []}, None
+    for chunk in client.chat.completions.create(**kw, stream=True,
+                                                stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            if c.delta.role:
+                roles.append(c.index)
+            text[c.index] += c.delta.content or ""
+            if c.logprobs is not None:
+                tokens[c.index] += [t.token for t in c.logprobs.content]
+    assert roles == [0, 1]
+    assert [text[i] for i in (0, 1)] == [c.message.content for c in whole.choices]
+    assert [tokens[i] for i in (0, 1)] == [[t.token for t in c.logprobs.content]
+                                          for c in whole.choices]
+    assert usage.completion_tokens == whole.usage.completion_tokens
+
+
 @pytest.mark.parametrize("extra,kw", [
     ({"frequency_penalty": 1.5, "presence_penalty": 0.5},
      lambda n: dict(logits_processor=[FrequencyPresencePenalty(n, 1.5, 0.5)])),
@@ -546,7 +590,9 @@ MALFORMED = [
     ("POST", CHAT, {"messages": USER, "top_p": 1.5}, "top_p"),
     ("POST", CHAT, {"messages": USER, "stream": "yes"}, "stream"),
     ("POST", CHAT, {"messages": USER, "stop": 7}, "stop"),
-    ("POST", CHAT, {"messages": USER, "n": 3}, "n="),
+    ("POST", CHAT, {"messages": USER, "n": 0}, "n must be an integer in [1, 16]"),
+    ("POST", CHAT, {"messages": USER, "n": 17}, "n must be an integer in [1, 16]"),
+    ("POST", CHAT, {"messages": USER, "best_of": 3}, "best_of="),
     ("POST", CHAT, {"messages": USER, "top_logprobs": 2}, "needs logprobs: true"),
     ("POST", CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("POST", CHAT, {"messages": USER, "echo": True}, "echo"),
