@@ -1098,6 +1098,35 @@ class _OriginGuard:
         await JSONResponse(e.body(), status_code=e.status)(scope, receive, send)
 
 
+class _InternalErrors:
+    """ASGI middleware, inside the CORS layer: an unexpected exception (a bug) becomes OpenAI's
+    500 JSON here, so a web page on an allowed origin can read it (Starlette answers exceptions
+    in its outermost layer, outside CORS: the page would see a bare network error). The
+    traceback goes to the log; a response already started is ended by the server."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        started = False
+
+        async def watched(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as e:
+            if scope["type"] != "http" or started:
+                raise
+            log.exception("picompile serve: internal error")
+            from fastapi.responses import JSONResponse
+
+            error = APIError(500, f"internal error: {type(e).__name__}", "server_error")
+            await JSONResponse(error.body(), status_code=500)(scope, receive, send)
+
+
 def make_app(cm, tokenizer, *, api_key: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
              max_tokens: int = DEFAULT_MAX_TOKENS, model_name: str | None = None,
              allowed_origins: Sequence[str] = ()):
@@ -1140,6 +1169,7 @@ def make_app(cm, tokenizer, *, api_key: str | None = None, max_queue: int = DEFA
         return error(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
                               kind))
 
+    app.add_middleware(_InternalErrors)  # the innermost: its 500s pass the CORS layer
     app.add_middleware(_OriginGuard, allowed=tuple(allowed_origins))
     if allowed_origins:  # (added after: the outer layer, so preflights are answered first)
         from starlette.middleware.cors import CORSMiddleware
@@ -1148,7 +1178,7 @@ def make_app(cm, tokenizer, *, api_key: str | None = None, max_queue: int = DEFA
                            allow_methods=["GET", "POST"], allow_headers=["*"],
                            allow_private_network=True)
 
-    @app.exception_handler(Exception)  # a bug: uvicorn logs the traceback, the client gets JSON
+    @app.exception_handler(Exception)  # a bug outside _InternalErrors (a middleware's)
     async def internal_error(request: Request, e: Exception):
         return error(APIError(500, f"internal error: {type(e).__name__}", "server_error"))
 

@@ -698,6 +698,27 @@ def test_browsers_may_call_it_only_from_the_allowed_origins(model):
     with running(make_app(*model, allowed_origins=["*"])) as base:
         r = httpx.get(f"{base}/v1/models", headers={"Origin": other})
         assert r.headers["access-control-allow-origin"] == "*"
+
+    class BrokenTokenizer:  # a bug's stand-in: tokenizing a prompt raises
+        def __init__(self, tokenizer):
+            self.tokenizer = tokenizer
+
+        def __getattr__(self, name):
+            return getattr(self.tokenizer, name)
+
+        def __len__(self):
+            return len(self.tokenizer)
+
+        def __call__(self, *args, **kwargs):
+            raise RuntimeError("a bug")
+
+    with running(make_app(model[0], BrokenTokenizer(model[1]), allowed_origins=[page])) as base:
+        r = httpx.post(f"{base}/v1/completions", headers={"Origin": page},
+                       json={"model": "m", "prompt": "x", "max_tokens": 1})
+        # a page may read the 500 (its CORS header), in OpenAI's shape
+        assert r.status_code == 500 and r.headers["access-control-allow-origin"] == page
+        assert r.json()["error"] == {"message": "internal error: RuntimeError",
+                                     "type": "server_error", "param": None, "code": None}
     with running(make_app(*model)) as base:
         r = httpx.get(f"{base}/v1/models", headers={"Origin": page})
         assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
