@@ -290,3 +290,17 @@ def test_a_timeline_times_each_segment_and_split_block_of_each_step():
         assert block["cold_s"] > 0 and block["cold_wait_s"] >= 0
         # the block's wall runs from its input to its merged output: its cold part is in it
         assert block["wall_s"] >= block["cold_s"]
+
+def test_a_wait_the_device_gave_up_on_stops_decoding_once():
+    """The device's wait for a cold output that gave up (its pinned flag; set by hand here, as
+    the GPU's kernel would after its timeout) fails the next step, says why, and is cleared:
+    the decode after it runs."""
+    dense, cm = _split("llama_relu", (0.5,))
+    dec = cm.decoder()
+    assert isinstance(dec, DeviceDecoder), cm.decoder_reason
+    ids = _ids(seed=4)
+    want = cm.generate(ids, max_new_tokens=4, do_sample=False)
+    dec.gave_up.fill_(1)
+    with pytest.raises(RuntimeError, match="stopped waiting for the CPU's cold rows"):
+        cm.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(cm.generate(ids, max_new_tokens=4, do_sample=False), want)

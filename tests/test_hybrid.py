@@ -146,10 +146,10 @@ def _cold_job(ffn, x, mask, out, ready, done):
 @pytest.mark.parametrize("arch", ["llama_relu", "opt"])
 def test_cold_worker_runs_a_batch_in_order_each_job_after_its_ready(arch):
     """The worker takes a batch of jobs (a decode step's split blocks), runs each once its
-    `ready` is set (on a GPU the device's copy sets it), computes what the block's kernel
-    computes on the calling thread, and sets each job's `done` to the batch's serial as its
-    output is written (what the device waits for)."""
-    import ctypes
+    `ready` holds the batch's serial (on a GPU the device's copy puts it there; an earlier
+    batch's value does not count), computes what the block's kernel computes on the calling
+    thread, and sets each job's `done` to the serial as its output is written (what the device
+    waits for)."""
     import threading
     import time
 
@@ -164,33 +164,59 @@ def test_cold_worker_runs_a_batch_in_order_each_job_after_its_ready(arch):
         x = torch.randn(3, ffn.d_model, generator=gen)
         mask = torch.rand(3, ffn.n_ff, generator=gen) < 0.5
         out = torch.full_like(x, float("nan"))
-        ready, done = torch.ones(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+        ready, done = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
         io.append((ffn.kernel(x, threshold=ffn.threshold, mask=mask), out, ready, done))
         jobs.append(_cold_job(ffn, x, mask, out, ready, done))
         inputs.append((x, mask))
     lib = cold_worker.load()
-    serial = start_cold(jobs)  # zeroes each `ready`
-    assert serial > 0 and all(int(ready) == 0 for *_, ready, _ in io)
-    assert lib.pi_cold_start(jobs[0], 1, 5) == -1  # one batch at a time
+    serial = start_cold(jobs)
+    assert serial > 0 and lib.pi_cold_start(jobs[0], 1, 5) == -1  # one batch at a time
+    io[0][2].fill_(serial - 1)  # an earlier batch's flag, landing late: not this one's
     time.sleep(0.05)
     assert all(torch.isnan(out).all() for _, out, _, _ in io)  # nothing before `ready`
     (_, first), (_, second) = io[0][0], io[1][0]
-    io[1][2].fill_(1)  # the second block's input first: the worker still waits for the first
+    io[1][2].fill_(serial)  # the second block's input first: the worker still waits for the first
     time.sleep(0.05)
     assert torch.isnan(io[1][1]).all() and int(io[0][3]) == 0
-    threading.Timer(0.05, io[0][2].fill_, args=(1,)).start()
+    threading.Timer(0.05, lib.pi_set_flag, args=(io[0][2].data_ptr(), serial)).start()
     assert lib.pi_wait_value(io[1][3].data_ptr(), serial) == 0  # the last block is done
     assert wait_cold(2) == [first, second]
     for (want, _), out, _, done in io:
         torch.testing.assert_close(out, want)
         assert int(done) == serial
     waited, ran = last_cold_seconds(0)
-    assert waited >= 0.05 and ran > 0 and last_cold_seconds(1)[1] > 0
+    assert waited >= 0.1 and ran > 0 and last_cold_seconds(1)[1] > 0
     assert lib.pi_cold_wait(None) == -4  # nothing outstanding
     assert lib.pi_cold_start(jobs[0], 0, 1) == -5  # an empty batch
     assert start_cold(jobs[:1]) == serial + 1  # each batch its own serial
-    io[0][2].fill_(1)
+    io[0][2].fill_(serial + 1)
     assert wait_cold(1) == [first] and int(io[0][3]) == serial + 1
+
+
+def test_an_error_mid_call_leaves_the_cold_worker_usable(monkeypatch):
+    """An exception (Ctrl-C) after the worker was started, in the device decoder's step or in a
+    block's per-module call, releases and waits for the worker: the next call runs."""
+    from picompile.runtime.device_decoder import DeviceDecoder
+    from picompile.runtime.hybrid import HybridFFN
+
+    cm = _hybrid(zoo.make("llama_relu"), 2, 0.3, mode="predicted")
+    ids = torch.randint(0, zoo.VOCAB, (1, 5))
+    want = cm.generate(ids, max_new_tokens=4, do_sample=False)
+    send = HybridFFN.send
+
+    def interrupted(*args, **kwargs):
+        monkeypatch.setattr(HybridFFN, "send", send)  # once
+        raise KeyboardInterrupt
+
+    assert isinstance(cm.decoder(), DeviceDecoder), cm.decoder_reason
+    for path in ("device decoder", "per-module"):
+        if path == "per-module":  # a block that times its hand-offs runs the modules' path
+            next(iter(cm.ffns().values())).hybrid.timeline = []
+            assert cm.decoder() is None
+        monkeypatch.setattr(HybridFFN, "send", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            cm.generate(ids, max_new_tokens=4, do_sample=False)
+        assert torch.equal(cm.generate(ids, max_new_tokens=4, do_sample=False), want), path
 
 
 def test_decode_runs_the_cold_part_on_the_worker():

@@ -13,6 +13,7 @@ import functools
 from picompile.codegen import c
 
 _vp, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+MAX_JOBS = 1024  # PI_MAX_JOBS: blocks in one batch
 
 
 class Job(ctypes.Structure):
@@ -24,12 +25,14 @@ class Job(ctypes.Structure):
                 ("ready", _vp), ("threads", _i32), ("done", _vp)]
 
 
-# pi_cold_wait's error codes (see kernels/cold_worker.c)
-ERRORS = {-1: "the cold FFN kernel ran out of memory for its partial outputs",
-          -2: "the cold worker's thread could not be started",
-          -3: "the device never copied the block's input to the host (timed out)",
-          -4: "no cold job outstanding",
-          -5: "a batch of cold jobs must hold 1 to 1024 jobs"}
+# pi_cold_start's and pi_cold_wait's error codes (see kernels/cold_worker.c)
+START_ERRORS = {-1: "a batch of cold jobs is still outstanding",
+                -2: "the cold worker's thread could not be started",
+                -5: f"a batch of cold jobs must hold 1 to {MAX_JOBS} jobs"}
+WAIT_ERRORS = {-1: "the cold FFN kernel ran out of memory for its partial outputs",
+               -3: "the device never copied the block's input to the host (timed out)",
+               -4: "no cold job outstanding",
+               -6: "the cold worker did not finish its batch (timed out; it hangs)"}
 
 
 @functools.lru_cache(maxsize=1)  # once per process: the hybrid runtime calls it per block
@@ -40,4 +43,5 @@ def load() -> ctypes.CDLL:
         "pi_cold_wait": ([_vp], _i64),
         "pi_cold_last_seconds": ([_i32] + [ctypes.POINTER(ctypes.c_double)] * 2, None),
         "pi_wait_value": ([_vp, _i32], _i32),
+        "pi_set_flag": ([_vp, _i32], None),
     })

@@ -587,21 +587,35 @@ def wait_value(flag, value, gave_up, timeout_s: float = HOST_WAIT_TIMEOUT_S) -> 
 
 @functools.lru_cache(maxsize=None)
 def host_wait_works(device_index: int) -> str:
-    """Whether the device sees the host's writes to pinned memory (what wait_value relies on):
-    a wait for a flag the host sets a moment after the launch. -> "" where it does, else why
-    not. Once per device and process; bounded by a 2 s timeout."""
-    import time
+    """Whether the device reads the host's writes to pinned memory (what wait_value relies on):
+    the pinned pointer is the device's too (unified addressing; asked of CUDA first, since a
+    kernel reading a pointer that is not would end the CUDA context), and a wait for a flag
+    another thread sets a moment after the launch ends. -> "" where it does, else why not.
+    Once per device and process; bounded by a 2 s timeout."""
+    import threading
 
     import torch
 
+    cp = _cupy()
     device = torch.device("cuda", device_index)
     flag, gave_up = (torch.zeros(1, dtype=torch.int32, pin_memory=True) for _ in range(2))
+    try:
+        with cp.cuda.Device(device_index):
+            mapped = cp.cuda.runtime.pointerGetAttributes(flag.data_ptr()).devicePointer
+    except (AttributeError, cp.cuda.runtime.CUDARuntimeError) as e:
+        return f"CUDA does not say where pinned memory is on the device ({e})"
+    if mapped != flag.data_ptr():
+        return ("pinned host memory has another address on the device (no unified "
+                "addressing): the device cannot wait for the cold worker's flags")
     value = torch.ones(1, dtype=torch.int32, device=device)
-    with torch.cuda.device(device):
-        wait_value(flag, value, gave_up, timeout_s=2.0)
-        time.sleep(0.01)
-        flag.fill_(1)
-        torch.cuda.current_stream(device).synchronize()
+    setter = threading.Timer(0.01, flag.fill_, args=(1,))  # a thread of its own: a launch may
+    setter.start()  # block (CUDA_LAUNCH_BLOCKING=1) until the wait ends
+    try:
+        with torch.cuda.device(device):
+            wait_value(flag, value, gave_up, timeout_s=2.0)
+            torch.cuda.current_stream(device).synchronize()
+    finally:
+        setter.join()
     if int(gave_up):
         return ("the GPU does not see the host's writes to pinned memory within 2 s (a wait "
                 "for a flag the host set gave up)")

@@ -9,12 +9,15 @@
  *
  *     caller                              worker
  *     pi_cold_start(jobs, n, serial) ---> for each job in order:
- *     (device: per block, copies of x,      spin until *ready == 1 (the copies have landed)
- *      its cold mask, then `ready` 0 -> 1;  ffn(x, mask) over the block's cold rows -> out
- *      the hot kernels; then it waits       *done = serial (the device's wait sees it and
- *      until *done == serial, and reads      merges `out`)
- *      `out`)
+ *     (device: per block, copies of x,      spin until *ready == serial (its copies landed)
+ *      its cold mask, then the serial       ffn(x, mask) over the block's cold rows -> out
+ *      into `ready`; the hot kernels; then  *done = serial (the device's wait sees it and
+ *      it waits until *done == serial,       merges `out`)
+ *      and reads `out`)
  *     pi_cold_wait(n_active)  <---------  all done: active pairs, per job and in all
+ *
+ * Both flags take the batch's serial, a number no earlier batch used, so a copy or a store
+ * left over from an earlier batch (one that failed midway) never passes for this one's.
  *
  * A batch is every split block between two points where the host must step in (a decode step of
  * the device decoder, up to a decoder layer run on the host): the device waits for each block's
@@ -28,19 +31,23 @@
  * Exported:
  *     int pi_cold_start(const pi_cold_job* jobs, int32_t n, int32_t serial);  0, or -1 while a
  *         batch is still outstanding, -2 when the worker thread cannot be started, -5 when n is
- *         not in 1..PI_MAX_JOBS. Each job's `ready` is zeroed (before the device may set it);
- *         the jobs are copied; their buffers must stay alive until pi_cold_wait returns.
+ *         not in 1..PI_MAX_JOBS. The jobs are copied; their buffers must stay alive until
+ *         pi_cold_wait returns.
  *     int64_t pi_cold_wait(int64_t* n_active);  blocks until the batch is done. Its active
  *         (token, neuron) pairs in all (n_active, if not NULL: [n], per job), or the first
- *         error: -1 when a kernel ran out of memory, -3 when a `ready` did not turn 1
+ *         error: -1 when a kernel ran out of memory, -3 when a `ready` did not take the serial
  *         within PI_READY_TIMEOUT_S seconds (the device never copied), -4 with no batch
- *         outstanding. After an error the later jobs are not run, but each `done` is still
- *         written, so a device waiting for it goes on.
+ *         outstanding, -6 when the batch is not done within PI_BATCH_TIMEOUT_S (the worker
+ *         hangs: it stays outstanding). After an error the later jobs are not run, but each
+ *         `done` is still written, so a device waiting for it goes on.
  *     void pi_cold_last_seconds(int32_t k, double* ready_s, double* run_s);  job k of the last
  *         batch: its wait for `ready` and its kernel time (for the hybrid runtime's timelines)
  *     int32_t pi_wait_value(const int32_t* flag, int32_t value);  spins until *flag == value
  *         (0), or -3 after PI_READY_TIMEOUT_S seconds: the CPU stand-in of the device's wait.
+ *     void pi_set_flag(int32_t* flag, int32_t value);  a release store: the CPU stand-in's
+ *         `ready` (the stores before it are seen first), and a failed step's release.
  */
+#include <errno.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <time.h>
@@ -55,6 +62,7 @@
 #endif
 
 #define PI_READY_TIMEOUT_S 60.0
+#define PI_BATCH_TIMEOUT_S 300  /* past any batch's jobs each waiting PI_READY_TIMEOUT_S */
 #define PI_MAX_JOBS 1024  /* blocks in one batch: the split blocks of a model's decode step */
 
 typedef void (*pi_ffn_fn)(const float* x, int64_t T, int64_t d, int64_t n_ff, const void* w_gate,
@@ -75,7 +83,7 @@ typedef struct {
     const float* x;             /* [T, d] float32 */
     const uint8_t* mask;        /* [T, n_ff] bool, or NULL: every neuron is a candidate */
     float* out;                 /* [T, d] float32 */
-    volatile int32_t* ready;    /* 1 once x and mask are in place; NULL: already are */
+    volatile int32_t* ready;    /* the serial once x and mask are in place; NULL: already are */
     int32_t threads;            /* OpenMP threads for the kernel (<= 0: the runtime's default) */
     volatile int32_t* done;     /* set to the batch's serial once out is written; or NULL */
 } pi_cold_job;
@@ -110,9 +118,9 @@ static int spin_until(const int32_t* flag, int32_t value) {
     }
 }
 
-static int64_t run(const pi_cold_job* j, double* ready_s, double* run_s) {
+static int64_t run(const pi_cold_job* j, int32_t serial, double* ready_s, double* run_s) {
     const double t0 = seconds();
-    if (j->ready && spin_until((const int32_t*)j->ready, 1) != 0)
+    if (j->ready && spin_until((const int32_t*)j->ready, serial) != 0)
         return -3;
     const double t1 = seconds();
 #ifdef _OPENMP
@@ -140,7 +148,7 @@ static void* loop(void* arg) {
             int64_t r = 0;
             ready_seconds[k] = run_seconds[k] = 0.0;
             if (total >= 0)  /* after an error the rest only say they are done */
-                r = run(&jobs[k], &ready_seconds[k], &run_seconds[k]);
+                r = run(&jobs[k], serial, &ready_seconds[k], &run_seconds[k]);
             job_active[k] = r < 0 ? 0 : r;
             total = total < 0 ? total : r < 0 ? r : total + r;
             if (jobs[k].done)  /* out is written: the device may read it */
@@ -170,11 +178,8 @@ int pi_cold_start(const pi_cold_job* j, int32_t n, int32_t serial) {
         pthread_detach(worker);
         started = 1;
     }
-    for (int32_t k = 0; k < n; ++k) {
+    for (int32_t k = 0; k < n; ++k)
         jobs[k] = j[k];
-        if (j[k].ready)
-            __atomic_store_n((int32_t*)j[k].ready, 0, __ATOMIC_RELEASE);
-    }
     n_jobs = n;
     batch_serial = serial;
     pending = 1;
@@ -190,8 +195,14 @@ int64_t pi_cold_wait(int64_t* n_active) {
         pthread_mutex_unlock(&lock);
         return -4;
     }
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);  /* the condition variable's clock */
+    deadline.tv_sec += PI_BATCH_TIMEOUT_S;
     while (!done)
-        pthread_cond_wait(&changed, &lock);
+        if (pthread_cond_timedwait(&changed, &lock, &deadline) == ETIMEDOUT && !done) {
+            pthread_mutex_unlock(&lock);
+            return -6;
+        }
     pending = 0;
     const int64_t r = result;
     if (n_active)
@@ -211,4 +222,8 @@ void pi_cold_last_seconds(int32_t k, double* ready_s, double* run_s) {
 
 int32_t pi_wait_value(const int32_t* flag, int32_t value) {
     return spin_until(flag, value) == 0 ? 0 : -3;
+}
+
+void pi_set_flag(int32_t* flag, int32_t value) {
+    __atomic_store_n(flag, value, __ATOMIC_RELEASE);
 }

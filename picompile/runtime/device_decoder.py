@@ -42,7 +42,6 @@ the GPU path runs, with no graph.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 
@@ -53,7 +52,8 @@ from torch import nn
 from picompile.codegen.cuda import HOST_WAIT_TIMEOUT_S, host_wait_works
 from picompile.config import KV_CACHE_STEP, cuda_graphs_enabled
 from picompile.runtime.decoder import HostLayers, Stack, Unsupported, ffn_block, rotated
-from picompile.runtime.hybrid import copy_async, last_cold_seconds, start_cold, wait_cold
+from picompile.runtime.hybrid import (copy_async, last_cold_seconds, release_cold, start_cold,
+                                      wait_cold)
 from picompile.runtime.sparse_ffn import SparseFFN
 
 # Largest difference between a graph replay's logits and the eager step's, relative to the
@@ -287,7 +287,7 @@ class DeviceDecoder(Stack):
         predicted = ffn.predictor(h) if self.predicted[i] else None  # [1, n_ff] bool or None
         h = h.float()
         if self.stages[i] is not None:
-            hy.send(self.stages[i], h, predicted)
+            hy.send(self.stages[i], h, predicted, self.serial)
         self.hot_out[i] = None
         if hy.hot is not None:
             mask = None if predicted is None else predicted[:, : hy.n_hot]
@@ -335,25 +335,23 @@ class DeviceDecoder(Stack):
         for k, (fns, cold, host) in enumerate(self.segments):
             t0 = time.perf_counter()
             self._marks = {} if timing else None
-            if cold:
-                self.serial.fill_(start_cold([self.ffns[i].hybrid.job(1, self.predicted[i])
-                                              for i in cold]))
+            serial = None
             try:
+                if cold:
+                    serial = start_cold([self.ffns[i].hybrid.job(1, self.predicted[i])
+                                         for i in cold])
+                    self.serial.fill_(serial)
                 if self.graphs is not None and not timing:
                     self.graphs[k].replay()
                 else:
                     for fn in fns:
                         fn()
             except BaseException:
-                if cold:  # release the worker before waiting for it: inputs it never got
-                    if self.device.type == "cuda":  # a queued copy of `ready` lands now, not
-                        with contextlib.suppress(RuntimeError):  # after the next start
-                            torch.cuda.current_stream(self.device).synchronize()
-                    for i in cold:
-                        self.stages[i].ready.fill_(1)
+                if serial is not None:  # release the worker before waiting for it
+                    release_cold([self.stages[i] for i in cold], serial, self.device)
                 raise
             finally:
-                if cold:
+                if serial is not None:
                     for i, n in zip(cold, wait_cold(len(cold))):
                         self.ffns[i].hybrid.cold.active_pairs += n
             if timing:
@@ -372,6 +370,7 @@ class DeviceDecoder(Stack):
         one never written; the device's work runs behind the host, so a later step or
         flush_stats finds out)."""
         if int(self.gave_up):
+            self.gave_up.zero_()  # said once: the steps after it are the user's to retry
             raise RuntimeError(
                 "picompile: the GPU stopped waiting for the CPU's cold rows of a split FFN block "
                 f"after {HOST_WAIT_TIMEOUT_S:g} s, so a decode step used an output never written: "
@@ -576,16 +575,16 @@ class DeviceDecoder(Stack):
         """Add what `steps` decode steps computed to each block's statistics: the hot side's
         active pairs (counted on the device) to its hot rows, n_ff pairs per token to the block.
         The cold side counted its own (wait_cold)."""
-        self._check_waits()
         for run in self.host_runs.values():  # the host layers that ran in C
             for i, n in zip(run.indices, run.n_active.tolist()):
                 self.ffns[i].active_pairs += n
                 self.ffns[i].total_pairs += steps * self.ffns[i].n_ff
             run.n_active.zero_()
-        for ffn, n in zip(self.ffns, self.n_active.tolist()):
+        for ffn, n in zip(self.ffns, self.n_active.tolist()):  # (waits for the device)
             if ffn.hybrid is None:  # a host layer's block: counted above, or its own module
                 continue
             if ffn.hybrid.hot is not None:
                 ffn.hybrid.hot.active_pairs += n
             ffn.total_pairs += steps * ffn.n_ff
         self.reset_counts()
+        self._check_waits()  # the device is done: a wait of the last step that gave up shows

@@ -13,20 +13,21 @@ Per block and step (SparseFFN.forward hands over when the block has a `hybrid`):
       4. the cold partial output goes back through the pinned buffer and is added on the device.
 
 So the CPU starts the moment x reaches it, and the launches of the GPU part overlap it. The
-hand-off's phases are methods of their own (job / arm: host, send: device, wait_done: device,
-receive: host), so that the device decoder (runtime/device_decoder.py) starts the worker once on
-every split block of a step (start_cold: a batch, each block's job in order), replays the
-device side as one CUDA graph in which the device itself waits for each block's cold output
-(wait_done: the worker sets a `done` flag in pinned memory to the batch's serial), and waits for
-the worker once (wait_cold). Each
-side is an ordinary SparseFFN over its rows (a "view"), so decode (the kernels over the predicted
-rows) and prefill (dense BLAS over each side's rows, masked, on the calling thread) are the same
-code as the CPU-only runtime. With `device="cpu"` the CPU stands in for the GPU: every split and merge runs, which is
-how CI tests this file.
+hand-off's phases are functions of their own (job and start_cold: host; send and wait_done:
+device; receive or wait_cold: host), so that the device decoder (runtime/device_decoder.py)
+starts the worker once on every split block of a step (a batch, each block's job in order),
+replays the device side as one CUDA graph in which the device itself waits for each block's
+cold output (wait_done: the worker sets a `done` flag in pinned memory to the batch's serial),
+and waits for the worker once (wait_cold). Each side is an ordinary SparseFFN over its rows (a
+"view"), so decode (the kernels over the predicted rows) and prefill (dense BLAS over each
+side's rows, masked, on the calling thread) are the same code as the CPU-only runtime. With
+`device="cpu"` the CPU stands in for the GPU: every split and merge runs, which is how CI tests
+this file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import time
 
@@ -124,8 +125,9 @@ class _Staging:
         self.x = torch.empty(tokens, d, dtype=torch.float32, pin_memory=pinned)  # block input
         self.mask = torch.empty(tokens, n_cold, dtype=torch.bool, pin_memory=pinned)  # cold mask
         self.out = torch.empty(tokens, d, dtype=torch.float32, pin_memory=pinned)  # cold output
+        # The device copies the batch's serial into `ready` once x and the mask are in place;
+        # the worker sets `done` to it once `out` is written (what the device waits for).
         self.ready = torch.zeros(1, dtype=torch.int32, pin_memory=pinned)
-        # The worker sets `done` to its batch's serial once `out` is written (the device's wait).
         self.done = torch.zeros(1, dtype=torch.int32, pin_memory=pinned)
         self.job = None  # a cold_worker.Job over these buffers, made by HybridFFN.job
 
@@ -142,8 +144,8 @@ def start_cold(jobs: list[cold_worker.Job]) -> int:
     batch = (cold_worker.Job * len(jobs))(*jobs)
     rc = cold_worker.load().pi_cold_start(batch, len(jobs), _serial)
     if rc != 0:
-        raise RuntimeError(f"picompile: the cold worker did not start (pi_cold_start {rc}: "
-                           f"{cold_worker.ERRORS.get(rc, 'a batch is still outstanding')})")
+        raise RuntimeError(f"picompile: the cold worker did not start: "
+                           f"{cold_worker.START_ERRORS.get(rc, rc)}")
     return _serial
 
 
@@ -153,8 +155,19 @@ def wait_cold(n: int) -> list[int]:
     total = cold_worker.load().pi_cold_wait(counts)
     if total < 0:
         raise RuntimeError(f"picompile: cold FFN part failed: "
-                           f"{cold_worker.ERRORS.get(total, total)}")
+                           f"{cold_worker.WAIT_ERRORS.get(total, total)}")
     return list(counts)
+
+
+def release_cold(stages: list[_Staging], serial: int, device: torch.device) -> None:
+    """After an error between start_cold and the device's sends of the batch `serial`: let the
+    worker run it through (on whatever inputs are there) so that it can be waited for: the
+    device's queued copies land first, then each job's `ready` takes the serial."""
+    if device.type == "cuda":
+        with contextlib.suppress(RuntimeError):  # the error may be the device's own
+            torch.cuda.current_stream(device).synchronize()
+    for stage in stages:
+        cold_worker.load().pi_set_flag(stage.ready.data_ptr(), serial)
 
 
 def last_cold_seconds(k: int) -> tuple[float, float]:
@@ -183,7 +196,8 @@ class HybridFFN:
             self.cold.select_kernel()
         # Decode runs the cold part on the cold worker where its rows have a C kernel.
         self.cold_on_worker = self.cold is not None and self.cold.kernel is not None
-        self._one = torch.ones(1, dtype=torch.int32, device=self.device)  # `ready`'s source
+        # The per-module path's batch serial, on the device: what send() copies into `ready`.
+        self.serial = torch.zeros(1, dtype=torch.int32, device=self.device)
         if self.hot is not None and self.cuda:
             self.hot.kernel = CudaHotKernel(self.hot)
         elif self.hot is not None:
@@ -244,23 +258,20 @@ class HybridFFN:
         job.threads = cold_threads()
         return job
 
-    def arm(self, T: int, predicted: bool) -> _Staging:
-        """Host side of the hand-off, for this block alone: start the cold worker on its staging
-        for T tokens (with the predictor's mask or without); it spins until send()'s `ready`
-        lands. The device work that sends may be queued before or after. -> the staging, for
-        send() and receive()."""
-        start_cold([self.job(T, predicted)])
-        return self.staging()
-
-    def send(self, stage: _Staging, x: torch.Tensor, predicted: torch.Tensor | None) -> None:
+    def send(self, stage: _Staging, x: torch.Tensor, predicted: torch.Tensor | None,
+             serial: torch.Tensor) -> None:
         """Device side of the hand-off: x [T, d] float32 and the cold columns of `predicted`
-        into the staging, then `ready` (on a GPU, copies queued on the current stream, the flag
-        last: it lands after them). Nothing here waits, so a CUDA graph can hold it."""
+        into the staging, then the batch's serial [1] int32 (on the device) into `ready` (on a
+        GPU, copies queued on the current stream, the flag last: it lands after them). Nothing
+        here waits, so a CUDA graph can hold it."""
         T = x.shape[0]
         copy_async(stage.x[:T], x)
         if predicted is not None:
             copy_async(stage.mask[:T], predicted[:, self.n_hot :].contiguous())
-        copy_async(stage.ready, self._one)
+        if self.cuda:
+            copy_async(stage.ready, serial)
+        else:  # the stand-in: a release store, seen after x and the mask
+            cold_worker.load().pi_set_flag(stage.ready.data_ptr(), int(serial))
 
     def wait_done(self, stage: _Staging, serial: torch.Tensor, gave_up: torch.Tensor) -> None:
         """Device side: the device's work that follows waits until the cold worker has written
@@ -273,7 +284,7 @@ class HybridFFN:
             wait_value(stage.done, serial, gave_up)
         elif cold_worker.load().pi_wait_value(stage.done.data_ptr(), int(serial)) != 0:
             raise RuntimeError("picompile: the cold worker never finished a block's rows "
-                               f"({cold_worker.ERRORS[-3]})")
+                               "(timed out)")
 
     def receive(self, stage: _Staging, T: int) -> torch.Tensor:
         """Wait for the cold worker (the GIL released). -> its output [T, d] float32 on the host;
@@ -295,12 +306,13 @@ class HybridFFN:
         # 1. the cold part starts on the worker thread as soon as its input reaches the host
         # (prefill: the cold side's dense BLAS path, on this thread)
         on_worker = self.cold_on_worker and T <= KERNEL_MAX_TOKENS
-        stage = None
-        if on_worker:
-            stage = self.arm(T, predicted is not None)
-            self.send(stage, x, predicted)
+        stage, serial = self.staging() if on_worker else None, None
         out, cold_s, cold_wait_s = None, 0.0, 0.0
         try:
+            if on_worker:  # this block alone as the worker's batch
+                serial = start_cold([self.job(T, predicted is not None)])
+                self.serial.fill_(serial)
+                self.send(stage, x, predicted, self.serial)
             if self.hot is not None:  # 2. meanwhile: the hot part (asynchronous on a GPU)
                 if timing:
                     self._record(marks["hot_start"])
@@ -311,13 +323,17 @@ class HybridFFN:
                     hot_s = time.perf_counter() - t_hot  # the launches; GPU time from the events
                     candidates = self.n_hot if hot_mask is None else hot_mask.any(0).sum()
                     hot_bytes = self._bytes_read(candidates, self.hot.active_pairs - active_before)
+        except BaseException:
+            if serial is not None:  # release the worker before waiting for it
+                release_cold([stage], serial, self.device)
+            raise
         finally:
-            if stage is not None:  # 3. the cold part's result (waited for even on an error)
+            if serial is not None:  # 3. the cold part's result (waited for even on an error)
                 cold_out = self.receive(stage, T)
                 if timing:
                     cold_wait_s, cold_s = last_cold_seconds(0)
         if self.cold is not None:
-            if stage is None:  # prefill, or no C kernel for the cold rows: on this thread
+            if serial is None:  # prefill, or no C kernel for the cold rows: on this thread
                 t_cold = time.perf_counter()
                 cold_mask = None if predicted is None else predicted[:, self.n_hot :].cpu()
                 with torch.no_grad():
