@@ -62,6 +62,7 @@ import functools
 import math
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 from picompile import quant
@@ -380,7 +381,10 @@ def _cupy_stream(index: int, ptr: int):
     """cupy's wrapper of the CUDA stream `ptr` (PyTorch's), made once per stream: building one
     per launch costs host time on every block of every token."""
     cp = _cupy()
-    with cp.cuda.Device(index):
+    # CuPy 14 deprecates ExternalStream for the CUDA stream protocol (Stream.from_external);
+    # it still works the same, and older CuPy has nothing else: kept, without the warning.
+    with cp.cuda.Device(index), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
         try:
             return cp.cuda.ExternalStream(ptr, index)
         except TypeError:  # older cupy: ExternalStream(ptr)
