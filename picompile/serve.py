@@ -500,6 +500,7 @@ class Job:
         self.cancelled = threading.Event()
         # per choice, characters of the reply sent: a completion's logprobs count them
         self.text_offset = [0] * params.n
+        self.echo: tuple | None = None  # (the prompt's text, its Entries), made once for echo
 
     def emit(self, *event) -> None:
         try:
@@ -644,9 +645,8 @@ class Engine:
 
     def _run(self, job: Job) -> None:
         """The job's choices, one after the other (the prompt cache spares each the prefill)."""
-        p = job.params
-        for i in range(p.n):
-            if not self._choice(job, i):
+        for i in range(job.params.n):
+            if job.cancelled.is_set() or not self._choice(job, i):
                 return
 
     def _choice(self, job: Job, i: int) -> bool:
@@ -672,11 +672,13 @@ class Engine:
                           min_p=p.min_p)
         try:
             if p.echo:
-                with self.tokenizer_lock:
-                    prompt = p.prompt_text if p.prompt_text is not None else \
-                        self.tokenizer.decode(p.ids, skip_special_tokens=True)
-                job.emit("text", i, prompt,
-                         [] if logprobs is None else logprobs.prompt(self.model, ids))
+                if job.echo is None:  # once for all choices (its logprobs: a prompt's forward)
+                    with self.tokenizer_lock:
+                        prompt = p.prompt_text if p.prompt_text is not None else \
+                            self.tokenizer.decode(p.ids, skip_special_tokens=True)
+                    job.echo = prompt, ([] if logprobs is None else
+                                        logprobs.prompt(self.model, ids))
+                job.emit("text", i, *job.echo)
             if p.seed is not None:  # choice i: seed + i (within torch's seeds)
                 torch.manual_seed(p.seed if i == 0 else (p.seed + i) % 2**64)
             complete = False
@@ -779,6 +781,8 @@ class Server:
         max_tokens = self._max_tokens(body, len(ids))
         n = _field(body, "n", int, 1, 1, MAX_CHOICES)
         shared = self._logit_bias(body) + _penalties(body, len(ids))  # stateless
+        grammars = [()] * n if grammar is None else [
+            (c,) for c in self._constraints(grammar, len(ids), n)]
         params = Params(ids=ids, max_tokens=max_tokens,
                         temperature=_field(body, "temperature", float, 1.0, 0, 2),
                         top_p=_field(body, "top_p", float, 1.0, 0, 1),
@@ -786,9 +790,7 @@ class Server:
                         min_p=_field(body, "min_p", float, 0.0, 0, 1),
                         seed=_field(body, "seed", int, None, -2**63, 2**64 - 1),
                         stops=tuple(stops + extra_stops),
-                        processors=tuple(shared + (
-                            () if grammar is None else (self._constraint(grammar, len(ids)),))
-                            for _ in range(n)),
+                        processors=tuple(shared + g for g in grammars),
                         logprobs=logprobs, echo=echo,
                         prompt_text=prompt_text,
                         tools={"auto": "auto", "required": "forced", "named": "forced"}.get(
@@ -802,9 +804,10 @@ class Server:
         self.engine.submit(job)
         return job
 
-    def _constraint(self, request: tuple[str, str, str], prompt_tokens: int):
-        """The logits processor holding the reply to a request's grammar (400 where it cannot
-        be read). The tokenizer is wrapped for grammars at the first such request."""
+    def _constraints(self, request: tuple[str, str, str], prompt_tokens: int, n: int) -> list:
+        """n logits processors holding n replies to a request's grammar, compiled once (400
+        where it cannot be read): a processor keeps its reply's parser state. The tokenizer is
+        wrapped for grammars at the first such request."""
         name, format, text = request
         try:
             with self._grammars_lock:
@@ -812,7 +815,8 @@ class Server:
                     with self.engine.tokenizer_lock:  # reads the tokenizer
                         self.grammars = Grammars(self.tokenizer, self.vocab,
                                                  sorted(self.engine.eos))
-            return self.grammars.constraint(self.grammars.compile(format, text), prompt_tokens)
+            compiled = self.grammars.compile(format, text)
+            return [self.grammars.constraint(compiled, prompt_tokens) for _ in range(n)]
         except ImportError as e:
             raise _bad(name, str(e), code="unsupported_parameter") from None
         except GrammarError as e:
@@ -828,7 +832,8 @@ class Server:
                                      f"got {_show(bias)}")
         out = {}
         for key, value in bias.items():
-            token = int(key) if isinstance(key, str) and key.isdigit() else None
+            token = (int(key) if isinstance(key, str) and key.isascii() and key.isdigit()
+                     else None)  # ("²".isdigit(), but int() refuses it)
             if token is None or token >= self.vocab or isinstance(value, bool) or not (
                     isinstance(value, (int, float)) and -100 <= value <= 100):
                 raise _bad("logit_bias", f"logit_bias maps token ids in [0, {self.vocab}) to "

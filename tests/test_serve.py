@@ -285,7 +285,8 @@ def test_logit_bias_bans_and_forces_tokens(client, model):
     forced = (first + 7) % len(tok)
     r = client.completions.create(**kw, logit_bias={str(forced): 100})
     assert r.choices[0].logprobs.tokens[0] == tok.decode([forced])
-    for bad in ({"x": 1}, {str(cm.config.vocab_size): 1}, {"3": 101}, {"3": True}, [3]):
+    for bad in ({"x": 1}, {str(cm.config.vocab_size): 1}, {"3": 101}, {"3": True}, [3],
+                {"\u00b2": 1}, {"\u0663": 1}):  # digits, but not ASCII ones
         with pytest.raises(openai.BadRequestError, match="logit_bias"):
             client.completions.create(**kw, logit_bias=bad)
 
@@ -318,6 +319,14 @@ def test_n_replies_are_n_choices_each_seeded_in_turn(client, model):
                                             temperature=0, n=2)
     want = client.chat.completions.create(model="m", messages=USER, max_tokens=8, temperature=0)
     assert [c.message.content for c in greedy.choices] == [want.choices[0].message.content] * 2
+    echoed = client.completions.create(**kw, n=2, echo=True, logprobs=1)
+    n_prompt = len(model[1](PROMPT)["input_ids"])
+    for c, alone in zip(echoed.choices, alone):  # the prompt echoed in each, with its logprobs
+        assert c.text == PROMPT + alone.choices[0].text
+        lp = c.logprobs
+        assert lp.token_logprobs[0] is None and len(lp.tokens) > n_prompt
+        assert lp.tokens[:n_prompt] == echoed.choices[0].logprobs.tokens[:n_prompt]
+        assert lp.text_offset[n_prompt] == len(PROMPT)  # each choice counts its own text
 
 
 def test_n_choices_stream_by_index_as_they_reply_whole(client):
