@@ -187,13 +187,17 @@ def decoder_overlap(cm, ids) -> list[str]:
     if not blocks:
         return lines + ["device decoder: no block hands off to the CPU"]
     med = lambda key: statistics.median(s[key] for s in blocks)  # noqa: E731
-    ratio = statistics.median(s["wall_s"] / max(s["device_s"], s["cold_s"], 1e-9) for s in blocks)
+    ratios = sorted(s["wall_s"] / max(s["device_s"], s["cold_s"], 1e-9) for s in blocks)
+    over = statistics.median(s["wall_s"] - max(s["device_s"], s["cold_s"]) for s in blocks)
+    tenth = lambda q: ratios[min(len(ratios) - 1, int(q * len(ratios)))]  # noqa: E731
     return lines + [
         f"device decoder, per split block (median of {len(blocks)}, eager timed steps): GPU part "
         f"{med('device_s') * 1e6:.0f} us (CUDA events: norm, predictor, hot rows), cold "
         f"{med('cold_s') * 1e6:.0f} us (its wait for the input {med('cold_wait_s') * 1e6:.0f}"
-        f" us), wall {med('wall_s') * 1e6:.0f} us (input to merged output); "
-        f"wall / max(GPU, cold) = {ratio:.2f}"]
+        f" us), wall {med('wall_s') * 1e6:.0f} us (input to merged output), "
+        f"{over * 1e6:.0f} us beyond the longer side; wall / max(GPU, cold) = "
+        f"{statistics.median(ratios):.2f} (10th / 90th percentile {tenth(0.1):.2f} / "
+        f"{tenth(0.9):.2f})"]
 
 
 def overlap_report(cm) -> list[str]:
