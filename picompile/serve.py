@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP server for a compiled model: `picompile serve`, picompile.serve().
 
     POST /v1/chat/completions   messages -> the assistant's reply
-    POST /v1/completions        a prompt (text, or token ids) -> its continuation
+    POST /v1/completions        a prompt (text, or token ids), or a list of up to 64 of them
+                                -> their continuations
     GET  /v1/models             the one model served
     GET  /health                {"status": "ok", "running": 0 or 1, "waiting": n, "max_queue": m}
 
@@ -39,7 +40,10 @@ before a call streams as it comes, each call whole in one delta at the end). n (
 MAX_CHOICES) asks for that many replies to one prompt: they run one after the other (the prompt
 cache spares each the prompt's prefill), choice i seeded with seed + i where a seed is given;
 streamed, each choice's chunks carry its index, choice after choice; usage counts the prompt
-once and every choice's tokens. Parameters picompile cannot honour (best_of, suffix, ...)
+once and every choice's tokens. A completion's list of prompts (what batched evaluation
+harnesses send) gives each prompt's n replies in turn: choices k * n to k * n + n - 1 are prompt
+k's, each as that prompt alone would give them; at most 64 replies a request.
+Parameters picompile cannot honour (best_of, suffix, ...)
 get a 400 naming them rather than being silently ignored; fields OpenAI's client sends for
 bookkeeping (user, metadata, ...) are ignored.
 
@@ -100,7 +104,8 @@ DEFAULT_MAX_TOKENS = 512
 DEFAULT_MAX_QUEUE = 16
 MAX_STOPS = 4
 MAX_TOP_LOGPROBS = 20  # OpenAI's chat limit (its completions': 5; vLLM's: 20)
-MAX_CHOICES = 16  # n: replies to one request (OpenAI's limit is 128; each runs in turn here)
+MAX_CHOICES = 16  # n: replies to one prompt (OpenAI's limit is 128; each runs in turn here)
+MAX_PROMPTS = 64  # prompts in one completion request, and their replies in all (each in turn)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Parameters picompile cannot honour -> the value that means "off" besides null / false / 0 /
 # empty (best_of=1 is the default, not "off": best_of=0 is refused like 2). Beside OpenAI's own,
@@ -440,22 +445,30 @@ def _tools(body: dict, chat: bool
 
 
 @dataclass
-class Params:
-    """One checked request: what the worker needs to run it."""
+class Prompt:
+    """One prompt of a request (a completion may send several): its tokens, its replies' limit,
+    and per reply (n of them) its HF logits processors: penalties, a grammar (after logprobs'
+    recorder), a tuple each (a grammar's matcher keeps its reply's state)."""
     ids: list[int]
     max_tokens: int
+    processors: tuple[tuple, ...] = ((),)
+    text: str | None = None  # what echo repeats: the prompt as sent (None: its ids')
+
+
+@dataclass
+class Params:
+    """One checked request: what the worker needs to run it. Its choices are each prompt's n
+    replies in turn: choice c is reply c % n to prompt c // n."""
+    prompts: tuple[Prompt, ...]
+    n: int = 1  # replies per prompt (OpenAI's n)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    # per choice, HF logits processors: penalties, a grammar (after logprobs' recorder); one
-    # tuple per choice (a grammar's matcher keeps state): n of them
-    processors: tuple[tuple, ...] = ((),)
     seed: int | None = None
     stops: tuple[str, ...] = ()
     logprobs: int | None = None  # likeliest tokens listed with each chosen one; None: no logprobs
     echo: bool = False
-    prompt_text: str | None = None  # what echo repeats: the prompt as sent (None: its ids')
     tools: str | None = None  # how the reply's calls are read: "auto", "forced" (a grammar's
     # one call), None: not at all
     parallel_tool_calls: bool = True  # False: the first call only
@@ -465,9 +478,8 @@ class Params:
     stop_token_ids: tuple[int, ...] = ()  # more tokens that end it (vLLM's)
 
     @property
-    def n(self) -> int:
-        """Replies asked for (OpenAI's n)."""
-        return len(self.processors)
+    def choices(self) -> int:
+        return len(self.prompts) * self.n
 
 
 # A token's log-probability as the worker hands it on: (its text, logprob, the likeliest
@@ -485,9 +497,9 @@ class _Cancelled(Exception):
 
 class Job:
     """A request on its way through the queue. The worker sends events to the request's event
-    loop through `events`, per choice i in turn: ("text", i, delta, [Entry] of the tokens since
-    the last), then ("done", i, finish_reason, prompt_tokens, completion_tokens); or ("error",
-    message, HTTP status), which ends the job. `cancelled` is set when the client goes away."""
+    loop through `events`, per choice c in turn: ("text", c, delta, [Entry] of the tokens since
+    the last), then ("done", c, finish_reason, completion_tokens); or ("error", message, HTTP
+    status), which ends the job. `cancelled` is set when the client goes away."""
 
     def __init__(self, params: Params, chat: bool, stream: bool, include_usage: bool,
                  loop: asyncio.AbstractEventLoop):
@@ -499,8 +511,8 @@ class Job:
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         # per choice, characters of the reply sent: a completion's logprobs count them
-        self.text_offset = [0] * params.n
-        self.echo: tuple | None = None  # (the prompt's text, its Entries), made once for echo
+        self.text_offset = [0] * params.choices
+        self.echo: dict[int, tuple] = {}  # prompt -> (its text, its Entries), made once for echo
 
     def emit(self, *event) -> None:
         try:
@@ -644,27 +656,30 @@ class Engine:
                     self._running = None
 
     def _run(self, job: Job) -> None:
-        """The job's choices, one after the other (the prompt cache spares each the prefill)."""
-        for i in range(job.params.n):
-            if job.cancelled.is_set() or not self._choice(job, i):
+        """The job's choices, one after the other (the prompt cache spares each reply after a
+        prompt's first that prompt's prefill)."""
+        for c in range(job.params.choices):
+            if job.cancelled.is_set() or not self._choice(job, c):
                 return
 
-    def _choice(self, job: Job, i: int) -> bool:
-        """Generate the job's choice i, its events emitted. -> False where the job ended (an
-        error, sent as its event; or the client gone)."""
+    def _choice(self, job: Job, c: int) -> bool:
+        """Generate the job's choice c (reply i of its prompt), its events emitted. -> False
+        where the job ended (an error, sent as its event; or the client gone)."""
         p = job.params
+        k, i = divmod(c, p.n)
+        prompt = p.prompts[k]
         text = TextDeltas(self.tokenizer, p.stops, self.tokenizer_lock)
         logprobs = (None if p.logprobs is None
                     else _Logprobs(p.logprobs, self.tokenizer, self.tokenizer_lock))
         ends = (set() if p.ignore_eos else self.eos) | set(p.stop_token_ids)
-        streamer = _Streamer(job, i, text, ends, logprobs)
-        ids = torch.tensor([p.ids])
-        kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=p.max_tokens,
+        streamer = _Streamer(job, c, text, ends, logprobs)
+        ids = torch.tensor([prompt.ids])
+        kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=prompt.max_tokens,
                       min_new_tokens=p.min_tokens, eos_token_id=sorted(ends) or None,
                       pad_token_id=self.pad,
                       streamer=streamer, do_sample=p.temperature > 0,
                       repetition_penalty=1.0,  # the request's penalties only, not the model's
-                      logits_processor=list(p.processors[i]))
+                      logits_processor=list(prompt.processors[i]))
         if logprobs is not None:  # first: it sees the model's own logits
             kwargs["logits_processor"].insert(0, logprobs)
         if p.temperature > 0:
@@ -672,13 +687,13 @@ class Engine:
                           min_p=p.min_p)
         try:
             if p.echo:
-                if job.echo is None:  # once for all choices (its logprobs: a prompt's forward)
+                if k not in job.echo:  # once for its n replies (logprobs: a prompt's forward)
                     with self.tokenizer_lock:
-                        prompt = p.prompt_text if p.prompt_text is not None else \
-                            self.tokenizer.decode(p.ids, skip_special_tokens=True)
-                    job.echo = prompt, ([] if logprobs is None else
-                                        logprobs.prompt(self.model, ids))
-                job.emit("text", i, *job.echo)
+                        echoed = prompt.text if prompt.text is not None else \
+                            self.tokenizer.decode(prompt.ids, skip_special_tokens=True)
+                    job.echo[k] = echoed, ([] if logprobs is None else
+                                           logprobs.prompt(self.model, ids))
+                job.emit("text", c, *job.echo[k])
             if p.seed is not None:  # choice i: seed + i (within torch's seeds)
                 torch.manual_seed(p.seed if i == 0 else (p.seed + i) % 2**64)
             complete = False
@@ -702,7 +717,7 @@ class Engine:
             log.exception("picompile serve: generation failed")
             job.emit("error", f"generation failed: {type(e).__name__}: {e}", 500)
             return False
-        job.emit("done", i, streamer.finish, len(p.ids), streamer.count)
+        job.emit("done", c, streamer.finish, streamer.count)
         return True
 
 
@@ -772,32 +787,39 @@ class Server:
         if tools is not None and tool_mode != "none" and logprobs is not None:
             raise _bad("logprobs", "logprobs with tools is not supported",
                        code="unsupported_parameter")
-        prompt_text, extra_stops = None, []
+        extra_stops = []
         if chat:
             ids, extra_stops = self._chat_ids(_messages(body), tools,
                                               tools_optional=tool_mode == "none")
+            given = [(ids, None)]
         else:
-            ids, prompt_text = self._prompt_ids(body.get("prompt"))
-        max_tokens = self._max_tokens(body, len(ids))
+            given = self._prompts(body.get("prompt"))
         n = _field(body, "n", int, 1, 1, MAX_CHOICES)
-        shared = self._logit_bias(body) + _penalties(body, len(ids))  # stateless
-        grammars = [()] * n if grammar is None else [
-            (c,) for c in self._constraints(grammar, len(ids), n)]
-        params = Params(ids=ids, max_tokens=max_tokens,
+        if len(given) * n > MAX_PROMPTS:
+            raise _bad("n", f"{len(given)} prompts x n={n} replies: this server gives up to "
+                            f"{MAX_PROMPTS} replies a request; send fewer")
+        bias = self._logit_bias(body)  # stateless: one for all
+        prompts = []
+        for k, (ids, text) in enumerate(given):
+            max_tokens = self._max_tokens(body, len(ids), k if len(given) > 1 else None)
+            shared = bias + _penalties(body, len(ids))  # stateless
+            grammars = [()] * n if grammar is None else [
+                (g,) for g in self._constraints(grammar, len(ids), n)]
+            prompts.append(Prompt(ids, max_tokens, tuple(shared + g for g in grammars), text))
+        params = Params(prompts=tuple(prompts), n=n,
                         temperature=_field(body, "temperature", float, 1.0, 0, 2),
                         top_p=_field(body, "top_p", float, 1.0, 0, 1),
                         top_k=_field(body, "top_k", int, 0, 0),
                         min_p=_field(body, "min_p", float, 0.0, 0, 1),
                         seed=_field(body, "seed", int, None, -2**63, 2**64 - 1),
                         stops=tuple(stops + extra_stops),
-                        processors=tuple(shared + g for g in grammars),
                         logprobs=logprobs, echo=echo,
-                        prompt_text=prompt_text,
                         tools={"auto": "auto", "required": "forced", "named": "forced"}.get(
                             tool_mode),
                         parallel_tool_calls=parallel,
                         tool_names=tuple(f["name"] for f in functions),
-                        min_tokens=_field(body, "min_tokens", int, 0, 0, max_tokens),
+                        min_tokens=_field(body, "min_tokens", int, 0, 0,
+                                          min(p.max_tokens for p in prompts)),
                         ignore_eos=_field(body, "ignore_eos", bool, False),
                         stop_token_ids=self._token_ids(body, "stop_token_ids"))
         job = Job(params, chat, stream, include_usage, loop)
@@ -868,28 +890,39 @@ class Server:
             except ValueError as e:
                 raise _bad("messages", str(e)) from None
 
-    def _prompt_ids(self, prompt) -> tuple[list[int], str | None]:
-        """A prompt: a string, a list of token ids, or a list holding one of those -> (its ids,
-        the string or None)."""
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
+    def _prompts(self, prompt) -> list[tuple[list[int], str | None]]:
+        """A completion's prompt: a string or a list of token ids, or a list of up to
+        MAX_PROMPTS of those -> [(its ids, the string or None)] per prompt."""
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            if len(prompt) > MAX_PROMPTS:
+                raise _bad("prompt", f"{len(prompt)} prompts: this server takes up to "
+                                     f"{MAX_PROMPTS} a request")
+            return [self._prompt_ids(p, k if len(prompt) > 1 else None)
+                    for k, p in enumerate(prompt)]
+        return [self._prompt_ids(prompt)]
+
+    def _prompt_ids(self, prompt, k: int | None = None) -> tuple[list[int], str | None]:
+        """One prompt (prompt k of several): a string or a list of token ids -> (its ids, the
+        string or None)."""
+        which = "the prompt" if k is None else f"prompt {k}"
         if isinstance(prompt, str):
             _unicode(prompt, "prompt")
             with self.engine.tokenizer_lock:
                 ids = list(self.tokenizer(prompt)["input_ids"])
             if not ids:
-                raise _bad("prompt", "the prompt gives no tokens (it is empty and the tokenizer "
+                raise _bad("prompt", f"{which} gives no tokens (it is empty and the tokenizer "
                                      "adds no start token); give a non-empty prompt")
             return ids, prompt
         if (isinstance(prompt, list) and prompt
                 and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
             if not all(0 <= t < self.vocab for t in prompt):
-                raise _bad("prompt", f"prompt token ids must be in [0, {self.vocab})")
+                raise _bad("prompt", f"{which}: token ids must be in [0, {self.vocab})")
             return prompt, None
         raise _bad("prompt", "prompt must be a string, a non-empty list of token ids, or a list "
-                             f"of one of those (one prompt per request), got {_show(prompt)}")
+                             f"of those, got {_show(prompt)}")
 
-    def _max_tokens(self, body: dict, n_prompt: int) -> int:
+    def _max_tokens(self, body: dict, n_prompt: int, k: int | None = None) -> int:
+        """The reply's token limit for a prompt of n_prompt tokens (prompt k of several)."""
         name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
             else "max_tokens"
         asked = _field(body, name, int, None, 1)
@@ -898,31 +931,35 @@ class Server:
         room = self.context - n_prompt
         if room < 1 or (asked is not None and asked > room):  # the prompt's fault if it fills it
             raise _bad(name if room >= 1 else "messages" if "messages" in body else "prompt",
-                       f"the model's context is {self.context} tokens: the prompt has "
+                       f"the model's context is {self.context} tokens: "
+                       f"{'the prompt' if k is None else f'prompt {k}'} has "
                        f"{n_prompt} and {name} asks for {asked or 'at least 1'}; shorten the "
                        "prompt or ask for fewer tokens", code="context_length_exceeded")
         return asked or min(self.max_tokens, room)
 
     # replies
 
-    def _usage(self, prompt: int, completion: int) -> dict:
+    @staticmethod
+    def _usage(job: Job, completion: int) -> dict:
+        """Usage: each prompt's tokens once (whatever its n), every reply's tokens."""
+        prompt = sum(len(p.ids) for p in job.params.prompts)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
-    def _chunk(self, job: Job, i: int, text: str | None, finish: str | None = None,
+    def _chunk(self, job: Job, c: int, text: str | None, finish: str | None = None,
                role: bool = False, entries: list[Entry] | None = None,
                calls: list[dict] | None = None) -> dict:
-        """A streamed chunk of choice i."""
-        logprobs = self._logprobs(job, i, entries) if entries else None
+        """A streamed chunk of choice c."""
+        logprobs = self._logprobs(job, c, entries) if entries else None
         if job.chat:
             delta = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
             if calls:  # each whole, in one chunk
                 delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
-            choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": c, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": i, "text": text or "", "logprobs": logprobs,
+            choice = {"index": c, "text": text or "", "logprobs": logprobs,
                       "finish_reason": finish}
         chunk = {"id": job.id, "object": "chat.completion.chunk" if job.chat else "text_completion",
                  "created": job.created, "model": self.name, "choices": [choice]}
@@ -931,8 +968,8 @@ class Server:
         return chunk
 
     @staticmethod
-    def _logprobs(job: Job, i: int, entries: list[Entry]) -> dict:
-        """OpenAI's logprobs object of choice i's (or its chunk's) tokens: chat's content list,
+    def _logprobs(job: Job, c: int, entries: list[Entry]) -> dict:
+        """OpenAI's logprobs object of choice c's (or its chunk's) tokens: chat's content list,
         or a completion's parallel lists with each token's character offset in its text."""
         if job.chat:
             def one(text: str, logprob: float) -> dict:
@@ -941,8 +978,8 @@ class Server:
                                 for text, logprob, top in entries]}
         tops, offsets = [], []
         for text, logprob, top in entries:
-            offsets.append(job.text_offset[i])
-            job.text_offset[i] += len(text)
+            offsets.append(job.text_offset[c])
+            job.text_offset[c] += len(text)
             # the likeliest, and the chosen token (OpenAI: up to logprobs + 1 of them)
             tops.append(None if top is None else {**dict(top), text: logprob})
         return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
@@ -955,29 +992,28 @@ class Server:
             return f"data: {json.dumps(obj)}\n\n"
 
         p = job.params
-        calls = [None if p.tools is None else
-                 tool_calls.CallStream(forced=p.tools == "forced", names=p.tool_names)
-                 for _ in range(p.n)]
         completion = 0
-        for i in range(p.n):
+        for c in range(p.choices):
+            calls = None if p.tools is None else tool_calls.CallStream(
+                forced=p.tools == "forced", names=p.tool_names)
             if job.chat:
-                yield sse(self._chunk(job, i, "", role=True))
+                yield sse(self._chunk(job, c, "", role=True))
             while True:
                 event = await job.events.get()
-                if event[0] == "text" and calls[i] is not None:  # text before a call streams
-                    text = calls[i].feed(event[2])
+                if event[0] == "text" and calls is not None:  # text before a call streams
+                    text = calls.feed(event[2])
                     if text:
-                        yield sse(self._chunk(job, i, text))
+                        yield sse(self._chunk(job, c, text))
                 elif event[0] == "text":
-                    yield sse(self._chunk(job, i, event[2], entries=event[3]))
+                    yield sse(self._chunk(job, c, event[2], entries=event[3]))
                 elif event[0] == "done":
-                    _, _, finish, prompt, tokens = event
+                    _, _, finish, tokens = event
                     completion += tokens
-                    if calls[i] is not None:
-                        content, found, finish = self._finish_calls(job, calls[i], finish)
+                    if calls is not None:
+                        content, found, finish = self._finish_calls(job, calls, finish)
                         if content or found:
-                            yield sse(self._chunk(job, i, content, calls=found))
-                    yield sse(self._chunk(job, i, None if job.chat else "", finish))
+                            yield sse(self._chunk(job, c, content, calls=found))
+                    yield sse(self._chunk(job, c, None if job.chat else "", finish))
                     break
                 else:
                     yield sse(_failed(event).body())
@@ -986,15 +1022,15 @@ class Server:
         if job.include_usage:
             yield sse({"id": job.id, "object": self._chunk(job, 0, None)["object"],
                        "created": job.created, "model": self.name, "choices": [],
-                       "usage": self._usage(prompt, completion)})
+                       "usage": self._usage(job, completion)})
         yield "data: [DONE]\n\n"
 
     async def result(self, job: Job, disconnected: Callable[[], Awaitable[bool]]) -> dict | None:
         """The job's whole reply as one JSON body; None if the client went away meanwhile (the
         job is cancelled then)."""
-        n = job.params.n
+        n = job.params.choices
         parts, entries = [[] for _ in range(n)], [[] for _ in range(n)]
-        finished, prompt = {}, 0  # choice -> (finish_reason, completion tokens)
+        finished = {}  # choice -> (finish_reason, completion tokens)
         loop = asyncio.get_running_loop()
         checked = loop.time()
         try:
@@ -1012,25 +1048,25 @@ class Server:
                 elif event[0] == "error":
                     raise _failed(event)
                 else:
-                    _, i, finish, prompt, completion = event
-                    finished[i] = finish, completion
+                    _, c, finish, completion = event
+                    finished[c] = finish, completion
         finally:
             self.engine.cancel(job)
         choices = []
-        for i in range(n):
-            text = "".join(parts[i])
-            logprobs = None if job.params.logprobs is None else self._logprobs(job, i, entries[i])
-            content, calls, finish = self._calls(job, text, finished[i][0])
+        for c in range(n):
+            text = "".join(parts[c])
+            logprobs = None if job.params.logprobs is None else self._logprobs(job, c, entries[c])
+            content, calls, finish = self._calls(job, text, finished[c][0])
             message = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = calls
-            choices.append({"index": i, "message": message, "logprobs": logprobs,
+            choices.append({"index": c, "message": message, "logprobs": logprobs,
                             "finish_reason": finish} if job.chat else
-                           {"index": i, "text": text, "logprobs": logprobs,
+                           {"index": c, "text": text, "logprobs": logprobs,
                             "finish_reason": finish})
         return {"id": job.id, "object": "chat.completion" if job.chat else "text_completion",
                 "created": job.created, "model": self.name, "choices": choices,
-                "usage": self._usage(prompt, sum(c for _, c in finished.values()))}
+                "usage": self._usage(job, sum(t for _, t in finished.values()))}
 
     @staticmethod
     def _calls(job: Job, text: str, finish: str) -> tuple[str | None, list[dict], str]:

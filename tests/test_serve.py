@@ -329,6 +329,31 @@ def test_n_replies_are_n_choices_each_seeded_in_turn(client, model):
         assert lp.text_offset[n_prompt] == len(PROMPT)  # each choice counts its own text
 
 
+def test_several_prompts_each_reply_as_alone_in_order(client, model):
+    """A completion with a list of prompts (strings or token ids; what batched evaluation
+    harnesses send): prompt k's n replies are choices k * n .. k * n + n - 1, each what that
+    prompt alone gives; usage counts each prompt once; streamed alike."""
+    tok = model[1]
+    prompts = [PROMPT, "Once upon a time", tok("def main():")["input_ids"]]
+    kw = dict(model="m", max_tokens=6, temperature=0.8, seed=5, n=2, logprobs=1)
+    r = client.completions.create(prompt=prompts, **kw)
+    assert [c.index for c in r.choices] == list(range(6))
+    alone = [client.completions.create(prompt=p, **kw) for p in prompts]
+    assert [c.text for c in r.choices] == [c.text for a in alone for c in a.choices]
+    assert [c.logprobs.tokens for c in r.choices] == [c.logprobs.tokens for a in alone
+                                                      for c in a.choices]
+    assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    texts = [""] * 6
+    for chunk in client.completions.create(prompt=prompts, stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in r.choices]
+    # the context is each prompt's own: the one too long is named
+    with pytest.raises(openai.BadRequestError, match="prompt 1 has"):
+        client.completions.create(model="m", prompt=["a", [1] * 600], max_tokens=4)
+
+
 def test_n_choices_stream_by_index_as_they_reply_whole(client):
     """Streamed, each chunk carries its choice's index (each choice opened by a role delta),
     and the chunks of each index make that choice of the same request unstreamed; logprobs
@@ -609,7 +634,9 @@ MALFORMED = [
     ("POST", COMPLETIONS, {"model": "m"}, "prompt"),
     ("POST", COMPLETIONS, {"prompt": 42}, "prompt"),
     ("POST", COMPLETIONS, {"prompt": [5, 10**9]}, "token ids"),
-    ("POST", COMPLETIONS, {"prompt": ["a", "b"]}, "one prompt"),
+    ("POST", COMPLETIONS, {"prompt": ["a"] * 65}, "up to 64 a request"),
+    ("POST", COMPLETIONS, {"prompt": ["a", ""], "max_tokens": 2}, "prompt 1 gives no tokens"),
+    ("POST", COMPLETIONS, {"prompt": ["a"] * 5, "n": 16}, "up to 64 replies"),
     ("POST", COMPLETIONS, {"prompt": "", "max_tokens": 4}, "no tokens"),
     ("POST", COMPLETIONS, b'{"prompt": "hi \\ud800 there", "max_tokens": 2}', "surrogate"),
     ("POST", CHAT, b'{"messages": [{"role": "user", "content": "caf\\udce9"}]}', "surrogate"),
