@@ -18,7 +18,7 @@ all); OpenAI's logit_bias adds to the listed tokens' scores before them; the mod
 generation_config plays no part. seed seeds torch's global RNG, which is safe
 because one request runs at a time. max_tokens (or max_completion_tokens) defaults to
 DEFAULT_MAX_TOKENS, within the model's context; a prompt plus max_tokens past the context is a
-400. stop takes up to 4 strings; vLLM's stop_token_ids end the reply too, its ignore_eos lets it
+400; 0 only with a completion's echo (the prompt scored with logprobs, nothing generated). stop takes up to 4 strings; vLLM's stop_token_ids end the reply too, its ignore_eos lets it
 run past the model's end tokens, and its min_tokens holds end tokens back for that many tokens
 (stop strings still apply). finish_reason is "stop" (an end token or a stop string) or
 "length". Replies count prompt and completion tokens in "usage".
@@ -698,7 +698,8 @@ class Engine:
                 torch.manual_seed(p.seed if i == 0 else (p.seed + i) % 2**64)
             complete = False
             try:
-                self.model.generate(ids, **kwargs)
+                if prompt.max_tokens:  # (0: the echoed prompt scored, nothing generated)
+                    self.model.generate(ids, **kwargs)
             except GrammarComplete:  # and the model has no end token to say so
                 complete = True
             delta, stopped = streamer.text.flush()
@@ -801,7 +802,7 @@ class Server:
         bias = self._logit_bias(body)  # stateless: one for all
         prompts = []
         for k, (ids, text) in enumerate(given):
-            max_tokens = self._max_tokens(body, len(ids), k if len(given) > 1 else None)
+            max_tokens = self._max_tokens(body, len(ids), k if len(given) > 1 else None, echo)
             shared = bias + _penalties(body, len(ids))  # stateless
             grammars = [()] * n if grammar is None else [
                 (g,) for g in self._constraints(grammar, len(ids), n)]
@@ -921,11 +922,16 @@ class Server:
         raise _bad("prompt", "prompt must be a string, a non-empty list of token ids, or a list "
                              f"of those, got {_show(prompt)}")
 
-    def _max_tokens(self, body: dict, n_prompt: int, k: int | None = None) -> int:
-        """The reply's token limit for a prompt of n_prompt tokens (prompt k of several)."""
+    def _max_tokens(self, body: dict, n_prompt: int, k: int | None = None,
+                    echo: bool = False) -> int:
+        """The reply's token limit for a prompt of n_prompt tokens (prompt k of several); 0 only
+        with echo (the prompt scored, nothing generated: what the legacy completions API and
+        evaluation harnesses ask for)."""
         name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
             else "max_tokens"
-        asked = _field(body, name, int, None, 1)
+        asked = _field(body, name, int, None, 0 if echo else 1)
+        if asked == 0:
+            return 0
         if self.context is None:
             return asked or self.max_tokens
         room = self.context - n_prompt

@@ -485,6 +485,27 @@ def test_completion_logprobs_with_echo_cover_the_prompt(client, model):
     assert sum((s.text_offset for s in streamed), []) == lp.text_offset
 
 
+def test_max_tokens_0_with_echo_scores_prompts_without_generating(client, model):
+    """The legacy scoring request (evaluation harnesses' loglikelihood): echo, logprobs and
+    max_tokens 0, for a batch of prompts: each prompt's tokens with the model's
+    log-probabilities, nothing generated; without echo, max_tokens 0 is a 400."""
+    tok = model[1]
+    prompts = [PROMPT, "Once upon a time"]
+    r = client.completions.create(model="m", prompt=prompts, max_tokens=0, echo=True,
+                                  logprobs=1, temperature=0)
+    assert r.usage.completion_tokens == 0
+    for c, text in zip(r.choices, prompts):
+        ids = tok(text)["input_ids"]
+        want = _model_logprobs(model, ids)
+        assert c.text == text and c.finish_reason == "length"
+        assert c.logprobs.tokens == [tok.decode([t]) for t in ids]
+        assert c.logprobs.token_logprobs[0] is None
+        for j, t in enumerate(ids[1:]):
+            assert c.logprobs.token_logprobs[j + 1] == pytest.approx(float(want[j, t]), abs=1e-4)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="m", prompt=PROMPT, max_tokens=0)
+
+
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n"],
           "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
                                                           "maximum": 9}}}
