@@ -18,9 +18,10 @@ all); OpenAI's logit_bias adds to the listed tokens' scores before them; the mod
 generation_config plays no part. seed seeds torch's global RNG, which is safe
 because one request runs at a time. max_tokens (or max_completion_tokens) defaults to
 DEFAULT_MAX_TOKENS, within the model's context; a prompt plus max_tokens past the context is a
-400; 0 only with a completion's echo (the prompt scored with logprobs, nothing generated). stop takes up to 4 strings; vLLM's stop_token_ids end the reply too, its ignore_eos lets it
-run past the model's end tokens, and its min_tokens holds end tokens back for that many tokens
-(stop strings still apply). finish_reason is "stop" (an end token or a stop string) or
+400; 0 only with a completion's echo (the prompt scored with logprobs, nothing generated).
+stop takes up to MAX_STOPS strings; vLLM's stop_token_ids end the reply too, its ignore_eos
+lets it run past the model's end tokens, and its min_tokens holds end tokens back for that many
+tokens (stop strings still apply). finish_reason is "stop" (an end token or a stop string) or
 "length". Replies count prompt and completion tokens in "usage".
 The "model" field is accepted whatever it names: the server serves one model, and replies carry
 its name. Log-probabilities as OpenAI gives them: chat's logprobs with top_logprobs (at most
@@ -102,7 +103,7 @@ from picompile.runtime.sampling import (FrequencyPresencePenalty, LogitBias,
 
 DEFAULT_MAX_TOKENS = 512
 DEFAULT_MAX_QUEUE = 16
-MAX_STOPS = 4
+MAX_STOPS = 16  # OpenAI takes 4; evaluation harnesses send more (vLLM and llama.cpp take any)
 MAX_TOP_LOGPROBS = 20  # OpenAI's chat limit (its completions': 5; vLLM's: 20)
 MAX_CHOICES = 16  # n: replies to one prompt (OpenAI's limit is 128; each runs in turn here)
 MAX_PROMPTS = 64  # prompts in one completion request, and their replies in all (each in turn)
@@ -574,7 +575,10 @@ class _Streamer(ReplyStreamer):
         if self.job.cancelled.is_set():
             raise _Cancelled
         token = int(value.reshape(-1)[0])
-        if self.logprobs is not None and self.prompt_seen and token not in self.ends:
+        # A completion lists an end token too (as OpenAI's legacy API and vLLM do: a harness
+        # reading the last entry as the generated token needs it); chat's content does not.
+        if self.logprobs is not None and self.prompt_seen and (
+                not self.job.chat or token not in self.ends):
             self.entries.append(self.logprobs.entry(token))
         super().put(value)
 
@@ -894,7 +898,7 @@ class Server:
     def _prompts(self, prompt) -> list[tuple[list[int], str | None]]:
         """A completion's prompt: a string or a list of token ids, or a list of up to
         MAX_PROMPTS of those -> [(its ids, the string or None)] per prompt."""
-        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) > MAX_PROMPTS:
                 raise _bad("prompt", f"{len(prompt)} prompts: this server takes up to "
                                      f"{MAX_PROMPTS} a request")
@@ -919,8 +923,9 @@ class Server:
             if not all(0 <= t < self.vocab for t in prompt):
                 raise _bad("prompt", f"{which}: token ids must be in [0, {self.vocab})")
             return prompt, None
-        raise _bad("prompt", "prompt must be a string, a non-empty list of token ids, or a list "
-                             f"of those, got {_show(prompt)}")
+        raise _bad("prompt", f"{'prompt' if k is None else f'prompt {k}'} must be a string, a "
+                             f"non-empty list of token ids, or a list of those, got "
+                             f"{_show(prompt)}")
 
     def _max_tokens(self, body: dict, n_prompt: int, k: int | None = None,
                     echo: bool = False) -> int:
@@ -930,11 +935,15 @@ class Server:
         name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
             else "max_tokens"
         asked = _field(body, name, int, None, 0 if echo else 1)
-        if asked == 0:
+        room = None if self.context is None else self.context - n_prompt
+        if asked == 0:  # scored: the prompt must fit the context all the same
+            if room is not None and room < 0:
+                raise _bad("prompt", f"the model's context is {self.context} tokens: "
+                                     f"{'the prompt' if k is None else f'prompt {k}'} has "
+                                     f"{n_prompt}; shorten it", code="context_length_exceeded")
             return 0
-        if self.context is None:
+        if room is None:
             return asked or self.max_tokens
-        room = self.context - n_prompt
         if room < 1 or (asked is not None and asked > room):  # the prompt's fault if it fills it
             raise _bad(name if room >= 1 else "messages" if "messages" in body else "prompt",
                        f"the model's context is {self.context} tokens: "

@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import picompile
-from picompile.conversation import DEFAULT_FORMAT_STOP, default_chat_format
+from picompile.conversation import DEFAULT_FORMAT_STOP, default_chat_format, end_tokens
 from picompile.runtime.sampling import FrequencyPresencePenalty, RecentRepetitionPenalty
 from picompile.serve import make_app
 
@@ -504,6 +504,15 @@ def test_max_tokens_0_with_echo_scores_prompts_without_generating(client, model)
             assert c.logprobs.token_logprobs[j + 1] == pytest.approx(float(want[j, t]), abs=1e-4)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model="m", prompt=PROMPT, max_tokens=0)
+    # the harness's loglikelihood request (one token generated): the last entry is that token,
+    # even an end token (forced here by logit_bias)
+    end = sorted(end_tokens(model[0], tok)[0])[0]
+    ids = tok(PROMPT)["input_ids"]
+    r = client.completions.create(model="m", prompt=[ids], max_tokens=1, echo=True, logprobs=1,
+                                  temperature=0, logit_bias={str(end): 100})
+    lp = r.choices[0].logprobs
+    assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "stop"
+    assert len(lp.tokens) == len(ids) + 1 and lp.tokens[-1] == tok.decode([end])
 
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n"],
@@ -657,6 +666,9 @@ MALFORMED = [
     ("POST", COMPLETIONS, {"prompt": [5, 10**9]}, "token ids"),
     ("POST", COMPLETIONS, {"prompt": ["a"] * 65}, "up to 64 a request"),
     ("POST", COMPLETIONS, {"prompt": ["a", ""], "max_tokens": 2}, "prompt 1 gives no tokens"),
+    ("POST", COMPLETIONS, {"prompt": ["a", None], "max_tokens": 2}, "prompt 1 must be"),
+    ("POST", COMPLETIONS, {"prompt": [[5], []], "max_tokens": 2}, "prompt 1 must be"),
+    ("POST", COMPLETIONS, {"prompt": [1] * 600, "max_tokens": 0, "echo": True}, "context"),
     ("POST", COMPLETIONS, {"prompt": ["a"] * 5, "n": 16}, "up to 64 replies"),
     ("POST", COMPLETIONS, {"prompt": "", "max_tokens": 4}, "no tokens"),
     ("POST", COMPLETIONS, b'{"prompt": "hi \\ud800 there", "max_tokens": 2}', "surrogate"),
