@@ -804,12 +804,14 @@ class Server:
             raise _bad("n", f"{len(given)} prompts x n={n} replies: this server gives up to "
                             f"{MAX_PROMPTS} replies a request; send fewer")
         bias = self._logit_bias(body)  # stateless: one for all
+        compiled = None if grammar is None else self._grammar(grammar)
         prompts = []
         for k, (ids, text) in enumerate(given):
             max_tokens = self._max_tokens(body, len(ids), k if len(given) > 1 else None, echo)
             shared = bias + _penalties(body, len(ids))  # stateless
-            grammars = [()] * n if grammar is None else [
-                (g,) for g in self._constraints(grammar, len(ids), n)]
+            # one grammar matcher per reply: it keeps that reply's parser state
+            grammars = [() if compiled is None else
+                        (self.grammars.constraint(compiled, len(ids)),) for _ in range(n)]
             prompts.append(Prompt(ids, max_tokens, tuple(shared + g for g in grammars), text))
         params = Params(prompts=tuple(prompts), n=n,
                         temperature=_field(body, "temperature", float, 1.0, 0, 2),
@@ -831,10 +833,9 @@ class Server:
         self.engine.submit(job)
         return job
 
-    def _constraints(self, request: tuple[str, str, str], prompt_tokens: int, n: int) -> list:
-        """n logits processors holding n replies to a request's grammar, compiled once (400
-        where it cannot be read): a processor keeps its reply's parser state. The tokenizer is
-        wrapped for grammars at the first such request."""
+    def _grammar(self, request: tuple[str, str, str]) -> str:
+        """A request's grammar compiled (400 where it cannot be read), for Grammars.constraint.
+        The tokenizer is wrapped for grammars at the first such request."""
         name, format, text = request
         try:
             with self._grammars_lock:
@@ -842,8 +843,7 @@ class Server:
                     with self.engine.tokenizer_lock:  # reads the tokenizer
                         self.grammars = Grammars(self.tokenizer, self.vocab,
                                                  sorted(self.engine.eos))
-            compiled = self.grammars.compile(format, text)
-            return [self.grammars.constraint(compiled, prompt_tokens) for _ in range(n)]
+            return self.grammars.compile(format, text)
         except ImportError as e:
             raise _bad(name, str(e), code="unsupported_parameter") from None
         except GrammarError as e:
