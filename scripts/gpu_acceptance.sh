@@ -4,7 +4,7 @@
 # directory through PYTHONPATH. Each part writes $OUT/<part>.log (OUT defaults to out/gpu) and
 # ends well inside 10 minutes, so a part fits one command on a lent machine:
 #
-#   bash scripts/gpu_acceptance.sh env kernels tests      # then, one command each:
+#   bash scripts/gpu_acceptance.sh env kernels tests-quick tests   # then, one command each:
 #   bash scripts/gpu_acceptance.sh kernel-tests quant-tests sanitizer
 #   bash scripts/gpu_acceptance.sh opt-13b
 #   bash scripts/gpu_acceptance.sh llama-13b
@@ -19,12 +19,13 @@
 # build/llama-offload and build/carry-llama, where llama-cpp-prebuild leaves llama-bench
 # xz-compressed: the uncompressed 58 MB binary and the tree pass the 64 MiB carry limit):
 #   S=scripts/gpu_acceptance.sh; timeout 370 bash $S llama-13b; timeout 200 bash $S llama-cpp
-# (441 s in all), then on the warm machine kernels (27 s) and tests (300 s). Next: tests first
-# and short (`timeout 240 ... tests`: the device now waits for each split block's cold rows
-# itself, kernels/host_wait.cu, never run on a GPU yet; a hang there is bounded by its 20 s
-# timeout per wait), then llama-13b again (one CUDA graph per step, host layers in C, the per
-# block ratio from CUDA events), llama-cpp, llama-13b-0.8, kernel-tests, quant-tests. Without
-# carried cubins NVRTC compiles the variants a part uses (seconds each).
+# (441 s in all), then on the warm machine kernels (27 s) and tests (300 s). Next, with 15
+# minutes: tests-quick first (the device now waits for each split block's cold rows itself,
+# kernels/host_wait.cu, never run on a GPU yet; a hang there is bounded by its 20 s timeout
+# per wait), then in one command `timeout 370 ... llama-13b; timeout 200 ... llama-cpp` (one
+# CUDA graph per step, host layers in C, the per-block ratio from CUDA events), then what time
+# is left: tests, llama-13b-0.8, kernel-tests, quant-tests. Without carried cubins NVRTC
+# compiles the variants a part uses (seconds each).
 #
 # Here, before a lent machine: `bash scripts/gpu_acceptance.sh cubins` compiles every CUDA kernel
 # variant for sm_90 with nvcc (no GPU needed) into build/cuda-cubins.tar.xz; carried along, the
@@ -101,6 +102,10 @@ print(len(variants), 'variants compiled for sm_90')" &&
         timeout 540 "$PY" benchmarks/gpu_kernels.py ;;
     memory)  # where a hybrid run's GPU memory goes, phase by phase, against the budget
         timeout 240 "$PY" benchmarks/gpu_memory.py ;;
+    tests-quick)  # the device decoder's paths first (its wait for the host, graph replays,
+        # the prompt cache, host layers in C): about a minute, before the long parts
+        timeout 300 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_hybrid_gpu.py \
+            -k "waits_for_the_host or replays_cuda_graphs or reuses_the_device or layer_left_on" ;;
     tests)  # the hybrid runtime and GPU profiling on a real GPU
         timeout 540 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_hybrid_gpu.py tests/test_layerwise.py ;;
     kernel-tests)  # every CUDA kernel against its plain-PyTorch reference
