@@ -345,6 +345,11 @@ def _grammar_request(body: dict) -> tuple[str, str, str] | None:
     return asked[0] if asked else None
 
 
+def _which(k: int | None) -> str:
+    """How errors name a completion's prompt: "the prompt", or "prompt k" of several."""
+    return "the prompt" if k is None else f"prompt {k}"
+
+
 def _stops(body: dict) -> list[str]:
     stop = body.get("stop")
     if stop is None:
@@ -909,7 +914,7 @@ class Server:
     def _prompt_ids(self, prompt, k: int | None = None) -> tuple[list[int], str | None]:
         """One prompt (prompt k of several): a string or a list of token ids -> (its ids, the
         string or None)."""
-        which = "the prompt" if k is None else f"prompt {k}"
+        which = _which(k)
         if isinstance(prompt, str):
             _unicode(prompt, "prompt")
             with self.engine.tokenizer_lock:
@@ -923,34 +928,28 @@ class Server:
             if not all(0 <= t < self.vocab for t in prompt):
                 raise _bad("prompt", f"{which}: token ids must be in [0, {self.vocab})")
             return prompt, None
-        raise _bad("prompt", f"{'prompt' if k is None else f'prompt {k}'} must be a string, a "
-                             f"non-empty list of token ids, or a list of those, got "
-                             f"{_show(prompt)}")
+        raise _bad("prompt", f"{which} must be a string, a non-empty list of token ids, or a "
+                             f"list of those, got {_show(prompt)}")
 
     def _max_tokens(self, body: dict, n_prompt: int, k: int | None = None,
                     echo: bool = False) -> int:
         """The reply's token limit for a prompt of n_prompt tokens (prompt k of several); 0 only
         with echo (the prompt scored, nothing generated: what the legacy completions API and
-        evaluation harnesses ask for)."""
+        evaluation harnesses ask for; the prompt must still fit the context)."""
         name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
             else "max_tokens"
         asked = _field(body, name, int, None, 0 if echo else 1)
-        room = None if self.context is None else self.context - n_prompt
-        if asked == 0:  # scored: the prompt must fit the context all the same
-            if room is not None and room < 0:
-                raise _bad("prompt", f"the model's context is {self.context} tokens: "
-                                     f"{'the prompt' if k is None else f'prompt {k}'} has "
-                                     f"{n_prompt}; shorten it", code="context_length_exceeded")
-            return 0
-        if room is None:
-            return asked or self.max_tokens
-        if room < 1 or (asked is not None and asked > room):  # the prompt's fault if it fills it
-            raise _bad(name if room >= 1 else "messages" if "messages" in body else "prompt",
-                       f"the model's context is {self.context} tokens: "
-                       f"{'the prompt' if k is None else f'prompt {k}'} has "
-                       f"{n_prompt} and {name} asks for {asked or 'at least 1'}; shorten the "
-                       "prompt or ask for fewer tokens", code="context_length_exceeded")
-        return asked or min(self.max_tokens, room)
+        if self.context is None:
+            return self.max_tokens if asked is None else asked
+        room = self.context - n_prompt
+        least = 0 if asked == 0 else 1  # tokens the reply needs beside the prompt
+        if room < least or (asked is not None and asked > room):  # the prompt's fault if full
+            raise _bad(name if room >= least else "messages" if "messages" in body else "prompt",
+                       f"the model's context is {self.context} tokens: {_which(k)} has "
+                       f"{n_prompt} and {name} asks for "
+                       f"{'at least 1' if asked is None else asked}; shorten the prompt or ask "
+                       "for fewer tokens", code="context_length_exceeded")
+        return min(self.max_tokens, room) if asked is None else asked
 
     # replies
 

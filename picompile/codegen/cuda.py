@@ -331,20 +331,28 @@ def _torch_dtype(name: str):
 def load(v: Variant, backend: str | None = None) -> CudaKernels:
     """Compile (NVRTC via cupy by default, or nvcc's cubin; None: $PICOMPILE_CUDA_BACKEND) and
     load one variant, once per backend."""
-    return _load(v, backend or os.environ.get(BACKEND_ENV, "nvrtc"))
+    return _load(v, _backend(backend))
+
+
+def _backend(backend: str | None = None) -> str:
+    return backend or os.environ.get(BACKEND_ENV, "nvrtc")
 
 
 @functools.lru_cache(maxsize=None)
 def _load(v: Variant, backend: str) -> CudaKernels:
+    return CudaKernels(v, _raw_module(source(v), backend, v.tag))
+
+
+def _raw_module(src: str, backend: str, tag: str):
+    """src as a cupy module on the current device: NVRTC's build ("nvrtc") or nvcc's cubin for
+    the device's arch ("nvcc", cached under `tag`)."""
     cp = _cupy()
     if backend == "nvrtc":
-        module = cp.RawModule(code=source(v))
-    elif backend == "nvcc":
+        return cp.RawModule(code=src)
+    if backend == "nvcc":
         cc = cp.cuda.Device().compute_capability  # e.g. "90"
-        module = cp.RawModule(path=str(compile_with_nvcc(v, f"sm_{cc}")))
-    else:
-        raise ValueError(f"backend must be 'nvrtc' or 'nvcc', not {backend!r}")
-    return CudaKernels(v, module)
+        return cp.RawModule(path=str(compile_source_with_nvcc(src, f"sm_{cc}", tag=tag)))
+    raise ValueError(f"backend must be 'nvrtc' or 'nvcc', not {backend!r}")
 
 
 def _ptr(t) -> object:
@@ -560,14 +568,8 @@ HOST_WAIT_TIMEOUT_S = 20.0
 
 @functools.lru_cache(maxsize=None)
 def _host_wait_kernel(device_index: int, backend: str):
-    cp = _cupy()
-    src = package_source(HOST_WAIT_SOURCE)
-    with cp.cuda.Device(device_index):
-        if backend == "nvcc":
-            cc = cp.cuda.Device().compute_capability
-            module = cp.RawModule(path=str(compile_source_with_nvcc(src, f"sm_{cc}", tag="wait")))
-        else:
-            module = cp.RawModule(code=src)
+    with _cupy().cuda.Device(device_index):
+        module = _raw_module(package_source(HOST_WAIT_SOURCE), backend, "wait")
         return module.get_function("pi_wait_value")
 
 
@@ -584,7 +586,7 @@ def wait_value(flag, value, gave_up, timeout_s: float = HOST_WAIT_TIMEOUT_S) -> 
             raise ValueError(f"wait_value: {name} must be a pinned int32 host tensor")
     _require_cuda(value)
     index = value.device.index if value.device.index is not None else torch.cuda.current_device()
-    kernel = _host_wait_kernel(index, os.environ.get(BACKEND_ENV, "nvrtc"))
+    kernel = _host_wait_kernel(index, _backend())
     with torch_stream(value.device):
         kernel((1,), (1,), (_ptr(flag), _ptr(value), _ptr(gave_up), _u64(int(timeout_s * 1e9))))
 
