@@ -33,10 +33,25 @@ def base_library(rev: str) -> ctypes.CDLL:
     """decoder.c of revision `rev`, built with this tree's flags, its step function declared."""
     path = c.build_library(kernel_source_at(rev, "decoder.c"), c.build_flags(), f"decoder-{rev}")
     lib = ctypes.CDLL(str(path))
-    lib.pi_decoder_step.argtypes = [ctypes.POINTER(native.Decoder), ctypes.c_int64,
-                                    ctypes.c_void_p, ctypes.c_void_p]
+    multi = hasattr(lib, "pi_decoder_step_max")  # its step takes a token count (T)
+    lib.pi_decoder_step.argtypes = [ctypes.POINTER(native.Decoder), ctypes.c_int64] + [
+        ctypes.c_int64] * multi + [ctypes.c_void_p, ctypes.c_void_p]
     lib.pi_decoder_step.restype = ctypes.c_int
-    return lib
+    return lib if multi else _OneToken(lib)
+
+
+class _OneToken:
+    """A revision's library from before multi-token steps, called as this tree's is."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+
+    def __getattr__(self, name):
+        return getattr(self.lib, name)
+
+    def pi_decoder_step(self, struct, pos, T, x, logits):
+        assert T == 1, "a single-token library"
+        return self.lib.pi_decoder_step(struct, pos, x, logits)
 
 
 def main() -> None:

@@ -87,6 +87,74 @@ def test_steps_equal_the_per_module_path(arch, how):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("arch", RUNS)
+@pytest.mark.parametrize("how", ["exact", "threshold", "predicted"])
+def test_a_step_of_several_tokens_equals_the_per_module_path(arch, how):
+    """Steps of 3, 8, 1 and 4 tokens (a token and those drafted after it): each gives the
+    logits of every position that the per-module path gives for the same tokens in one call
+    (in predicted mode both compute the union of the tokens' predicted neurons)."""
+    model = _model(arch, layers=3)
+    cm = picompile.compile(model, **_compile_kw(how))
+    dec = cm.decoder()
+    assert dec is not None, cm.decoder_reason
+    ids = torch.randint(3, zoo.VOCAB, (1, 21), generator=torch.Generator().manual_seed(4))
+    cache = StaticCache(config=cm.config, max_cache_len=21)
+    kv = cache_kwarg(cm._orig_mod)
+    with torch.no_grad():
+        cm._orig_mod(ids[:, :5], **{kv: cache}, use_cache=True)
+        assert dec.reserve(21)
+        dec.load_cache(cache, 5)
+        dec.set_threads()
+        pos = 5
+        for T in (3, 8, 1, 4):
+            toks = ids[0, pos:pos + T]
+            want = cm._orig_mod(toks[None], **{kv: cache}, use_cache=True,
+                                position_ids=torch.arange(pos, pos + T)[None]).logits[0].float()
+            got = dec.step(toks, pos).clone()
+            assert got.shape == (T, zoo.VOCAB)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+            pos += T
+
+
+@pytest.mark.parametrize("arch", ["llama_silu", "qwen3", "phi3", "opt", "gemma3"])
+def test_steps_that_go_back_overwrite_what_was_rejected(arch):
+    """Speculative decoding's pattern: a step of several tokens, then the next step starts
+    after the accepted ones, overwriting the rest. Every position's logits equal the
+    model's own forward over the sequence so far (exact mode)."""
+    model = _model(arch, layers=3)
+    ref = copy.deepcopy(model)
+    cm = picompile.compile(model, quiet=True)
+    dec = cm.decoder()
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, zoo.VOCAB, (1, 30), generator=gen)
+    assert dec.reserve(30)
+    dec.set_threads()
+    pos, n = 0, 0
+    with torch.no_grad():
+        want = ref(ids).logits[0].float()  # [30, vocab]
+        while pos < 24:
+            T = int(torch.randint(1, 7, (1,), generator=gen))
+            toks = ids[0, pos:pos + T].clone()
+            wrong = torch.rand(T, generator=gen) < 0.3  # drafted tokens the model rejects
+            toks[1:][wrong[1:]] = 1
+            got = dec.step(toks, pos)
+            ok = 1 + int(torch.cumprod(~wrong[1:], 0).sum())  # the first token is always right
+            torch.testing.assert_close(got[:ok], want[pos:pos + ok], rtol=1e-4,
+                                       atol=1e-4 * float(want.abs().max()))
+            pos, n = pos + ok, n + 1
+    assert n < 24  # some steps took several tokens
+
+
+def test_a_step_takes_at_most_step_max_tokens():
+    cm = picompile.compile(_model("llama_relu"), quiet=True)
+    dec = cm.decoder()
+    dec.reserve(32)
+    with pytest.raises(ValueError, match="1 to 8 tokens"):
+        dec.step(torch.arange(9) + 3, 0)
+    with pytest.raises(IndexError, match="outside"):
+        dec.step(torch.arange(4) + 3, dec.max_len - 3)
+
+
 @pytest.mark.parametrize("arch", ["llama_relu", "qwen2", "qwen3", "phi3", "opt", "gemma2",
                                   "gemma3"])
 def test_generate_matches_hugging_face_and_counts_neurons(arch):

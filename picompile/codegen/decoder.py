@@ -1,4 +1,5 @@
-"""The decoder-step C library (picompile/kernels/decoder.c): one decode token through a whole
+"""The decoder-step C library (picompile/kernels/decoder.c): a decode token (or a few: a token and
+those drafted after it) through a whole
 pre-norm decoder stack (runtime/decoder.py's Family) per call, glue (norms, RoPE, KV cache,
 attention) around picompile's dense and sparse FFN kernels, which it calls through function
 pointers.
@@ -59,7 +60,8 @@ def load() -> ctypes.CDLL:
     """The loaded decoder library (built on first use). Raises CompilerNotFound, BuildFailed or
     LoadFailed."""
     return c.load_package_library("decoder.c", {
-        "pi_decoder_step": ([ctypes.POINTER(Decoder), _i64, _vp, _vp], ctypes.c_int),
+        "pi_decoder_step": ([ctypes.POINTER(Decoder), _i64, _i64, _vp, _vp], ctypes.c_int),
+        "pi_decoder_step_max": ([], ctypes.c_int),
         "pi_decoder_work_floats": ([ctypes.POINTER(Decoder)], _i64),
         "pi_decoder_set_num_threads": ([ctypes.c_int], None),
         "pi_decoder_kv_16bit": ([], ctypes.c_int),

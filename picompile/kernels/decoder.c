@@ -31,13 +31,20 @@
  *     where they share a library), ffn / predict (codegen/c.py) for the FFN.
  * This file does the glue: norms, RoPE, the KV cache and attention, all in float32.
  *
+ * A step takes T consecutive tokens (1 <= T <= PI_STEP_MAX) at positions pos..pos+T-1: one
+ * decode token, or a token and the tokens drafted after it (speculative decoding), whose
+ * weights every linear layer and FFN reads once for all T; token t attends to positions
+ * 0..pos+t (its own keys and values are written first).
+ *
  * Exported:
  *     int64_t pi_decoder_work_floats(const pi_decoder* m);  float32 scratch the step needs
- *     int pi_decoder_step(const pi_decoder* m, int64_t pos, float* x, float* logits);
- *         x [d] float32: the token's embedding in, clobbered; logits [vocab] float32 out.
+ *     int pi_decoder_step(const pi_decoder* m, int64_t pos, int64_t T, float* x, float* logits);
+ *         x [T, d] float32: the tokens' embeddings in, clobbered; logits [T, vocab] float32 out.
  *         logits NULL: the layers only, x the residual stream out (a run of layers that a
  *         device decoder leaves on the CPU: embed_scale 1, no pos_embed, no head).
- *         Returns 0, -1 for pos outside [0, max_len), -2 when an FFN kernel ran out of memory.
+ *         Returns 0, -1 for positions outside [0, max_len), -2 when an FFN kernel ran out of
+ *         memory, -3 for T outside [1, PI_STEP_MAX].
+ *     int pi_decoder_step_max(void);  PI_STEP_MAX
  *     void pi_decoder_set_num_threads(int n);  OpenMP threads for attention (<= 0: default)
  *     int pi_decoder_kv_16bit(void);  1 where the cache may hold float16 / bfloat16 (kv_dtype)
  *     float pi_decoder_softmax_exp(float* s, int64_t n, float mx);  attention's exponentials:
@@ -135,7 +142,7 @@ typedef struct {
     pi_linear lm_head;
     int64_t* n_active;       /* [n_layers]: active neurons computed, accumulated per layer */
     float* work;             /* [pi_decoder_work_floats(m)] scratch */
-    uint8_t* mask;           /* [max n_ff] predicted-neuron mask scratch */
+    uint8_t* mask;           /* [PI_STEP_MAX, max n_ff] predicted-neuron masks scratch */
 } pi_decoder;
 
 static int pi_threads = 0;
@@ -166,9 +173,16 @@ static int64_t att_chunks(const pi_decoder* m, int64_t n) {
     return c > 0 ? c : 1;
 }
 
+/* tokens per step: the dense and FFN kernels' group, whose weights they read once */
+#define PI_STEP_MAX 8
+
+int pi_decoder_step_max(void) { return PI_STEP_MAX; }
+
+/* work: h, y [PI_STEP_MAX, d]; qkv [PI_STEP_MAX, qd + 2 kvd]; att [PI_STEP_MAX, qd]; scores
+ * [n_heads, max_len] and parts [n_heads, chunks, head_dim + 2], one token's at a time */
 int64_t pi_decoder_work_floats(const pi_decoder* m) {
     const int64_t qd = m->n_heads * m->head_dim, kvd = m->n_kv_heads * m->head_dim;
-    return 2 * m->d + 2 * qd + 2 * kvd + m->n_heads * m->max_len
+    return PI_STEP_MAX * (2 * m->d + 2 * qd + 2 * kvd) + m->n_heads * m->max_len
            + m->n_heads * att_chunks(m, m->max_len) * (m->head_dim + 2);
 }
 
@@ -202,8 +216,10 @@ static void head_norm(const pi_decoder* m, float* heads, int64_t n, const float*
     }
 }
 
-static void linear(const pi_linear* l, const float* x, int64_t in_features, float* out) {
-    ((pi_dense_fn)l->fn)(x, 1, in_features, l->w, l->out_features, l->b, out);
+/* out [T, out_features] = x [T, in_features] W^T (+ b) */
+static void linear(const pi_linear* l, const float* x, int64_t T, int64_t in_features,
+                   float* out) {
+    ((pi_dense_fn)l->fn)(x, T, in_features, l->w, l->out_features, l->b, out);
 }
 
 /* heads [n, hd] rotated in place over their first rot dimensions: rotate_half form, cos / sin
@@ -497,85 +513,102 @@ static void add_scaled(float* x, const float* y, float scale, int64_t d) {
     else for (int64_t i = 0; i < d; ++i) x[i] += y[i] * scale;
 }
 
-int pi_decoder_step(const pi_decoder* m, int64_t pos, float* x, float* logits) {
-    if (pos < 0 || pos >= m->max_len) return -1;
-    const int64_t d = m->d, hd = m->head_dim;
-    const int64_t qd = m->n_heads * hd, kvd = m->n_kv_heads * hd;
-    float* h = m->work;            /* [d] normed input of a sublayer */
-    float* y = h + d;              /* [d] a sublayer's output */
-    float* q = y + d;              /* [qd] */
-    float* k = q + qd;             /* [kvd], right after q: a fused projection writes [q; k; v] */
-    float* v = k + kvd;            /* [kvd] */
-    float* att = v + kvd;          /* [qd] */
-    float* scores = att + qd;      /* [n_heads, max_len] */
+int pi_decoder_step(const pi_decoder* m, int64_t pos, int64_t T, float* x, float* logits) {
+    if (T < 1 || T > PI_STEP_MAX) return -3;
+    if (pos < 0 || pos > m->max_len - T) return -1;
+    const int64_t d = m->d, hd = m->head_dim, V = m->vocab;
+    const int64_t qd = m->n_heads * hd, kvd = m->n_kv_heads * hd, qkvd = qd + 2 * kvd;
+    float* h = m->work;                          /* [T, d] normed input of a sublayer */
+    float* y = h + PI_STEP_MAX * d;              /* [T, d] a sublayer's output */
+    float* qkv = y + PI_STEP_MAX * d;            /* [T, qkvd] q, k and v of the tokens */
+    float* att = qkv + PI_STEP_MAX * qkvd;       /* [T, qd] */
+    float* scores = att + PI_STEP_MAX * qd;      /* [n_heads, max_len] */
     float* parts = scores + m->n_heads * m->max_len; /* [n_heads, chunks, head_dim + 2] */
-    if (m->embed_scale != 1.0f)
-        for (int64_t i = 0; i < d; ++i) x[i] *= m->embed_scale;
-    if (m->pos_embed) add(x, m->pos_embed + pos * d, d);
+    for (int64_t t = 0; t < T; ++t) {
+        float* xt = x + t * d;
+        if (m->embed_scale != 1.0f)
+            for (int64_t i = 0; i < d; ++i) xt[i] *= m->embed_scale;
+        if (m->pos_embed) add(xt, m->pos_embed + (pos + t) * d, d);
+    }
     for (int64_t l = 0; l < m->n_layers; ++l) {
         const pi_layer* L = m->layers + l;
-        norm(m, x, L->attn_norm, L->attn_norm_b, h);
-        if (L->qkv_fn) {
-            const void* W[3] = {L->q.w, L->k.w, L->v.w};
-            const void* B[3] = {L->q.b, L->k.b, L->v.b};
-            const int64_t O[3] = {L->q.out_features, L->k.out_features, L->v.out_features};
-            float* out[3] = {q, k, v};
-            ((pi_dense_multi_fn)L->qkv_fn)(h, 1, d, 3, W, O, B, out);
-        } else if (!L->k.fn) {
-            linear(&L->q, h, d, q);  /* fused: q's linear is [q; k; v] */
-        } else {
-            linear(&L->q, h, d, q);
-            linear(&L->k, h, d, k);
-            linear(&L->v, h, d, v);
-        }
-        head_norm(m, q, m->n_heads, L->q_norm);
-        head_norm(m, k, m->n_kv_heads, L->k_norm);
-        if (L->rope_cos) {
-            const int64_t r = m->rot_dim;
-            rope(q, m->n_heads, hd, r, L->rope_cos + pos * r, L->rope_sin + pos * r);
-            rope(k, m->n_kv_heads, hd, r, L->rope_cos + pos * r, L->rope_sin + pos * r);
-        }
-        for (int64_t g = 0; g < m->n_kv_heads; ++g) {
-            const int64_t at = (g * m->max_len + pos) * hd;  /* the position's row */
-#if PI_KV16
-            if (m->kv_dtype) {
-                store_kv16((uint16_t*)L->k_cache + at, k + g * hd, hd, m->kv_dtype == 2);
-                store_kv16((uint16_t*)L->v_cache + at, v + g * hd, hd, m->kv_dtype == 2);
-                continue;
+        for (int64_t t = 0; t < T; ++t) norm(m, x + t * d, L->attn_norm, L->attn_norm_b, h + t * d);
+        /* token t's q, k, v at q + t * qs, k + t * ks, v + t * ks: a fused projection writes
+         * each token's [q; k; v] row, separate ones q [T, qd], then k and v [T, kvd] */
+        float *q = qkv, *k, *v;
+        int64_t qs, ks;
+        if (L->qkv_fn || L->k.fn) {
+            k = q + T * qd, v = k + T * kvd, qs = qd, ks = kvd;
+            if (L->qkv_fn) {
+                const void* W[3] = {L->q.w, L->k.w, L->v.w};
+                const void* B[3] = {L->q.b, L->k.b, L->v.b};
+                const int64_t O[3] = {L->q.out_features, L->k.out_features, L->v.out_features};
+                float* out[3] = {q, k, v};
+                ((pi_dense_multi_fn)L->qkv_fn)(h, T, d, 3, W, O, B, out);
+            } else {
+                linear(&L->q, h, T, d, q);
+                linear(&L->k, h, T, d, k);
+                linear(&L->v, h, T, d, v);
             }
-#endif
-            memcpy((float*)L->k_cache + at, k + g * hd, (size_t)hd * sizeof(float));
-            memcpy((float*)L->v_cache + at, v + g * hd, (size_t)hd * sizeof(float));
+        } else {
+            k = q + qd, v = k + kvd, qs = ks = qkvd;
+            linear(&L->q, h, T, d, q);  /* fused: q's linear is [q; k; v] */
         }
-        attention(m, L, q, pos, scores, parts, att);
-        linear(&L->o, att, qd, y);
-        if (L->post_attn_norm) norm(m, y, L->post_attn_norm, NULL, y);
-        add_scaled(x, y, m->residual_scale, d);
-
-        norm(m, x, L->ffn_norm, L->ffn_norm_b, h);
+        for (int64_t t = 0; t < T; ++t) {
+            float *qt = q + t * qs, *kt = k + t * ks, *vt = v + t * ks;
+            head_norm(m, qt, m->n_heads, L->q_norm);
+            head_norm(m, kt, m->n_kv_heads, L->k_norm);
+            if (L->rope_cos) {
+                const int64_t r = m->rot_dim, at = (pos + t) * r;
+                rope(qt, m->n_heads, hd, r, L->rope_cos + at, L->rope_sin + at);
+                rope(kt, m->n_kv_heads, hd, r, L->rope_cos + at, L->rope_sin + at);
+            }
+            for (int64_t g = 0; g < m->n_kv_heads; ++g) {
+                const int64_t at = (g * m->max_len + pos + t) * hd;  /* the position's row */
+#if PI_KV16
+                if (m->kv_dtype) {
+                    store_kv16((uint16_t*)L->k_cache + at, kt + g * hd, hd, m->kv_dtype == 2);
+                    store_kv16((uint16_t*)L->v_cache + at, vt + g * hd, hd, m->kv_dtype == 2);
+                    continue;
+                }
+#endif
+                memcpy((float*)L->k_cache + at, kt + g * hd, (size_t)hd * sizeof(float));
+                memcpy((float*)L->v_cache + at, vt + g * hd, (size_t)hd * sizeof(float));
+            }
+        }
+        for (int64_t t = 0; t < T; ++t)  /* every token's keys and values are in the cache */
+            attention(m, L, q + t * qs, pos + t, scores, parts, att + t * qd);
+        linear(&L->o, att, T, qd, y);
+        for (int64_t t = 0; t < T; ++t) {
+            if (L->post_attn_norm) norm(m, y + t * d, L->post_attn_norm, NULL, y + t * d);
+            add_scaled(x + t * d, y + t * d, m->residual_scale, d);
+            norm(m, x + t * d, L->ffn_norm, L->ffn_norm_b, h + t * d);
+        }
         const pi_ffn* f = &L->ffn;
-        const uint8_t* mask = NULL;
+        const uint8_t* mask = NULL;  /* [T, n_ff] */
         if (f->predict) {
-            if (((pi_predict_fn)f->predict)(h, 1, d, f->rank, f->n_ff, f->p1, f->pb1, f->p2t,
+            if (((pi_predict_fn)f->predict)(h, T, d, f->rank, f->n_ff, f->p1, f->pb1, f->p2t,
                                             f->pb2, f->tau, m->mask) != 0)
                 return -2;
             mask = m->mask;
         }
         int64_t n_active = 0;
-        ((pi_ffn_fn)f->fn)(h, 1, d, f->n_ff, f->w_gate, f->w_up, f->w_down_t, f->b_gate,
+        ((pi_ffn_fn)f->fn)(h, T, d, f->n_ff, f->w_gate, f->w_up, f->w_down_t, f->b_gate,
                            f->b_up, f->b_down, NULL, f->n_ff, mask, f->threshold, y, &n_active);
         if (n_active < 0) return -2;
         m->n_active[l] += n_active;
-        if (L->post_ffn_norm) norm(m, y, L->post_ffn_norm, NULL, y);
-        add_scaled(x, y, m->residual_scale, d);
+        for (int64_t t = 0; t < T; ++t) {
+            if (L->post_ffn_norm) norm(m, y + t * d, L->post_ffn_norm, NULL, y + t * d);
+            add_scaled(x + t * d, y + t * d, m->residual_scale, d);
+        }
     }
     if (!logits) return 0;
-    norm(m, x, m->final_norm, m->final_norm_b, m->work);
-    linear(&m->lm_head, m->work, d, logits);
+    for (int64_t t = 0; t < T; ++t) norm(m, x + t * d, m->final_norm, m->final_norm_b, h + t * d);
+    linear(&m->lm_head, h, T, d, logits);
     if (m->logit_divisor != 1.0f)
-        for (int64_t i = 0; i < m->vocab; ++i) logits[i] /= m->logit_divisor;
+        for (int64_t i = 0; i < T * V; ++i) logits[i] /= m->logit_divisor;
     if (m->logit_softcap > 0.0f)
-        for (int64_t i = 0; i < m->vocab; ++i)
+        for (int64_t i = 0; i < T * V; ++i)
             logits[i] = m->logit_softcap * tanhf(logits[i] / m->logit_softcap);
     return 0;
 }

@@ -3,7 +3,7 @@
     dec = Decoder(model)              # raises Unsupported(why) for a model it does not run
     dec.reserve(max_len)              # KV cache and RoPE tables for max_len positions
     dec.load_cache(static_cache, n)   # positions 0..n-1 from Hugging Face's prefill
-    logits = dec.step(tokens, pos)    # tokens [1] long -> [1, vocab] float32
+    logits = dec.step(tokens, pos)    # tokens [T] long (T <= STEP_MAX) -> [T, vocab] float32
     dec.flush_stats()                 # active neurons computed -> each SparseFFN's statistics
 
 Why: in Hugging Face eager, a decode step of a 30-layer model is some 400 PyTorch calls
@@ -603,8 +603,9 @@ class Decoder(Stack):
             self.kv_dtype = want
         self.max_len = 0
         self.n_active = torch.zeros(len(self.layers), dtype=torch.int64)  # [n_layers]
-        self.x = torch.empty(1, self.d)  # [1, d] float32: the embedding in
-        self.logits = torch.empty(1, self.vocab)  # [1, vocab] float32
+        self.step_max = int(self.lib.pi_decoder_step_max())  # tokens per step, at most
+        self.x = torch.empty(self.step_max, self.d)  # [step_max, d] float32: the embeddings in
+        self.logits = torch.empty(self.step_max, self.vocab)  # [step_max, vocab] float32
         self._struct = None
 
     def _copy_kv(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -651,7 +652,7 @@ class Decoder(Stack):
     def _bind(self) -> None:
         layers, max_ff = _c_layers(self, range(len(self.layers)), self.k_cache, self.v_cache,
                                    self.rope if self.learned_positions is None else None)
-        self._mask = torch.empty(max_ff, dtype=torch.uint8)
+        self._mask = torch.empty(self.step_max, max_ff, dtype=torch.uint8)
         s = native.Decoder(
             len(self.layers), self.d, self.n_heads, self.n_kv_heads, self.head_dim, self.max_len,
             self.vocab, self.family.layer_norm, self.rot_dim, _KV_DTYPES.get(self.kv_dtype, 0),
@@ -702,21 +703,28 @@ class Decoder(Stack):
         return all(not ly.window or ly.window >= total for ly in self.layers)
 
     def step(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
-        """tokens [1] (long) at position pos -> logits [1, vocab] float32 (a buffer reused by
-        the next step; values of the model's dtype). The KV cache holds positions 0..pos-1.
+        """tokens [T] (long, 1 <= T <= step_max) at positions pos..pos+T-1 -> logits [T, vocab]
+        float32 (a buffer reused by the next step; values of the model's dtype), row t the next
+        token's after tokens[:t+1]. The KV cache holds positions 0..pos-1; the step writes
+        pos..pos+T-1 (a later step at an earlier position overwrites those it rejected).
         FloatingPointError where they are not finite (a 16-bit KV cache overflowed)."""
-        self.x.copy_(self.embedding[tokens])
-        rc = self.lib.pi_decoder_step(ctypes.byref(self._struct), pos, self.x.data_ptr(),
-                                      self.logits.data_ptr())
+        T = tokens.shape[0]
+        if not 1 <= T <= self.step_max:
+            raise ValueError(f"a decoder step takes 1 to {self.step_max} tokens, got {T}")
+        x, logits = self.x[:T], self.logits[:T]
+        x.copy_(self.embedding[tokens])
+        rc = self.lib.pi_decoder_step(ctypes.byref(self._struct), pos, T, x.data_ptr(),
+                                      logits.data_ptr())
         if rc:
-            raise (IndexError(f"position {pos} outside the reserved {self.max_len}") if rc == -1
+            raise (IndexError(f"positions {pos}..{pos + T - 1} outside the reserved "
+                              f"{self.max_len}") if rc == -1
                    else MemoryError("picompile decoder step: an FFN kernel ran out of memory"))
         if self.embedding.dtype != torch.float32:  # rounded as the model's own LM head rounds
-            self.logits.copy_(self.logits.to(self.embedding.dtype))  # them (its greedy ties)
-        if not bool(torch.isfinite(self.logits).all()):  # never a token picked from NaN
+            logits.copy_(logits.to(self.embedding.dtype))  # them (its greedy ties)
+        if not bool(torch.isfinite(logits).all()):  # never a token picked from NaN
             raise FloatingPointError(f"picompile decoder step: the logits at position {pos} "
                                      f"are not finite{self._overflow_hint()}")
-        return self.logits
+        return logits
 
     def _overflow_hint(self) -> str:
         if self.kv_dtype == torch.float16 and self.embedding.dtype != torch.float16:
@@ -848,7 +856,7 @@ class HostLayers:
         """x [1, d] float32 (contiguous, on the CPU): the residual stream at position pos, run
         through the layers in place; their keys and values written at pos."""
         _set_threads(self._libs)
-        rc = self.lib.pi_decoder_step(ctypes.byref(self._struct), pos, x.data_ptr(), None)
+        rc = self.lib.pi_decoder_step(ctypes.byref(self._struct), pos, 1, x.data_ptr(), None)
         if rc:
             raise (IndexError(f"position {pos} outside the KV cache") if rc == -1
                    else MemoryError("picompile decoder step: an FFN kernel ran out of memory"))
