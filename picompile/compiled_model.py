@@ -51,6 +51,9 @@ class CompiledModel(nn.Module):
         self.firing: dict[str, torch.Tensor] = {}
         # the C decoder's KV cache dtype (compile's kv_cache=); None: the model's own
         self.kv_cache_dtype: torch.dtype | None = None
+        # tokens generate() drafts a step by prompt lookup (runtime/lookup.py) where a call sets
+        # no prompt_lookup_num_tokens of its own; 0: none (as Hugging Face's generate)
+        self.prompt_lookup = 0
         # the whole-step decoder (runtime/decoder.py) for the kernels bound now: see decoder()
         self._decoder_key = self._decoder = None
         self.decoder_reason = "not built yet"
@@ -78,7 +81,7 @@ class CompiledModel(nn.Module):
                 if decoder is not None or steps is None or not steps.current(self._orig_mod):
                     steps = None
                 return fast.generate_hf(self._orig_mod, *args, decoder=decoder, steps=steps,
-                                        **kwargs)
+                                        prompt_lookup=self.prompt_lookup, **kwargs)
         if self._decoder is not None:  # HF's generate runs it: nothing taken from the cache
             self._decoder.prompt_reused = 0
         if not reason.startswith(fast.INVALID):  # else HF's generate raises its own error

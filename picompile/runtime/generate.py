@@ -31,12 +31,13 @@ import torch
 from torch import nn
 
 from picompile.progress import note, quiet_transformers
+from picompile.runtime.lookup import PromptLookup
 from picompile.runtime.sampling import LogitsProcessor, Picker
 
 # GenerationConfig fields the loop implements.
 _HANDLED = frozenset({"max_length", "max_new_tokens", "min_length", "min_new_tokens", "do_sample",
                       "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                      "eos_token_id", "pad_token_id"})
+                      "eos_token_id", "pad_token_id", "prompt_lookup_num_tokens"})
 # Fields without effect on a decoder-only greedy / sampling run (beam-only, assistant-only
 # settings, bookkeeping, the cache kind: the tokens are the same with any full cache).
 _IGNORED = frozenset({
@@ -112,7 +113,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
              seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
              pad_token_id: int | None = None,
              streamer=None, callback: Callable[[torch.Tensor], None] | None = None,
-             min_new_tokens: int = 0, decoder=None, steps=None) -> torch.Tensor:
+             min_new_tokens: int = 0, prompt_lookup: int = 0, decoder=None,
+             steps=None) -> torch.Tensor:
     """Prompt + up to max_new_tokens new tokens, [B, S + n]: HF's output for the same options
     (sampled: tokens from HF's distribution, drawn picompile's way, runtime/sampling.py).
 
@@ -129,6 +131,10 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     model's own prefill (or its own, where it has one).
     steps: a capture_whole.StepGraphs of `model`: its exported prefill and decode steps run a
     single unpadded row within their max_len (the decoder, when given, takes precedence).
+    prompt_lookup: draft up to this many tokens a step from the text so far (runtime/lookup.py)
+    where the decoder runs several tokens a step (the C one); 0, or elsewhere: one at a time.
+    The tokens are those of one at a time (up to float rounding: a step of several tokens sums
+    in another order, which can tip a near-tie).
     """
     reason = model_reason(model)
     if reason is not None:
@@ -137,8 +143,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
             or 0 in input_ids.shape):
         raise ValueError(f"input_ids must be a non-empty [batch, length] integer tensor, "
                          f"got {tuple(input_ids.shape)} {input_ids.dtype}")
-    if max_new_tokens < 0 or min_new_tokens < 0:
-        raise ValueError("max_new_tokens and min_new_tokens must be >= 0")
+    if max_new_tokens < 0 or min_new_tokens < 0 or prompt_lookup < 0:
+        raise ValueError("max_new_tokens, min_new_tokens and prompt_lookup must be >= 0")
     device = next(model.parameters()).device
     input_ids = input_ids.to(device=device, dtype=torch.long)
     b, s = input_ids.shape
@@ -216,6 +222,11 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
             decoder.load_cache(cache, s, start=reused)
     if decoder is not None:
         decoder.set_threads()
+    lookup = None  # drafts: the token after the last picked comes with the step's row `row`
+    if prompt_lookup and decoder is not None and getattr(decoder, "step_max", 1) > 1:
+        lookup = PromptLookup(input_ids[0].tolist(), min(prompt_lookup, decoder.step_max - 1))
+    draft: list[int] = []
+    row = 0
 
     out = input_ids.new_empty(b, total)
     out[:, :s] = input_ids
@@ -223,9 +234,11 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     pad = torch.tensor(pad_token_id if pad_token_id is not None else 0, device=device)
     n = max_new_tokens
     cached = s  # the decoder's cache holds the keys and values of out[:, :cached]
+    computed = 0  # tokens the decoder's steps ran (drafted ones the model did not take too)
     try:
         for i in range(max_new_tokens):
-            tokens = pick(out[:, :s + i], logits.float(), i)
+            scores = logits if lookup is None else logits[row:row + 1]
+            tokens = pick(out[:, :s + i], scores.float(), i)
             if unfinished is not None:
                 tokens = torch.where(unfinished, tokens, pad)
             out[:, s + i] = tokens
@@ -241,7 +254,19 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
             if i + 1 == max_new_tokens:
                 break
             if decoder is not None:
-                logits = decoder.step(tokens, s + i)
+                run = tokens
+                if lookup is not None:
+                    lookup.extend(tokens.tolist())
+                    if row < len(draft) and int(tokens[0]) == draft[row]:
+                        row += 1  # a drafted token: its keys, values and the next token's
+                        cached = s + i + 1  # logits came with the step that drafted it
+                        continue
+                    lookup.accepted(len(draft), row)
+                    draft, row = lookup.draft(max_new_tokens - i - 1), 0
+                    if draft:
+                        run = torch.cat([tokens, tokens.new_tensor(draft)])
+                logits = decoder.step(run, s + i)
+                computed += run.shape[0]
                 cached = s + i + 1
                 continue
             if steps is not None:
@@ -257,7 +282,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
         if decoder is not None:  # stays for the next call
             decoder.hold(out[0, :cached], total)
     if decoder is not None:
-        decoder.flush_stats(n - 1)  # the steps it ran: every new token but the first
+        decoder.flush_stats(computed)  # the tokens its steps ran
     if streamer is not None:
         streamer.end()
     return out if n == max_new_tokens else out[:, : s + n].clone()
@@ -382,7 +407,8 @@ def _resolve(model, args: tuple, kwargs: dict, quiet: bool) -> dict:
                 top_p=gc.top_p if sample and gc.top_p is not None and gc.top_p < 1 else None,
                 min_p=gc.min_p if sample else None,
                 repetition_penalty=penalty, logits_processor=processors,
-                eos_token_id=eos_list or None, pad_token_id=pad, streamer=streamer)
+                eos_token_id=eos_list or None, pad_token_id=pad, streamer=streamer,
+                prompt_lookup=gc.prompt_lookup_num_tokens or 0)
 
 
 def _long_rope_switch(config) -> int | None:
@@ -405,10 +431,11 @@ def supported(model, kwargs: dict, args: tuple = ()) -> str | None:
     return None
 
 
-def generate_hf(model, *args, decoder=None, steps=None, **kwargs) -> torch.Tensor:
+def generate_hf(model, *args, decoder=None, steps=None, prompt_lookup: int = 0,
+                **kwargs) -> torch.Tensor:
     """picompile's loop called with Hugging Face generate() arguments (check supported() first:
     raises TypeError naming what it does not handle); `decoder`, `steps` as generate() takes
-    them."""
+    them, `prompt_lookup` where the arguments set no prompt_lookup_num_tokens."""
     try:
         call = _resolve(model, args, kwargs, quiet=False)
     except _Unsupported as e:
@@ -419,4 +446,5 @@ def generate_hf(model, *args, decoder=None, steps=None, **kwargs) -> torch.Tenso
     if isinstance(limit, int) and total > limit:  # as HF's generate warns
         note(f"generate: {total} tokens in all is more than the model's context of {limit}: "
              "its tokens past there may mean little")
+    call["prompt_lookup"] = call["prompt_lookup"] or prompt_lookup
     return generate(model, **call, decoder=decoder, steps=steps)

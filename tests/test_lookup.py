@@ -1,0 +1,171 @@
+"""Prompt lookup decoding (runtime/lookup.py, the loop in runtime/generate.py): drafts from the
+text so far, checked by the C decoder's steps of several tokens. The tokens are those of
+decoding one at a time: greedy, sampled with a seed, with penalties and an end token in the
+middle of a draft; each greedy token is the model's own argmax for its prefix."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import picompile
+from picompile.runtime.lookup import PromptLookup
+from tests import zoo
+
+# ---- the drafts -------------------------------------------------------------------------------
+
+
+def test_a_draft_is_what_followed_the_latest_earlier_occurrence_of_the_suffix():
+    look = PromptLookup([1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 1, 2], max_draft=7)
+    look.length = 7
+    assert look.draft(10) == [3, 5, 7, 1, 2]  # after the latest "1 2" (not the first's "3 4")
+    assert look.draft(2) == [3, 5]  # the caller's limit
+    look.extend([3])  # "2 3" and "1 2 3": the longest suffix, 3 tokens, wins
+    assert look.draft(10) == [5, 7, 1, 2, 3]
+
+
+def test_no_draft_without_an_earlier_occurrence_of_two_tokens():
+    look = PromptLookup([5, 6, 7, 8, 6], max_draft=4)
+    assert look.draft(4) == []  # "6" occurred before, but one token is too weak a cue
+    assert PromptLookup([], max_draft=4).draft(4) == []
+
+
+def test_the_draft_length_grows_when_taken_whole_and_shrinks_when_not():
+    look = PromptLookup([], max_draft=7)
+    assert look.length == 2
+    look.accepted(2, 2)
+    look.accepted(4, 4)
+    look.accepted(6, 6)
+    assert look.length == 7  # capped
+    look.accepted(7, 3)
+    assert look.length == 6
+    for _ in range(8):
+        look.accepted(1, 0)
+    assert look.length == 1
+    look.accepted(0, 0)  # no draft: nothing learned
+    assert look.length == 1
+
+
+def test_max_draft_must_be_positive():
+    with pytest.raises(ValueError, match="at least one"):
+        PromptLookup([1, 2], max_draft=0)
+
+
+# ---- generation -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_pair():
+    """A tiny Llama whose greedy replies repeat themselves (so drafts are taken), compiled, and
+    its uncompiled twin."""
+    model = zoo.make("llama_silu", layers=2)
+    ref = copy.deepcopy(model)
+    cm = picompile.compile(model, quiet=True)
+    assert cm.decoder() is not None, cm.decoder_reason
+    return cm, ref
+
+
+def _prompt(seed: int, n: int = 12) -> torch.Tensor:
+    half = torch.randint(3, zoo.VOCAB, (1, n // 2), generator=torch.Generator().manual_seed(seed))
+    return torch.cat([half, half], 1)  # a repeated half: something to look up from the start
+
+
+class _Counting:
+    """Counts the tokens each decoder step runs (wraps the bound decoder's step)."""
+
+    def __init__(self, dec):
+        self.dec, self.step, self.sizes = dec, dec.step, []
+        dec.step = self
+
+    def __call__(self, tokens, pos):
+        self.sizes.append(tokens.shape[0])
+        return self.step(tokens, pos)
+
+    def close(self):
+        del self.dec.step  # the class's method again
+
+
+def _run(cm, ids, lookup: int, **kw):
+    counting = _Counting(cm.decoder())
+    try:
+        out = cm.generate(ids, max_new_tokens=40, pad_token_id=0, prompt_lookup_num_tokens=lookup
+                          or None, **kw)
+    finally:
+        counting.close()
+    return out, counting.sizes
+
+
+@pytest.mark.parametrize("kw", [
+    dict(do_sample=False),
+    dict(do_sample=True, temperature=0.2, top_k=3, seed=3),
+    dict(do_sample=False, repetition_penalty=1.02),
+    dict(do_sample=False, min_new_tokens=30, eos_token_id=[5, 7]),
+], ids=["greedy", "sampled", "repetition_penalty", "min_new_tokens"])
+def test_the_tokens_are_those_of_one_at_a_time(model_pair, kw):
+    cm, _ = model_pair
+    seed = kw.pop("seed", None)
+    ids = _prompt(1)
+    if seed is not None:
+        torch.manual_seed(seed)
+    want, sizes = _run(cm, ids, 0, **kw)
+    assert set(sizes) == {1}
+    if seed is not None:
+        torch.manual_seed(seed)
+    got, sizes = _run(cm, ids, 7, **kw)
+    assert torch.equal(got, want)
+    assert max(sizes) > 1  # drafts were run
+    assert len(sizes) < want.shape[1] - ids.shape[1] - 1  # in fewer steps
+
+
+def test_an_end_token_inside_a_draft_ends_the_reply_there(model_pair):
+    cm, _ = model_pair
+    ids = _prompt(1)
+    plain, _ = _run(cm, ids, 0, do_sample=False)
+    reply = plain[0, ids.shape[1]:].tolist()
+    end = reply[len(reply) // 2]  # a token the reply repeats: drafts run over it
+    want, _ = _run(cm, ids, 0, do_sample=False, eos_token_id=end)
+    got, sizes = _run(cm, ids, 7, do_sample=False, eos_token_id=end)
+    assert torch.equal(got, want)
+    assert got[0, -1] == end
+
+
+def test_neuron_counts_cover_every_token_a_step_ran(model_pair):
+    cm, _ = model_pair
+    cm.reset_stats()
+    _, sizes = _run(cm, _prompt(2), 7, do_sample=False)
+    prompt = _prompt(2).shape[1]
+    for ffn in cm.ffns().values():
+        assert ffn.total_pairs == (prompt + sum(sizes)) * ffn.n_ff
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), n=st.integers(2, 20), lookup=st.integers(1, 9))
+def test_each_greedy_token_is_the_models_argmax_for_its_prefix(model_pair, seed, n, lookup):
+    """Checked against the uncompiled model's forward over the whole reply (ties within
+    float rounding allowed): what the drafts let through is the model's own choice."""
+    cm, ref = model_pair
+    ids = _prompt(seed, 2 * n)
+    out = cm.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0,
+                      prompt_lookup_num_tokens=lookup)
+    with torch.no_grad():
+        logits = ref(out).logits[0, ids.shape[1] - 1:-1].float()  # [new tokens, vocab]
+    picked = logits.gather(1, out[0, ids.shape[1]:, None])[:, 0]
+    tol = 1e-4 * float(logits.abs().max())
+    assert bool((picked >= logits.max(1).values - tol).all())
+
+
+def test_prompt_lookup_is_ignored_where_steps_run_one_token(model_pair):
+    """The per-module path (PICOMPILE_DECODER off) decodes one token a step: same tokens."""
+    cm, _ = model_pair
+    ids = _prompt(3)
+    want = cm.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    from picompile.runtime.generate import generate
+
+    got = generate(cm._orig_mod, ids, max_new_tokens=16, prompt_lookup=5)  # no decoder given
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="prompt_lookup"):
+        generate(cm._orig_mod, ids, max_new_tokens=4, prompt_lookup=-1)
