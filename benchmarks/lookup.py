@@ -9,7 +9,9 @@ sparsity --sparsity); each task is a chat prompt answered greedily, once a token
 with prompt lookup (cm.prompt_lookup = --lookup), in turn within each round (the order swapped
 every other round, so the machine's drift falls on both). Per task: decode tokens/s after the
 first token (timing.timed_generate), the median over rounds, the median of the per-round ratios,
-decoder steps per new token with lookup, and whether both replies were the same tokens. With
+decoder steps per new token with lookup, and whether both replies were the same tokens (each
+call prefills the whole prompt: the prompt cache, which would serve the second of a pair, is
+emptied first, so that both decode from the same keys and values). With
 llama.cpp built (benchmarks/peers.py), its plain decode of the same file (llama-bench -n
 --new-tokens, best of the rounds) is printed beside, for scale.
 """
@@ -93,6 +95,7 @@ def main():
             replies = {}
             for k in ((0, args.lookup) if r % 2 == 0 else (args.lookup, 0)):
                 cm.prompt_lookup = k
+                cm.decoder().forget()  # both prefill the whole prompt: the same keys and values
                 counter = StepCounter(cm.decoder())
                 try:
                     replies[k], tps = timed_generate(cm, ids, args.new_tokens, **kw)

@@ -13,41 +13,66 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import picompile
-from picompile.runtime.lookup import PromptLookup
+from picompile.runtime.lookup import RETRY_AFTER, PromptLookup
 from tests import zoo
 
 # ---- the drafts -------------------------------------------------------------------------------
 
 
-def test_a_draft_is_what_followed_the_latest_earlier_occurrence_of_the_suffix():
+def test_a_guess_is_what_followed_the_latest_earlier_occurrence_of_the_suffix():
     look = PromptLookup([1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 1, 2], max_draft=7)
-    look.length = 7
-    assert look.draft(10) == [3, 5, 7, 1, 2]  # after the latest "1 2" (not the first's "3 4")
-    assert look.draft(2) == [3, 5]  # the caller's limit
+    assert look.guess(10) == [3, 5, 7, 1, 2]  # after the latest "1 2" (not the first's "3 4")
+    assert look.guess(2) == [3, 5]  # the caller's limit
+    assert PromptLookup([1, 2, 9, 1, 2], max_draft=1).guess(10) == [9]
     look.extend([3])  # "2 3" and "1 2 3": the longest suffix, 3 tokens, wins
-    assert look.draft(10) == [5, 7, 1, 2, 3]
+    assert look.guess(10) == [5, 7, 1, 2, 3]
 
 
-def test_no_draft_without_an_earlier_occurrence_of_two_tokens():
+def test_no_guess_without_an_earlier_occurrence_of_two_tokens():
     look = PromptLookup([5, 6, 7, 8, 6], max_draft=4)
-    assert look.draft(4) == []  # "6" occurred before, but one token is too weak a cue
-    assert PromptLookup([], max_draft=4).draft(4) == []
+    assert look.guess(4) == []  # "6" occurred before, but one token is too weak a cue
+    assert PromptLookup([], max_draft=4).guess(4) == []
 
 
-def test_the_draft_length_grows_when_taken_whole_and_shrinks_when_not():
-    look = PromptLookup([], max_draft=7)
-    assert look.length == 2
-    look.accepted(2, 2)
-    look.accepted(4, 4)
+REPEATING = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]  # guess: 3 4 5 6 7 8 9
+
+
+def test_cheap_steps_of_several_tokens_draft_the_whole_guess():
+    look = PromptLookup(REPEATING, max_draft=7)
+    flat = {t: 0.010 for t in range(1, 9)}  # memory-bound: T tokens cost one
+    assert look.draft(10, flat) == [3, 4, 5, 6, 7, 8, 9]
+    assert look.draft(3, flat) == [3, 4, 5]
+
+
+def test_costly_steps_draft_only_what_pays():
+    look = PromptLookup(REPEATING, max_draft=7)
+    linear = {t: 0.010 * t for t in range(1, 9)}  # compute-bound: no gain from a step of T
+    assert look.draft(10, linear) == []
+    look.accepted(6, 6)  # a reply that repeats: drafts are taken
     look.accepted(6, 6)
-    assert look.length == 7  # capped
-    look.accepted(7, 3)
-    assert look.length == 6
-    for _ in range(8):
-        look.accepted(1, 0)
-    assert look.length == 1
-    look.accepted(0, 0)  # no draft: nothing learned
-    assert look.length == 1
+    curve = {t: 0.010 * (1 + 0.45 * (t - 1)) for t in range(1, 9)}  # this VM's SmolLM2 steps
+    long = look.draft(10, curve)
+    assert len(long) >= 4
+    for _ in range(6):  # drafts not taken: shorter ones, then none
+        look.accepted(4, 0)
+    assert len(look.draft(10, curve)) < len(long)
+    for _ in range(20):
+        look.accepted(2, 0)
+    tries = [look.draft(10, curve) for _ in range(2 * RETRY_AFTER)]
+    assert tries.count([]) == 2 * RETRY_AFTER - 2  # every RETRY_AFTER-th: one token, its
+    assert tries[RETRY_AFTER - 1] == tries[-1] == [3]  # step timed again
+
+
+def test_nothing_is_drafted_before_a_step_was_timed():
+    look = PromptLookup(REPEATING, max_draft=7)
+    assert look.draft(10, {}) == []
+    assert len(look.draft(10, {1: 0.01})) > 0  # untimed sizes: a hopeful guess, tried once
+
+
+def test_only_checked_drafted_tokens_count():
+    look = PromptLookup([], max_draft=7)
+    look.accepted(7, 2)  # the third was not taken: the four after it were never checked
+    assert look.tested == 2 + 3 and look.taken == 1 + 2
 
 
 def test_max_draft_must_be_positive():
@@ -75,15 +100,20 @@ def _prompt(seed: int, n: int = 12) -> torch.Tensor:
 
 
 class _Counting:
-    """Counts the tokens each decoder step runs (wraps the bound decoder's step)."""
+    """Counts the tokens each decoder step runs (wraps the bound decoder's step), and keeps its
+    step costs flat (as a memory-bound model's), so that what is drafted does not depend on the
+    machine's timing."""
 
     def __init__(self, dec):
         self.dec, self.step, self.sizes = dec, dec.step, []
         dec.step = self
+        dec.step_seconds.update({t: 1e-3 for t in range(1, dec.step_max + 1)})
 
     def __call__(self, tokens, pos):
         self.sizes.append(tokens.shape[0])
-        return self.step(tokens, pos)
+        logits = self.step(tokens, pos)
+        self.dec.step_seconds.update({t: 1e-3 for t in range(1, self.dec.step_max + 1)})
+        return logits
 
     def close(self):
         del self.dec.step  # the class's method again

@@ -40,6 +40,7 @@ from __future__ import annotations
 import ctypes
 import inspect
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -606,6 +607,8 @@ class Decoder(Stack):
         self.step_max = int(self.lib.pi_decoder_step_max())  # tokens per step, at most
         self.x = torch.empty(self.step_max, self.d)  # [step_max, d] float32: the embeddings in
         self.logits = torch.empty(self.step_max, self.vocab)  # [step_max, vocab] float32
+        # T -> seconds a step of T tokens takes, a running mean (prompt lookup's cost model)
+        self.step_seconds: dict[int, float] = {}
         self._struct = None
 
     def _copy_kv(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -711,6 +714,7 @@ class Decoder(Stack):
         T = tokens.shape[0]
         if not 1 <= T <= self.step_max:
             raise ValueError(f"a decoder step takes 1 to {self.step_max} tokens, got {T}")
+        start = time.perf_counter()
         x, logits = self.x[:T], self.logits[:T]
         x.copy_(self.embedding[tokens])
         rc = self.lib.pi_decoder_step(ctypes.byref(self._struct), pos, T, x.data_ptr(),
@@ -724,6 +728,9 @@ class Decoder(Stack):
         if not bool(torch.isfinite(logits).all()):  # never a token picked from NaN
             raise FloatingPointError(f"picompile decoder step: the logits at position {pos} "
                                      f"are not finite{self._overflow_hint()}")
+        took = time.perf_counter() - start
+        mean = self.step_seconds.get(T)
+        self.step_seconds[T] = took if mean is None else 0.8 * mean + 0.2 * took
         return logits
 
     def _overflow_hint(self) -> str:

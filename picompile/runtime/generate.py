@@ -262,7 +262,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
                         cached = s + i + 1  # logits came with the step that drafted it
                         continue
                     lookup.accepted(len(draft), row)
-                    draft, row = lookup.draft(max_new_tokens - i - 1), 0
+                    draft, row = lookup.draft(max_new_tokens - i - 1, decoder.step_seconds), 0
                     if draft:
                         run = torch.cat([tokens, tokens.new_tensor(draft)])
                 logits = decoder.step(run, s + i)
