@@ -978,3 +978,26 @@ def test_cli_serve_answers_with_the_key():
         out = proc.communicate(timeout=30)[0]
     assert f"serving relu_llama at http://127.0.0.1:{port}/v1" in out
     assert "Traceback" not in out
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0), dict(temperature=0.8, seed=5, n=2)],
+                         ids=["greedy", "sampled"])
+def test_prompt_lookup_replies_as_a_token_a_step(model, client, kw):
+    """`serve --prompt-lookup` (cm.prompt_lookup): the same text, tokens, alternatives and
+    log-probabilities as without, for a prompt whose words repeat (something to look up)."""
+    cm, _ = model
+    prompt = "one two three four five one two three four five one two three"
+    req = dict(model="m", prompt=prompt, max_tokens=24, logprobs=2, **kw)
+    replies = {}
+    for lookup in (0, 7):
+        cm.prompt_lookup = lookup
+        try:
+            r = client.completions.create(**req)
+        finally:
+            cm.prompt_lookup = 0
+        replies[lookup] = [(c.text, c.logprobs.tokens, c.logprobs.token_logprobs,
+                            [sorted(top) for top in c.logprobs.top_logprobs]) for c in r.choices]
+    for (text, tokens, scores, tops), want in zip(replies[7], replies[0], strict=True):
+        assert (text, tokens, tops) == (want[0], want[1], want[3])
+        assert scores == pytest.approx(want[2], rel=1e-4, abs=1e-5)  # steps of several tokens
+        # sum in another order (and the second call reuses the first's prompt from the cache)
