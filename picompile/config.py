@@ -45,6 +45,11 @@ def decoder_enabled() -> bool:
     return os.environ.get(DECODER_ENV, "1").strip() not in ("0", "false", "no")
 
 
+# A prompt's uncached part of at most this many tokens runs through the C decoder's own steps
+# (kernels/decoder.c, up to 8 tokens a step) instead of the model's prefill (runtime/decoder.py,
+# Decoder.prefills): below it the modules' fixed cost per call is the larger.
+STEP_PREFILL_MAX_TOKENS = 32
+
 # Set PICOMPILE_PROMPT_CACHE=0 to prefill every prompt from its first token instead of reusing
 # the keys and values the decoder's KV cache holds for its leading tokens (runtime/decoder.py,
 # Stack.cached_prefix): for comparing the two, or bisecting.

@@ -94,7 +94,7 @@ def model_pair():
     return cm, ref
 
 
-def _prompt(seed: int, n: int = 12) -> torch.Tensor:
+def _prompt(seed: int, n: int = 24) -> torch.Tensor:
     half = torch.randint(3, zoo.VOCAB, (1, n // 2), generator=torch.Generator().manual_seed(seed))
     return torch.cat([half, half], 1)  # a repeated half: something to look up from the start
 
@@ -131,7 +131,7 @@ def _run(cm, ids, lookup: int, **kw):
 
 @pytest.mark.parametrize("kw", [
     dict(do_sample=False),
-    dict(do_sample=True, temperature=0.2, top_k=3, seed=3),
+    dict(do_sample=True, temperature=0.1, top_k=2, seed=3),
     dict(do_sample=False, repetition_penalty=1.02),
     dict(do_sample=False, min_new_tokens=30, eos_token_id=[5, 7]),
 ], ids=["greedy", "sampled", "repetition_penalty", "min_new_tokens"])
@@ -199,3 +199,66 @@ def test_prompt_lookup_is_ignored_where_steps_run_one_token(model_pair):
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="prompt_lookup"):
         generate(cm._orig_mod, ids, max_new_tokens=4, prompt_lookup=-1)
+
+
+def test_no_drafts_where_a_block_runs_a_predictor():
+    """A step of several tokens computes the union of their predicted neurons for each: the
+    logits would not be a step of its own's, so predicted mode decodes a token a step."""
+    from tests.test_decoder import _compile_kw
+
+    cm = picompile.compile(zoo.make("llama_silu", layers=2), **_compile_kw("predicted"))
+    assert cm.decoder() is not None and not cm.decoder().checks_drafts
+    out, sizes = _run(cm, _prompt(1), 7, do_sample=False)
+    want, _ = _run(cm, _prompt(1), 0, do_sample=False)
+    assert set(sizes) == {1} and torch.equal(out, want)
+
+
+def test_a_call_that_says_0_turns_the_models_default_off(model_pair):
+    cm, _ = model_pair
+    cm.prompt_lookup = 7
+    try:
+        _, sizes = _run(cm, _prompt(1), 0)  # prompt_lookup_num_tokens=None: the default, 7
+        assert max(sizes) > 1
+        counting = _Counting(cm.decoder())
+        try:
+            cm.generate(_prompt(1), max_new_tokens=40, pad_token_id=0, prompt_lookup_num_tokens=0)
+        finally:
+            counting.close()
+        assert set(counting.sizes) == {1}
+    finally:
+        cm.prompt_lookup = 0
+
+
+class _Stop(Exception):
+    pass
+
+
+class _StopAfter:
+    """A streamer that ends the reply (as a stop string does) after n new tokens."""
+
+    def __init__(self, n):
+        self.n, self.calls = n, -1  # the first call carries the prompt
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == self.n:
+            raise _Stop
+
+    def end(self):
+        pass
+
+
+def test_a_reply_ended_early_counts_its_own_neurons(model_pair):
+    cm, _ = model_pair
+    ids = _prompt(4)
+    cm.decoder().forget()  # no prompt cache: every prompt token counted by this call
+    cm.reset_stats()
+    counting = _Counting(cm.decoder())
+    try:
+        with pytest.raises(_Stop):
+            cm.generate(ids, max_new_tokens=40, pad_token_id=0, streamer=_StopAfter(20),
+                        prompt_lookup_num_tokens=7)
+    finally:
+        counting.close()
+    for ffn in cm.ffns().values():
+        assert ffn.total_pairs == (ids.shape[1] + sum(counting.sizes)) * ffn.n_ff

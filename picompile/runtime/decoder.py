@@ -48,8 +48,8 @@ from torch import nn
 
 from picompile import quant
 from picompile.config import (DECODER_ENV, PROMPT_SNAPSHOT_BYTES, PROMPT_SNAPSHOT_MIN_TOKENS,
-                              PROMPT_SNAPSHOTS, cuda_graphs_enabled, decoder_enabled,
-                              prompt_cache_enabled)
+                              PROMPT_SNAPSHOTS, STEP_PREFILL_MAX_TOKENS, cuda_graphs_enabled,
+                              decoder_enabled, prompt_cache_enabled)
 from picompile.codegen import c as c_codegen
 from picompile.codegen import decoder as native
 from picompile.runtime.kernel_module import KernelModule
@@ -237,10 +237,12 @@ class Stack:
     """A pre-norm decoder stack (Family), its structure checked (Unsupported otherwise): what
     the decode steps read from the model, this file's C one and runtime/device_decoder.py's.
     `linear_of(module, where)` and `ffn_of(mlp, where)` check (and return) a layer's linear
-    modules and its FFN block as the step that runs them needs them. `prefills`: the decoder
-    runs the prompt into its cache itself (`prefill`), else it copies the model's (`load_cache`)."""
+    modules and its FFN block as the step that runs them needs them. `prefills(n)`: the decoder
+    runs a prompt's n uncached tokens into its cache itself (`prefill`), else it copies the
+    model's prefill (`load_cache`)."""
 
-    prefills = False
+    def prefills(self, n: int) -> bool:
+        return False
 
     def __init__(self, model: nn.Module, linear_of, ffn_of):
         self.model = model
@@ -609,6 +611,11 @@ class Decoder(Stack):
         self.logits = torch.empty(self.step_max, self.vocab)  # [step_max, vocab] float32
         # T -> seconds a step of T tokens takes, a running mean (prompt lookup's cost model)
         self.step_seconds: dict[int, float] = {}
+        # Whether a step of several tokens gives each the logits of a step of its own, so that
+        # drafted tokens can be checked (prompt lookup): not where a block runs a predictor (a
+        # step computes the union of its tokens' predicted neurons for each of them).
+        self.checks_drafts = not any(layer.ffn.predictor is not None
+                                     and layer.ffn.predictor.enabled for layer in self.layers)
         self._struct = None
 
     def _copy_kv(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -732,6 +739,25 @@ class Decoder(Stack):
         mean = self.step_seconds.get(T)
         self.step_seconds[T] = took if mean is None else 0.8 * mean + 0.2 * took
         return logits
+
+    def prefills(self, n: int) -> bool:
+        """A few tokens (STEP_PREFILL_MAX_TOKENS or fewer: a chat's short next message, a prompt
+        sent again) run faster through its own steps, a few at a time, than through the
+        model's modules, and need no copy of the cache into the model's and back."""
+        return n <= STEP_PREFILL_MAX_TOKENS
+
+    def prefill(self, input_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """input_ids [1, S] at positions start..S-1 into the KV cache (reserved for S positions
+        and more; 0..start-1 already there: the prompt cache) -> logits [1, vocab] float32 of
+        the last (step's buffer), through steps of up to step_max tokens; their neurons counted
+        in each block's statistics, as a prefill through the modules counts them."""
+        ids = input_ids.reshape(-1)
+        if not 0 <= start < ids.shape[0]:
+            raise ValueError(f"prefill from position {start} of a {ids.shape[0]}-token prompt")
+        for pos in range(start, ids.shape[0], self.step_max):
+            logits = self.step(ids[pos:pos + self.step_max], pos)
+        self.flush_stats(ids.shape[0] - start)
+        return logits[-1:]
 
     def _overflow_hint(self) -> str:
         if self.kv_dtype == torch.float16 and self.embedding.dtype != torch.float16:
@@ -892,7 +918,7 @@ def verify(model: nn.Module, decoder: Stack) -> None:
         if not decoder.reserve(n):
             raise Unsupported(f"room for {decoder.max_positions} positions, fewer than the "
                               "probe's")
-        if decoder.prefills:  # its own prefill, checked against the forward on the prompt
+        if decoder.prefills(n - 1):  # its own prefill, checked against the forward on the prompt
             prompt_want = model(ids[:, :-1], use_cache=False).logits[0, -1].float()
             err = float((decoder.prefill(ids[:, :-1])[0] - prompt_want).abs().max())
             prefill_err = err / max(float(prompt_want.abs().max()), 1e-6)

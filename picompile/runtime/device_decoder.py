@@ -99,7 +99,8 @@ def _post(norm, y: torch.Tensor) -> torch.Tensor:
 class DeviceDecoder(Stack):
     """A decode step over a distributed model, segment by segment (module docstring)."""
 
-    prefills = True
+    def prefills(self, n: int) -> bool:
+        return True  # always: the model's own prefill would fill a cache on the device
 
     def __init__(self, model: nn.Module):
         super().__init__(model, _linear_of, _hybrid_ffn_of)

@@ -132,7 +132,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     steps: a capture_whole.StepGraphs of `model`: its exported prefill and decode steps run a
     single unpadded row within their max_len (the decoder, when given, takes precedence).
     prompt_lookup: draft up to this many tokens a step from the text so far (runtime/lookup.py)
-    where the decoder runs several tokens a step (the C one); 0, or elsewhere: one at a time.
+    where the decoder checks several tokens a step (the C one, no predictors); 0, or elsewhere:
+    one at a time.
     The tokens are those of one at a time (up to float rounding: a step of several tokens sums
     in another order, which can tip a near-tie).
     """
@@ -207,7 +208,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     # The prompt's leading positions whose keys and values the decoder's cache holds from the
     # last call (a chat's earlier turns): only the rest is prefilled.
     reused = 0 if decoder is None else decoder.cached_prefix(input_ids[0], total)
-    if decoder is not None and decoder.prefills:  # into its own cache: the model's stays unused
+    if decoder is not None and decoder.prefills(s - reused):  # into its own cache, not the model's
         logits = decoder.prefill(input_ids, start=reused)
     elif steps is not None:
         logits = steps.prefill(input_ids)
@@ -223,7 +224,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     if decoder is not None:
         decoder.set_threads()
     lookup = None  # drafts: the token after the last picked comes with the step's row `row`
-    if prompt_lookup and decoder is not None and getattr(decoder, "step_max", 1) > 1:
+    if prompt_lookup and decoder is not None and getattr(decoder, "checks_drafts", False):
         lookup = PromptLookup(input_ids[0].tolist(), min(prompt_lookup, decoder.step_max - 1))
     draft: list[int] = []
     row = 0
@@ -279,10 +280,9 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
             logits = model(**step).logits[:, -1]
             next_pos = next_pos + 1
     finally:  # also where a streamer ends the reply (a stop string, Ctrl-C): what is cached
-        if decoder is not None:  # stays for the next call
+        if decoder is not None:  # stays for the next call, what was counted goes to this one's
             decoder.hold(out[0, :cached], total)
-    if decoder is not None:
-        decoder.flush_stats(computed)  # the tokens its steps ran
+            decoder.flush_stats(computed)  # the tokens its steps ran
     if streamer is not None:
         streamer.end()
     return out if n == max_new_tokens else out[:, : s + n].clone()
@@ -408,7 +408,7 @@ def _resolve(model, args: tuple, kwargs: dict, quiet: bool) -> dict:
                 min_p=gc.min_p if sample else None,
                 repetition_penalty=penalty, logits_processor=processors,
                 eos_token_id=eos_list or None, pad_token_id=pad, streamer=streamer,
-                prompt_lookup=gc.prompt_lookup_num_tokens or 0)
+                prompt_lookup=gc.prompt_lookup_num_tokens)
 
 
 def _long_rope_switch(config) -> int | None:
@@ -446,5 +446,6 @@ def generate_hf(model, *args, decoder=None, steps=None, prompt_lookup: int = 0,
     if isinstance(limit, int) and total > limit:  # as HF's generate warns
         note(f"generate: {total} tokens in all is more than the model's context of {limit}: "
              "its tokens past there may mean little")
-    call["prompt_lookup"] = call["prompt_lookup"] or prompt_lookup
+    if call["prompt_lookup"] is None:  # the call's own, 0 too, before the model's default
+        call["prompt_lookup"] = prompt_lookup
     return generate(model, **call, decoder=decoder, steps=steps)
