@@ -47,8 +47,15 @@ def decoder_enabled() -> bool:
 
 # A prompt's uncached part of at most this many tokens runs through the C decoder's own steps
 # (kernels/decoder.c, up to 8 tokens a step) instead of the model's prefill (runtime/decoder.py,
-# Decoder.prefills): below it the modules' fixed cost per call is the larger.
+# Decoder.prefills): below it the modules' fixed cost per call is the larger. Set
+# PICOMPILE_STEP_PREFILL=0 (or another count) to compare.
+STEP_PREFILL_ENV = "PICOMPILE_STEP_PREFILL"
 STEP_PREFILL_MAX_TOKENS = 32
+
+
+def step_prefill_max_tokens() -> int:
+    value = os.environ.get(STEP_PREFILL_ENV, "").strip()
+    return int(value) if value else STEP_PREFILL_MAX_TOKENS
 
 # Set PICOMPILE_PROMPT_CACHE=0 to prefill every prompt from its first token instead of reusing
 # the keys and values the decoder's KV cache holds for its leading tokens (runtime/decoder.py,

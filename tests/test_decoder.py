@@ -485,3 +485,26 @@ def test_keys_past_float16s_range_raise_rather_than_pick_from_nan():
     ids = torch.tensor([[3, 5, 7, 9, 11]])
     with pytest.raises(FloatingPointError, match="float16 KV cache"):
         cm.generate(ids, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("arch", ["llama_silu", "opt", "gemma3"])
+def test_short_prompts_prefill_through_the_decoders_steps(arch, monkeypatch):
+    """A prompt of STEP_PREFILL_MAX_TOKENS or fewer runs through the C decoder's steps of up
+    to 8 tokens (20 tokens: 8, 8, 4), not the model's prefill; the same tokens either way, and
+    its neurons counted as a prefill's."""
+    cm = picompile.compile(_model(arch, layers=2), quiet=True)
+    dec = cm.decoder()
+    ids = torch.randint(3, zoo.VOCAB, (1, 20), generator=torch.Generator().manual_seed(6))
+    sizes = []
+    step = dec.step
+    monkeypatch.setattr(dec, "step", lambda t, pos: sizes.append(t.shape[0]) or step(t, pos))
+    cm.reset_stats()
+    got = cm.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert sizes == [8, 8, 4, 1, 1, 1, 1, 1]
+    assert all(f.total_pairs == (20 + 5) * f.n_ff for f in cm.ffns().values())
+    sizes.clear()
+    dec.forget()
+    monkeypatch.setenv("PICOMPILE_STEP_PREFILL", "0")
+    want = cm.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert sizes == [1] * 5
+    assert torch.equal(got, want)

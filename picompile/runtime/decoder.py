@@ -48,8 +48,8 @@ from torch import nn
 
 from picompile import quant
 from picompile.config import (DECODER_ENV, PROMPT_SNAPSHOT_BYTES, PROMPT_SNAPSHOT_MIN_TOKENS,
-                              PROMPT_SNAPSHOTS, STEP_PREFILL_MAX_TOKENS, cuda_graphs_enabled,
-                              decoder_enabled, prompt_cache_enabled)
+                              PROMPT_SNAPSHOTS, cuda_graphs_enabled, decoder_enabled,
+                              prompt_cache_enabled, step_prefill_max_tokens)
 from picompile.codegen import c as c_codegen
 from picompile.codegen import decoder as native
 from picompile.runtime.kernel_module import KernelModule
@@ -741,10 +741,10 @@ class Decoder(Stack):
         return logits
 
     def prefills(self, n: int) -> bool:
-        """A few tokens (STEP_PREFILL_MAX_TOKENS or fewer: a chat's short next message, a prompt
+        """A few tokens (config.STEP_PREFILL_MAX_TOKENS or fewer: a chat's short next message, a prompt
         sent again) run faster through its own steps, a few at a time, than through the
         model's modules, and need no copy of the cache into the model's and back."""
-        return n <= STEP_PREFILL_MAX_TOKENS
+        return n <= step_prefill_max_tokens()
 
     def prefill(self, input_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
         """input_ids [1, S] at positions start..S-1 into the KV cache (reserved for S positions
