@@ -741,9 +741,9 @@ class Decoder(Stack):
         return logits
 
     def prefills(self, n: int) -> bool:
-        """A few tokens (config.STEP_PREFILL_MAX_TOKENS or fewer: a chat's short next message, a prompt
-        sent again) run faster through its own steps, a few at a time, than through the
-        model's modules, and need no copy of the cache into the model's and back."""
+        """A few tokens (config.STEP_PREFILL_MAX_TOKENS or fewer: a chat's short next message,
+        a prompt sent again) run faster through its own steps, a few at a time, than through
+        the model's modules, and need no copy of the cache into the model's and back."""
         return n <= step_prefill_max_tokens()
 
     def prefill(self, input_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
