@@ -1,8 +1,7 @@
 """The decoder-step C library (picompile/kernels/decoder.c): a decode token (or a few: a token and
-those drafted after it) through a whole
-pre-norm decoder stack (runtime/decoder.py's Family) per call, glue (norms, RoPE, KV cache,
-attention) around picompile's dense and sparse FFN kernels, which it calls through function
-pointers.
+those drafted after it) through a whole pre-norm decoder stack (runtime/decoder.py's Family) per
+call, glue (norms, RoPE, KV cache, attention) around picompile's dense and sparse FFN kernels,
+which it calls through function pointers.
 
 One library for all models and dtypes (the weight-bearing kernels carry the dtype), built from
 the package's `kernels/decoder.c` by the compiler, flags and build cache of the other C kernels

@@ -1,6 +1,7 @@
-/* picompile decoder step: one decode token through a whole pre-norm decoder stack in one call
- * (runtime/decoder.py's Family: Llama and its relatives, Granite, Gemma, OPT). Built by
- * picompile/codegen/decoder.py with the flags of the other C kernels (c.build_flags()).
+/* picompile decoder step: a decode token (or up to 8 consecutive ones) through a whole pre-norm
+ * decoder stack in one call (runtime/decoder.py's Family: Llama and its relatives, Granite,
+ * Gemma, OPT). Built by picompile/codegen/decoder.py with the flags of the other C kernels
+ * (c.build_flags()).
  *
  *     x *= embed_scale             (Gemma: sqrt(d); Granite: its embedding multiplier)
  *     x += pos_embed[pos]          learned positions (OPT), where the model has them

@@ -627,7 +627,8 @@ class Decoder(Stack):
 
     def describe(self) -> str:
         kv = str(self.kv_dtype).removeprefix("torch.")
-        return f"picompile decoder (kernels/decoder.c, one C call per token, {kv} KV cache)"
+        return (f"picompile decoder (kernels/decoder.c, one C call a step of 1 to "
+                f"{self.step_max} tokens, {kv} KV cache)")
 
     def flush_stats(self, steps: int) -> None:
         """Add what `steps` decode steps computed to each block's statistics, as the per-module
