@@ -72,7 +72,7 @@ def test_nothing_is_drafted_before_a_step_was_timed():
 def test_only_checked_drafted_tokens_count():
     look = PromptLookup([], max_draft=7)
     look.accepted(7, 2)  # the third was not taken: the four after it were never checked
-    assert look.tested == 2 + 3 and look.taken == 1 + 2
+    assert look.checked == 2 + 3 and look.taken == 1 + 2
 
 
 def test_max_draft_must_be_positive():

@@ -27,8 +27,8 @@ MIN_NGRAM = 2  # the shortest: a single token's earlier successor is too often a
 # Before a step of T tokens has been timed: c(T) = c(1) * (1 + UNTIMED_SLOPE * (T - 1)), a
 # hopeful guess (memory-bound steps), so that it is tried once and then known.
 UNTIMED_SLOPE = 0.25
-# The taken rate's prior: PRIOR_TAKEN of PRIOR_DRAFTED drafted tokens.
-PRIOR_TAKEN, PRIOR_DRAFTED = 1.0, 2.0
+# The taken rate's prior: PRIOR_TAKEN of PRIOR_CHECKED checked drafted tokens.
+PRIOR_TAKEN, PRIOR_CHECKED = 1.0, 2.0
 # After this many guesses in a row not drafted, one token is drafted anyway: the cost of a
 # step of two is timed again (a measure taken while the machine was busy would else stand).
 RETRY_AFTER = 16
@@ -42,7 +42,7 @@ class PromptLookup:
         if max_draft < 1:
             raise ValueError(f"a draft of at least one token, got max_draft={max_draft}")
         self.max_draft = max_draft
-        self.tested, self.taken = PRIOR_DRAFTED, PRIOR_TAKEN  # drafted tokens checked, taken
+        self.checked, self.taken = PRIOR_CHECKED, PRIOR_TAKEN  # drafted tokens checked, taken
         self.declined = 0  # guesses not drafted since the last draft
         self.tokens: list[int] = []
         # n-gram -> where its latest occurrence's successor is, for occurrences that have one
@@ -80,7 +80,7 @@ class PromptLookup:
         one = step_seconds.get(1)
         if not guess or not one:
             return []
-        a = min(self.taken / self.tested, 0.99)
+        a = min(self.taken / self.checked, 0.99)
         best_k, best_rate = 0, 1.0 / one
         for k in range(1, len(guess) + 1):
             cost = step_seconds.get(k + 1) or one * (1 + UNTIMED_SLOPE * k)
@@ -98,5 +98,5 @@ class PromptLookup:
     def accepted(self, drafted: int, taken: int) -> None:
         """A draft of `drafted` tokens of which the model took the first `taken` (those after
         the first it did not take were not checked)."""
-        self.tested += min(taken + 1, drafted)
+        self.checked += min(taken + 1, drafted)
         self.taken += taken
