@@ -305,6 +305,7 @@ PQ_INLINE void pq_q4_dot(const uint8_t* row, const int q4_1, int64_t nb, const p
 #if PQ_SIMD
     __m256 acc[8];
     float corr[8]; /* the tail blocks' block-sum terms */
+#pragma GCC unroll 8
     for (int n = 0; n < N; ++n) {
         acc[n] = _mm256_setzero_ps();
         corr[n] = 0.0f;
@@ -324,6 +325,7 @@ PQ_INLINE void pq_q4_dot(const uint8_t* row, const int q4_1, int64_t nb, const p
             nib[v] = _mm256_and_si256(b, low);
             nib[4 + v] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
         }
+#pragma GCC unroll 8
         for (int n = 0; n < N; ++n) {
             const __m256 sf = _mm256_cvtepi32_ps(pq_dot_sb(nib, xa[n]->q + g * PQ_SB * PQ_QK));
             const __m256 dx = _mm256_loadu_ps(xa[n]->d + g * PQ_SB);
@@ -371,18 +373,6 @@ PQ_INLINE void pq_q4_dot(const uint8_t* row, const int q4_1, int64_t nb, const p
     for (int n = 0; n < N; ++n) res[n] = r[n];
 #endif
 }
-#if PQ_SIMD
-/* int32 [8]: lane b = block b's w . q over one q8_0 superblock, exact. w: its 256 weights in
- * the dot layout (16 pieces of 8 blocks x 2 weights), widened to int16, xq [256] x's int16 in
- * the same order: one int16 multiply-add per piece (|products| <= 128 * 32767, 32 of them per
- * lane: within int32). */
-PQ_INLINE __m256i pq_dot_sb16(const __m256i* w, const int16_t* xq) {
-    __m256i s = _mm256_setzero_si256();
-    for (int i = 0; i < 16; ++i)
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(w[i], _mm256_loadu_si256((const __m256i*)(xq + 16 * i))));
-    return s;
-}
-#endif
 
 /* res[n] = row . x'[n] for n < N (N <= 8) over one row of nb q8_0 blocks in the dot layout
  * (34-byte blocks: f16 dw, int8 w[32]; each run of 8 in a superblock, see above), x'[n] = xa[n]
@@ -393,20 +383,40 @@ PQ_INLINE void pq_q8_dot(const uint8_t* row, int64_t nb, const pq_act* const* xa
     const int64_t bb = 34, sbb = PQ_SB * bb, nsb = nb / PQ_SB;
 #if PQ_SIMD
     __m256 acc[8];
-    for (int n = 0; n < N; ++n) acc[n] = _mm256_setzero_ps();
+    const int16_t* xq[8]; /* each token's x, and its block scales */
+    const float* xd[8];
+#pragma GCC unroll 8
+    for (int n = 0; n < N; ++n) {
+        acc[n] = _mm256_setzero_ps();
+        xq[n] = xa[n]->q16;
+        xd[n] = xa[n]->d;
+    }
     for (int64_t g = 0; g < nsb; ++g) {
         const uint8_t* sb = row + g * sbb;
         if (pf != 0)
             for (int64_t l = 0; l < (sbb + 63) / 64; ++l)
                 _mm_prefetch((const char*)(sb + pf + 64 * l), PQ_PF_HINT);
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)sb));
-        __m256i w[16]; /* the 256 weights widened to int16 once, for all the tokens */
-        for (int i = 0; i < 16; ++i)
-            w[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(sb + 2 * PQ_SB + 16 * i)));
-        for (int n = 0; n < N; ++n) {
-            const __m256 sf = _mm256_cvtepi32_ps(pq_dot_sb16(w, xa[n]->q16 + g * PQ_SB * PQ_QK));
-            acc[n] = _mm256_fmadd_ps(sf, _mm256_mul_ps(dw, _mm256_loadu_ps(xa[n]->d + g * PQ_SB)), acc[n]);
+        /* int32 sums of each token, lane b: block b's w . q, exact: the superblock's weights in
+         * the dot layout (16 pieces of 8 blocks x 2 weights) against x's int16 in the same
+         * order, one int16 multiply-add per piece and token (|products| <= 128 * 32767, 32 of
+         * them per lane: within int32); the token loops unrolled, so the sums and acc stay in
+         * registers */
+        __m256i s[8];
+#pragma GCC unroll 8
+        for (int n = 0; n < N; ++n) s[n] = _mm256_setzero_si256();
+        for (int i = 0; i < 16; ++i) { /* a piece's weights widened to int16 once, for all */
+            const __m256i w = _mm256_cvtepi8_epi16(
+                _mm_loadu_si128((const __m128i*)(sb + 2 * PQ_SB + 16 * i)));
+#pragma GCC unroll 8
+            for (int n = 0; n < N; ++n)
+                s[n] = _mm256_add_epi32(s[n], _mm256_madd_epi16(
+                    w, _mm256_loadu_si256((const __m256i*)(xq[n] + g * PQ_SB * PQ_QK + 16 * i))));
         }
+#pragma GCC unroll 8
+        for (int n = 0; n < N; ++n)
+            acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[n]),
+                                     _mm256_mul_ps(dw, _mm256_loadu_ps(xd[n] + g * PQ_SB)), acc[n]);
     }
     for (int64_t j = nsb * PQ_SB; j < nb; ++j) { /* the blocks after the last superblock, as
                                                     GGUF has them (x's in natural order) */
