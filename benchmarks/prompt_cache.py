@@ -31,8 +31,8 @@ import time
 
 import torch
 
-import picompile
-from picompile import corpus, models
+from machine import default_model  # benchmarks/machine.py
+from picompile import corpus
 from picompile.config import PROMPT_CACHE_ENV
 from picompile.conversation import chat_prompt, end_tokens
 from picompile.timing import FirstTokenClock
@@ -78,9 +78,7 @@ def main():
                     help="another prompt after each turn (a chat UI's title request)")
     args = ap.parse_args()
 
-    model, tokenizer = models.load(None, quiet=True)
-    cm = picompile.compile(model, sparsity=args.sparsity, tokenizer=tokenizer, quiet=True,
-                           gguf=models.default_gguf())  # the file's blocks, as `picompile run`
+    cm, tokenizer = default_model(args.sparsity)
     if cm.decoder() is None:
         raise SystemExit(f"no C decoder runs this model ({cm.decoder_reason}): no prompt cache")
     texts = [t for t in corpus.default_texts("heldout") if 600 < len(t) < 2400]

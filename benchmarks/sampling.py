@@ -30,8 +30,7 @@ import time
 
 import torch
 
-import picompile
-from picompile import models
+from machine import default_model  # benchmarks/machine.py
 from picompile.conversation import chat_prompt, end_tokens
 from picompile.runtime.grammar import Grammars
 from picompile.runtime.sampling import FrequencyPresencePenalty
@@ -75,9 +74,7 @@ def main():
     ap.add_argument("--sparsity", type=float, default=0.5)
     args = ap.parse_args()
 
-    model, tokenizer = models.load(None, quiet=True)
-    cm = picompile.compile(model, sparsity=args.sparsity, tokenizer=tokenizer, quiet=True,
-                           gguf=models.default_gguf())  # the file's blocks, as `picompile run`
+    cm, tokenizer = default_model(args.sparsity)
     ends, pad = end_tokens(cm, tokenizer)
     ends = sorted(ends)
     ids = torch.tensor([chat_prompt(tokenizer, [{"role": "user", "content": PROMPT}])[0]])

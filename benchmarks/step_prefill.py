@@ -26,9 +26,7 @@ import time
 import torch
 from transformers import StaticCache
 
-from machine import cpu_name  # benchmarks/machine.py
-import picompile
-from picompile import models
+from machine import cpu_name, default_model  # benchmarks/machine.py
 from picompile.runtime.generate import cache_kwarg
 
 
@@ -50,9 +48,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
 
-    model, tokenizer = models.load(None, quiet=True)
-    cm = picompile.compile(model, sparsity=0.5, tokenizer=tokenizer, quiet=True,
-                           gguf=models.default_gguf())
+    cm, _ = default_model(0.5)
     dec = cm.decoder()
     total = args.cached + max(args.tokens)
     dec.reserve(total)
