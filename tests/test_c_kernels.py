@@ -128,17 +128,19 @@ def pick_threshold(h: torch.Tensor, sparsity: float, floor: float) -> float:
 
 def check(v: c.Variant, weights: dict, x: torch.Tensor, *, threshold: float,
           idx: torch.Tensor | None = None, mask: torch.Tensor | None = None, x_view=None):
-    """The kernel on candidates `idx`, or on `mask` [T, n_ff] (a predictor's output: the
-    candidates are the neurons set for any token), against the reference."""
+    """The kernel on candidates `idx`, or on `mask` [T, n_ff] (a predictor's output: token t
+    uses the neurons set in its row), against the reference."""
     ffn = module(v, weights, threshold)
     kernel = c.kernel_for(ffn)
     assert kernel is not None
     xin = x.float() if x_view is None else x_view
     out, n_active = kernel(xin, threshold=threshold, idx=idx, mask=mask)
+    allowed = None
     if mask is not None:
         idx = mask.any(0).nonzero().flatten()
+        allowed = mask[:, idx]
     ref, active = ffn_reference(x.float(), **ffn.weights(), act=v.act, drelu=v.drelu,
-                                threshold=threshold, idx=idx)
+                                threshold=threshold, idx=idx, allowed=allowed)
     assert out.dtype == torch.float32 and out.shape == ref.shape
     assert n_active == int(active.sum())
     # error bound: float32 rounding of each active term of the down projection, and the bias

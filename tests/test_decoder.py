@@ -92,7 +92,7 @@ def test_steps_equal_the_per_module_path(arch, how):
 def test_a_step_of_several_tokens_equals_the_per_module_path(arch, how):
     """Steps of 3, 8, 1 and 4 tokens (a token and those drafted after it): each gives the
     logits of every position that the per-module path gives for the same tokens in one call
-    (in predicted mode both compute the union of the tokens' predicted neurons)."""
+    (in predicted mode each token with its own predicted neurons)."""
     model = _model(arch, layers=3)
     cm = picompile.compile(model, **_compile_kw(how))
     dec = cm.decoder()

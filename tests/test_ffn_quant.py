@@ -189,10 +189,12 @@ def check_exact(fmt, v, w, x, *, threshold, idx=None, mask=None, ffn=None):
     assert kernel is not None, c.why_no_kernel(ffn)
     assert kernel.variant == v and kernel.variant.dtype == fmt
     out, n_active = kernel(x, threshold=threshold, idx=idx, mask=mask)
+    allowed = None
     if mask is not None:
         idx = mask.any(0).nonzero().flatten()
+        allowed = mask[:, idx]
     ref, active = ffn_reference(x, **ffn.weights(), act=v.act, drelu=v.drelu,
-                                threshold=threshold, idx=idx)
+                                threshold=threshold, idx=idx, allowed=allowed)
     assert out.dtype == torch.float32 and out.shape == ref.shape == (x.shape[0], d)
     assert n_active == int(active.sum())
     h = reference_h(fmt, v, w, x, idx)

@@ -105,7 +105,8 @@ _HEADER = """\
  *            const int32_t* idx,    [m] candidate neurons, or NULL = all n_ff neurons
  *            int64_t m,
  *            const uint8_t* mask,   [T, n_ff] 0/1, or NULL; with idx NULL the candidates are
- *                                   the neurons set for any token (a predictor's output)
+ *                                   the neurons set for any token (a predictor's output),
+ *                                   their rows read once, and token t uses those of its row
  *            float threshold,
  *            float* out,            [T, d] float32, written fully
  *            int64_t* n_active);    out: number of active (token, neuron) pairs; -1 = no memory
@@ -469,8 +470,8 @@ def _bind(lib: ctypes.CDLL, v: Variant, ffn) -> Kernel:
     def kernel(x: torch.Tensor, threshold: float = 0.0, idx: torch.Tensor | None = None,
                mask: torch.Tensor | None = None):
         """x [T, d] -> (out [T, d] float32, n_active: active (token, neuron) pairs).
-        Candidates: idx [m] (neuron numbers), else mask [T, n_ff] bool (those set for any
-        token), else all neurons."""
+        Candidates: idx [m] (neuron numbers), else mask [T, n_ff] bool (token t: those set
+        in its row), else all neurons."""
         biases = float32_biases()
         if x.dim() != 2 or x.shape[1] != d:
             raise ValueError(f"kernel input must be [T, {d}], got {tuple(x.shape)}")

@@ -547,9 +547,14 @@ typedef struct {
 /* Neuron number of candidate i: idx[i], or i where idx is NULL (all neurons). */
 PIC_INLINE int64_t cand(const int32_t* idx, int64_t i) { return idx ? (int64_t)idx[i] : i; }
 
-/* Candidates [lo, hi) for one group of nt <= 8 tokens (rows xs, partial outputs ps), in blocks of
+/* Whether token n may use neuron j: ms [nt] the tokens' rows of a predictor's mask, or NULL
+ * (every candidate is every token's). */
+PIC_INLINE int allowed(const uint8_t* const* ms, int n, int64_t j) { return !ms || ms[n][j]; }
+
+/* Candidates [lo, hi) for one group of nt <= 8 tokens (rows xs, partial outputs ps, mask rows ms
+ * or NULL: see `allowed`), in blocks of
  * PIC_BLOCK neurons: first the first projection of every neuron of the block, then the up / down
- * rows of only the neurons that fired. Every pass reads a list of rows of one matrix, each row's
+ * rows of only the neurons that fired (for a token the mask allows). Every pass reads a list of rows of one matrix, each row's
  * prefetches running PIC_PF_ROWS rows ahead in the list (see "Software prefetch"): the first
  * projection's list is the whole range (across blocks), the later ones the block's candidates or
  * fired neurons, whose first rows are prefetched whole as soon as they are known. Returns the
@@ -557,7 +562,8 @@ PIC_INLINE int64_t cand(const int32_t* idx, int64_t i) { return idx ? (int64_t)i
 static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float* const* xs,
                          const pq_act* const* xa, int nt, int64_t d, const void* w_gate,
                          const void* w_up, const void* w_down_t, const float* b_gate,
-                         const float* b_up, float threshold, float* const* ps) {
+                         const float* b_up, float threshold, const uint8_t* const* ms,
+                         float* const* ps) {
     int64_t total = 0;
     const int64_t rb = row_bytes(PIC_WDTYPE, d);  /* gate and up rows */
     const int64_t rbd = row_bytes(PIC_DDTYPE, d); /* down rows */
@@ -598,7 +604,7 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
             gu_dot(row_at(w_gate, j, rb), xs, xa, nt, d, g, pf);
             for (int n = 0; n < nt; ++n) {
                 const float a = act_fn(g[n] + b);
-                if (a != 0.0f) { fi->tok[fi->nf] = n; fi->a[fi->nf] = a; ++fi->nf; }
+                if (a != 0.0f && allowed(ms, n, j)) { fi->tok[fi->nf] = n; fi->a[fi->nf] = a; ++fi->nf; }
             }
 #elif PIC_GATED  /* the gate rows of the block were read above: now its up rows */
             const float b = PIC_BIAS && b_gate ? b_gate[j] : 0.0f;
@@ -611,7 +617,9 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
                 uv = uv > 0.0f ? uv : 0.0f;
 #endif
                 const float h = act_fn(gs[i - b0][n] + b) * uv;
-                if (fabsf(h) > threshold) { fi->tok[fi->nf] = n; fi->a[fi->nf] = h; ++fi->nf; }
+                if (fabsf(h) > threshold && allowed(ms, n, j)) {
+                    fi->tok[fi->nf] = n; fi->a[fi->nf] = h; ++fi->nf;
+                }
             }
 #else
             const float b = PIC_BIAS && b_up ? b_up[j] : 0.0f;
@@ -619,7 +627,9 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
             gu_dot(row_at(w_up, j, rb), xs, xa, nt, d, g, pf);
             for (int n = 0; n < nt; ++n) {
                 const float h = act_fn(g[n] + b);
-                if (fabsf(h) > threshold) { fi->tok[fi->nf] = n; fi->a[fi->nf] = h; ++fi->nf; }
+                if (fabsf(h) > threshold && allowed(ms, n, j)) {
+                    fi->tok[fi->nf] = n; fi->a[fi->nf] = h; ++fi->nf;
+                }
             }
 #endif
             if (fi->nf) { /* the head of the fired neurons' lists */
@@ -722,8 +732,8 @@ static int64_t mask_union(const uint8_t* mask, int64_t T, int64_t n_ff, int32_t*
 static void ffn_candidates(const float* x, int64_t T, int64_t d, int64_t n_ff,
                            const void* w_gate, const void* w_up, const void* w_down_t,
                            const float* b_gate, const float* b_up, const float* b_down,
-                           const int32_t* idx, int64_t m, float threshold, float* out,
-                           int64_t* n_active);
+                           const int32_t* idx, int64_t m, const uint8_t* mask,
+                           float threshold, float* out, int64_t* n_active);
 
 void ffn(const float* x, int64_t T, int64_t d, int64_t n_ff,
          const void* w_gate, const void* w_up, const void* w_down_t,
@@ -732,14 +742,16 @@ void ffn(const float* x, int64_t T, int64_t d, int64_t n_ff,
          int64_t* n_active) {
     if (idx || !mask) {
         ffn_candidates(x, T, d, n_ff, w_gate, w_up, w_down_t, b_gate, b_up, b_down, idx, m,
-                       threshold, out, n_active);
+                       NULL, threshold, out, n_active);
         return;
     }
     int32_t* predicted = (int32_t*)malloc((size_t)(n_ff > 0 ? n_ff : 1) * sizeof(int32_t));
     if (!predicted) { *n_active = -1; return; }
     m = T > 0 ? mask_union(mask, T, n_ff, predicted) : 0;
+    /* the union's rows are read once for all the tokens; each token uses its own (one token:
+     * its row is the union) */
     ffn_candidates(x, T, d, n_ff, w_gate, w_up, w_down_t, b_gate, b_up, b_down, predicted, m,
-                   threshold, out, n_active);
+                   T > 1 ? mask : NULL, threshold, out, n_active);
     free(predicted);
 }
 
@@ -832,8 +844,8 @@ int predict(const float* x, int64_t T, int64_t d, int64_t r, int64_t n_ff,
 static void ffn_candidates(const float* x, int64_t T, int64_t d, int64_t n_ff,
                            const void* w_gate, const void* w_up, const void* w_down_t,
                            const float* b_gate, const float* b_up, const float* b_down,
-                           const int32_t* idx, int64_t m, float threshold, float* out,
-                           int64_t* n_active) {
+                           const int32_t* idx, int64_t m, const uint8_t* mask,
+                           float threshold, float* out, int64_t* n_active) {
     const int64_t M = idx ? m : n_ff; /* candidate neurons */
     *n_active = 0;
     if (T <= 0 || d <= 0) return;
@@ -868,6 +880,7 @@ static void ffn_candidates(const float* x, int64_t T, int64_t d, int64_t n_ff,
     {
         const float* xs[PIC_MAXTOK];
         const pq_act* xa[PIC_MAXTOK] = {NULL};
+        const uint8_t* ms[PIC_MAXTOK]; /* the tokens' mask rows [n_ff] */
         float* ps[PIC_MAXTOK];
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
@@ -881,10 +894,11 @@ static void ffn_candidates(const float* x, int64_t T, int64_t d, int64_t n_ff,
                 for (int n = 0; n < nt; ++n) {
                     xs[n] = x + (t0 + n) * d;
                     if (acts) xa[n] = acts + t0 + n;
+                    if (mask) ms[n] = mask + (t0 + n) * n_ff;
                     ps[n] = mine + (t0 + n) * dp;
                 }
                 total += run_range(lo, hi, idx, xs, acts ? xa : NULL, nt, d, w_gate, w_up,
-                                   w_down_t, b_gate, b_up, threshold, ps);
+                                   w_down_t, b_gate, b_up, threshold, mask ? ms : NULL, ps);
             }
         } /* implicit barrier: all partials complete */
         /* out[t][k] = b_down[k] + sum over chunks, in chunk order; threads split the columns. */

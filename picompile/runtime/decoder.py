@@ -611,11 +611,6 @@ class Decoder(Stack):
         self.logits = torch.empty(self.step_max, self.vocab)  # [step_max, vocab] float32
         # T -> seconds a step of T tokens takes, a running mean (prompt lookup's cost model)
         self.step_seconds: dict[int, float] = {}
-        # Whether a step of several tokens gives each the logits of a step of its own, so that
-        # drafted tokens can be checked (prompt lookup): not where a block runs a predictor (a
-        # step computes the union of its tokens' predicted neurons for each of them).
-        self.checks_drafts = not any(layer.ffn.predictor is not None
-                                     and layer.ffn.predictor.enabled for layer in self.layers)
         self._struct = None
 
     def _copy_kv(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -132,8 +132,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     steps: a capture_whole.StepGraphs of `model`: its exported prefill and decode steps run a
     single unpadded row within their max_len (the decoder, when given, takes precedence).
     prompt_lookup: draft up to this many tokens a step from the text so far (runtime/lookup.py)
-    where the decoder checks several tokens a step (the C one, no predictors); 0, or elsewhere:
-    one at a time.
+    where the decoder checks several tokens a step (the C one); 0, or elsewhere: one at a time.
     The tokens are those of one at a time (up to float rounding: a step of several tokens sums
     in another order, which can tip a near-tie).
     """
@@ -224,7 +223,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     if decoder is not None:
         decoder.set_threads()
     lookup = None  # drafts: the token after the last picked comes with the step's row `row`
-    if prompt_lookup and decoder is not None and getattr(decoder, "checks_drafts", False):
+    if prompt_lookup and decoder is not None and getattr(decoder, "step_max", 1) > 1:
         lookup = PromptLookup(input_ids[0].tolist(), min(prompt_lookup, decoder.step_max - 1))
     draft: list[int] = []
     row = 0

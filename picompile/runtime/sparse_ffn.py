@@ -107,6 +107,7 @@ def ffn_reference(
     b_down: torch.Tensor | None = None,  # [d]
     threshold: float = 0.0,
     idx: torch.Tensor | None = None,  # [m] int candidate neurons, or None for all
+    allowed: torch.Tensor | None = None,  # [T, m] bool: token t uses candidate i (None: all)
     compute_dtype: torch.dtype = torch.float32,
     qformat: str | None = None,  # w_gate and w_up: uint8 rows of this format, dot layout
     down_qformat: str | None = None,  # w_down_t's format (None: see down_format)
@@ -119,6 +120,8 @@ def ffn_reference(
     h = down_input(x, w_up, idx=idx, compute_dtype=compute_dtype, qformat=qformat,
                    **gate_and_act)  # [T, m]
     active = h.abs() > threshold  # [T, m]
+    if allowed is not None:
+        active &= allowed
     h = torch.where(active, h, torch.zeros((), dtype=compute_dtype))
     down_qformat = down_format(qformat, down_qformat, w_down_t)
     w_down_t = w_down_t if idx is None else w_down_t.index_select(0, idx.long())
@@ -436,11 +439,13 @@ class SparseFFN(KernelModule):
         )
 
     def forward_native(
-        self, x: torch.Tensor, idx: torch.Tensor | None = None
+        self, x: torch.Tensor, idx: torch.Tensor | None = None,
+        allowed: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, d] -> (out [T, d] float32, active [T, m] bool). The reference path."""
         return ffn_reference(
-            x, **self.weights(), act=self.act, drelu=self.drelu, threshold=self.threshold, idx=idx
+            x, **self.weights(), act=self.act, drelu=self.drelu, threshold=self.threshold, idx=idx,
+            allowed=allowed,
         )
 
     def forward(self, x: torch.Tensor, predicted: torch.Tensor | None = None) -> torch.Tensor:
@@ -457,12 +462,16 @@ class SparseFFN(KernelModule):
             return self.hybrid(x2, predicted).to(x.dtype).reshape(shape)
         differentiable = torch.is_grad_enabled() and x.requires_grad  # the kernels have no backward
         if tokens <= KERNEL_MAX_TOKENS and not differentiable:
-            # Decode / small batch: one candidate list for all tokens (their union).
+            # Decode / small batch: the rows of the union of the tokens' predicted neurons are
+            # read once; each token uses its own.
             if self.kernel is not None:
                 out, n_active = self.kernel(x2, threshold=self.threshold, mask=predicted)
             else:
-                idx = None if predicted is None else predicted.any(0).nonzero().flatten()
-                out, active = self.forward_native(x2, idx)
+                idx = allowed = None
+                if predicted is not None:
+                    idx = predicted.any(0).nonzero().flatten()
+                    allowed = predicted[:, idx]
+                out, active = self.forward_native(x2, idx, allowed)
                 n_active = int(active.sum())
         else:
             # Prefill (and any call under autograd): every neuron's h (dense kernel or BLAS),
