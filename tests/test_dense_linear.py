@@ -95,6 +95,8 @@ def test_kernel_lm_head(dtype):
 BUILDS = {  # ISA (as pi_dense_variant names it) -> dense_kernel_for's build options
     "scalar": dict(tuning={"SCALAR": 1}),
     "avx2": dict(avx512=False),
+    "avx2-prefetch": dict(avx512=False, tuning={"PF_BYTES": 4096}),  # as default_tuning on Intel
+    "avx2-no-prefetch": dict(avx512=False, tuning={"PF_BYTES": 0}),  # and elsewhere
     "avx512": dict(avx512=True),
     "avx512-dynamic": dict(avx512=True, tuning={"DYNAMIC": 1}),
 }
@@ -106,7 +108,7 @@ def test_kernel_builds(build):
     float16 subnormals and values near the float16 range convert exactly."""
     if build.startswith("avx512") and not dense.avx512_available():
         pytest.skip("no AVX-512F on this CPU")
-    if build == "avx2" and "-mavx2" not in c.build_flags():
+    if build.startswith("avx2") and "-mavx2" not in c.build_flags():
         pytest.skip("no AVX2 / FMA / F16C on this CPU")
     gen = torch.Generator().manual_seed(5)
     for dtype, dt in DTYPES.items():
@@ -411,3 +413,14 @@ def test_float16_prefill_runs_the_kernel():
         x = torch.randn(12, 64).to(dt)
         with torch.no_grad():
             assert torch.equal(mod(x), F.linear(x, mod.weight, mod.bias))
+
+
+@pytest.mark.parametrize("vendor,expected", [("GenuineIntel", ["-DPI_PF_BYTES=4096"]),
+                                             ("AuthenticAMD", [])])
+def test_default_tuning_per_vendor_and_overridden(monkeypatch, vendor, expected):
+    """Software prefetches in the weight stream on Intel CPUs (their hardware prefetchers stop
+    at 4 KiB pages), none elsewhere; a caller's tuning takes precedence."""
+    monkeypatch.setattr(c, "cpu_vendor", lambda: vendor)
+    assert [f for f in dense.flags("q4_1") if f.startswith("-DPI_PF")] == expected
+    assert "-DPI_PF_BYTES=0" in dense.flags("float32", tuning={"PF_BYTES": 0})
+    assert "-DPI_PF_BYTES=512" in dense.flags("float32", tuning={"PF_BYTES": 512})

@@ -133,6 +133,8 @@ def test_kernel_lm_head(fmt):
 BUILDS = {  # ISA (as pi_dense_variant names it) -> quant_kernel_for's build options
     "scalar": dict(tuning={"SCALAR": 1}),
     "avx2": dict(avx512=False),
+    "avx2-prefetch": dict(avx512=False, tuning={"PF_BYTES": 4096}),  # as default_tuning on Intel
+    "avx2-no-prefetch": dict(avx512=False, tuning={"PF_BYTES": 0}),  # and elsewhere
     "avx512": dict(avx512=True),
     "avx512-dynamic": dict(avx512=True, tuning={"DYNAMIC": 1}),
 }
@@ -143,7 +145,7 @@ CASES = [(32, 1, 1), (64, 3, 2), (96, 17, 3), (160, 16, 4), (576, 40, 5), (640, 
 def _skip_unbuilt(build: str) -> None:
     if build.startswith("avx512") and not dense.avx512_available():
         pytest.skip("no AVX-512F on this CPU")
-    if build == "avx2" and "-mavx2" not in c.build_flags():
+    if build.startswith("avx2") and "-mavx2" not in c.build_flags():
         pytest.skip("no AVX2 / FMA / F16C on this CPU")
 
 

@@ -174,17 +174,28 @@ class LoadFailed(RuntimeError):
     """The library was built (and matched its checksum) but does not load or lacks a symbol."""
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The x86 feature flags of this CPU (empty when /proc/cpuinfo has none)."""
+def _cpuinfo_field(name: str) -> str:
+    """The first `name` line's value in /proc/cpuinfo ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                if line.startswith(name):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return frozenset()
+    return ""
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The x86 feature flags of this CPU (empty when /proc/cpuinfo has none)."""
+    return frozenset(_cpuinfo_field("flags").split())
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_vendor() -> str:
+    """The CPU's vendor_id ("GenuineIntel", "AuthenticAMD"; "" where /proc/cpuinfo has none)."""
+    return _cpuinfo_field("vendor_id")
 
 
 def build_flags() -> list[str]:

@@ -74,10 +74,18 @@ def avx512_available() -> bool:
     return "-mavx2" in c.build_flags() and "avx512f" in c.cpu_flags()
 
 
+def default_tuning() -> dict[str, int]:
+    """dense.c's knobs for this CPU. Intel: software prefetches 4 KiB ahead in the weight stream
+    (its hardware prefetchers stop at 4 KiB pages; 1.1x to 1.45x GB/s on a Xeon Cascade Lake for
+    one token, float and quantized, benchmarks/dense_prefetch.py); elsewhere none (AMD EPYC Zen 4:
+    its hardware prefetchers were as fast, benchmarks/gemv.py)."""
+    return {"PF_BYTES": 4096} if c.cpu_vendor() == "GenuineIntel" else {}
+
+
 def flags(variant: str, avx512: bool = False, tuning: dict[str, int] | None = None) -> list[str]:
     """Compiler flags of the library for weight format `variant` (a VARIANTS name: a float dtype
     or a quantized format): c.build_flags() plus the variant's -D flags (and -mavx512f).
-    `tuning` adds -DPI_<name>=<int> (tests, benchmarks)."""
+    `tuning` adds -DPI_<name>=<int> over default_tuning()'s (tests, benchmarks)."""
     if variant not in VARIANTS:
         raise ValueError(f"unsupported weight format {variant!r} "
                          f"(the dense kernel takes {VARIANTS})")
@@ -87,7 +95,7 @@ def flags(variant: str, avx512: bool = False, tuning: dict[str, int] | None = No
         if variant in quant.FORMATS and quant.format_of(variant).activation_bits == 8 and {
                 "avx512vl", "avx512bw", "avx512_vnni"} <= c.cpu_flags():
             out += ["-mavx512vl", "-mavx512bw", "-mavx512vnni"]  # integer dots: vpdpbusd
-    out += [f"-DPI_{k}={int(v)}" for k, v in sorted((tuning or {}).items())]
+    out += [f"-DPI_{k}={int(v)}" for k, v in sorted({**default_tuning(), **(tuning or {})}.items())]
     return out
 
 

@@ -72,9 +72,8 @@
 /* The vector paths convert float16 (weights, block scales) with F16C. */
 #define PI_NEEDS_F16C (PI_WDTYPE == PI_F16 || PI_QUANT)
 #ifndef PI_PF_BYTES
-#define PI_PF_BYTES 0           /* software prefetch distance in the weight stream; 0: none (the
-                                   hardware prefetchers follow the contiguous chunks as well or
-                                   better, measured with benchmarks/gemv.py on AMD EPYC Zen 4) */
+#define PI_PF_BYTES 0           /* software prefetch distance in the weight stream; 0: none.
+                                   codegen/dense.py's default_tuning sets it per CPU vendor */
 #endif
 #ifndef PI_CHUNK_BYTES
 #define PI_CHUNK_BYTES 32768    /* weight bytes per work chunk (rounded to 16 whole rows) */

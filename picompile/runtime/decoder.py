@@ -950,9 +950,8 @@ def build(model: nn.Module, kv_dtype: torch.dtype | None = None) -> tuple[Stack 
     model's dtype) for one split across a GPU and the CPU.
 
     The probe runs with the predictors off on both sides: it checks that the decoder computes
-    the model's architecture, and in predicted mode the model's forward over the probe's tokens
-    (candidates: those predicted for any token) and one decode step (the token's own) rightly
-    differ by the neurons a predictor misses. The decoder returned runs the predictors."""
+    the model's architecture, whatever the predictors pick (the GPU's hot rows of a call of
+    several tokens are the union of theirs). The decoder returned runs the predictors."""
     from picompile.runtime.device_decoder import DeviceDecoder
 
     if not decoder_enabled():
