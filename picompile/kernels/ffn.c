@@ -552,13 +552,13 @@ PIC_INLINE int64_t cand(const int32_t* idx, int64_t i) { return idx ? (int64_t)i
 PIC_INLINE int allowed(const uint8_t* const* ms, int n, int64_t j) { return !ms || ms[n][j]; }
 
 /* Candidates [lo, hi) for one group of nt <= 8 tokens (rows xs, partial outputs ps, mask rows ms
- * or NULL: see `allowed`), in blocks of
- * PIC_BLOCK neurons: first the first projection of every neuron of the block, then the up / down
- * rows of only the neurons that fired (for a token the mask allows). Every pass reads a list of rows of one matrix, each row's
- * prefetches running PIC_PF_ROWS rows ahead in the list (see "Software prefetch"): the first
- * projection's list is the whole range (across blocks), the later ones the block's candidates or
- * fired neurons, whose first rows are prefetched whole as soon as they are known. Returns the
- * number of active (token, neuron) pairs. */
+ * or NULL: see `allowed`), in blocks of PIC_BLOCK neurons: first the first projection of every
+ * neuron of the block, then the up / down rows of only the neurons that fired (for a token its
+ * mask allows). Every pass reads a list of rows of one matrix, each row's prefetches running
+ * PIC_PF_ROWS rows ahead in the list (see "Software prefetch"): the first projection's list is the
+ * whole range (across blocks), the later ones the block's candidates or fired neurons, whose first
+ * rows are prefetched whole as soon as they are known. Returns the number of active (token,
+ * neuron) pairs. */
 static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float* const* xs,
                          const pq_act* const* xa, int nt, int64_t d, const void* w_gate,
                          const void* w_up, const void* w_down_t, const float* b_gate,
@@ -604,7 +604,9 @@ static int64_t run_range(int64_t lo, int64_t hi, const int32_t* idx, const float
             gu_dot(row_at(w_gate, j, rb), xs, xa, nt, d, g, pf);
             for (int n = 0; n < nt; ++n) {
                 const float a = act_fn(g[n] + b);
-                if (a != 0.0f && allowed(ms, n, j)) { fi->tok[fi->nf] = n; fi->a[fi->nf] = a; ++fi->nf; }
+                if (a != 0.0f && allowed(ms, n, j)) {
+                    fi->tok[fi->nf] = n; fi->a[fi->nf] = a; ++fi->nf;
+                }
             }
 #elif PIC_GATED  /* the gate rows of the block were read above: now its up rows */
             const float b = PIC_BIAS && b_gate ? b_gate[j] : 0.0f;
