@@ -65,8 +65,7 @@ picompile SparseFFN: an activation-sparse FFN block. For each token x and neuron
   gated: h = act(x . w_gate[j] + b_gate[j]) * (x . w_up[j] + b_up[j])  (drelu: relu of the up term)
   plain: h = act(x . w_up[j] + b_up[j])
   neuron j is computed only if |h| > threshold (0: exactly the nonzeros) and, with a predictor
-  enabled, only if (relu(x p1^T + pb1) p2^T + pb2)[j] > predictor_tau (for a batch of up to 8
-  tokens: for any token of the batch, one candidate list for all)
+  enabled, only if (relu(x p1^T + pb1) p2^T + pb2)[j] > predictor_tau for that token
   y = sum over computed j of h * w_down_t[j] + b_down
 w_gate, w_up and w_down_t are [n_ff, d_model], one row per neuron (w_down_t is the down
 projection's weight transposed); neurons 0 .. hot_neurons-1 are the hot ones (on the GPU)."""

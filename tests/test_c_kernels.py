@@ -181,7 +181,7 @@ def test_every_variant(dtype, kind, bias, act):
 def cases(draw):
     v = variant(draw(st.sampled_from(c.DTYPES)), draw(st.sampled_from(KINDS)),
                 draw(st.booleans()), draw(st.sampled_from(c.ACTS)))
-    T = draw(st.integers(1, 8))
+    T = draw(st.integers(1, 20))  # past 8: the kernel takes tokens in groups of 8
     d = draw(st.one_of(st.integers(1, 70), st.sampled_from([8, 16, 32, 64])))
     n_ff = draw(st.integers(1, 300))
     sparsity = draw(st.one_of(st.sampled_from([0.0, 1.0]), st.floats(0.0, 1.0)))

@@ -52,7 +52,7 @@ class SparseFFN(OpRun):
         active = np.abs(h) > self.threshold
         if p1 is not None and self.predictor_enabled:
             predicted = np.maximum(x2 @ p1.T + pb1, 0) @ p2.T + pb2 > self.predictor_tau
-            active &= predicted.any(0) if len(x2) <= 8 else predicted  # a small batch: the union
+            active &= predicted
         y = np.where(active, h, 0) @ w_down_t + (0 if b_down is None else b_down)
         return (y.reshape(x.shape).astype(x.dtype),)
 
@@ -219,13 +219,14 @@ def test_predictor_and_placement_fold_into_the_block_node(tmp_path):
         assert a["neuron_order"] == b"hot first (permuted)" and a["mode"] == b"predicted"
         np.testing.assert_array_equal(_initializer(exported, node.input[7]), ffn.predictor.p1.numpy())
 
-    x = torch.randn(1, 1, 32, generator=torch.Generator().manual_seed(3))  # one decode token
-    got = ReferenceEvaluator(exported, new_ops=[SparseFFN]).run(
-        None, {f"{m}/x": x.numpy() for m in cm.graphs})
-    with torch.no_grad():
-        want = [gm(x) for gm in cm.graphs.values()]
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w.numpy(), atol=1e-5)
+    for tokens in (1, 4):  # a decode token; a few, each with its own predicted neurons
+        x = torch.randn(1, tokens, 32, generator=torch.Generator().manual_seed(3))
+        got = ReferenceEvaluator(exported, new_ops=[SparseFFN]).run(
+            None, {f"{m}/x": x.numpy() for m in cm.graphs})
+        with torch.no_grad():
+            want = [gm(x) for gm in cm.graphs.values()]
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w.numpy(), atol=1e-5)
 
 
 class InlineLM(nn.Module):

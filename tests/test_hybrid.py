@@ -67,6 +67,26 @@ def test_hybrid_predicted_equals_cpu_predicted():
         torch.testing.assert_close(zoo.logits(cpu, ids), zoo.logits(ref, ids), **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("T", [1, 3, 8, 12])
+def test_a_split_block_computes_the_union_of_a_few_tokens_predictions(T):
+    """Calls of 2 to 8 tokens: the GPU's kernels compute the union of the tokens' predicted rows
+    for each token, and the cold rows do the same, so a split block is one computation (the
+    CPU-only kernel gives each token its own); one token, and prefills of more, per token."""
+    cm = _hybrid(zoo.make("llama_relu"), 3, 0.5, mode="predicted")
+    ref = copy.deepcopy(cm)
+    gen = torch.Generator().manual_seed(T)
+    for (name, ffn), ref_ffn in zip(cm.ffns().items(), ref.ffns().values()):
+        ref_ffn.hybrid = None  # the same rows, on the CPU alone
+        x = torch.randn(T, ffn.d_model, generator=gen)
+        mask = torch.rand(T, ffn.n_ff, generator=gen) < 0.4
+        union = mask.any(0, keepdim=True).expand(T, -1) if 1 < T <= 8 else mask
+        with torch.no_grad():
+            got, want, own = ffn(x, mask), ref_ffn(x, union), ref_ffn(x, mask)
+        torch.testing.assert_close(got, want, **TOL[torch.float32])
+        if 1 < T <= 8:  # the union computes more than each token's own
+            assert not torch.allclose(want, own), name
+
+
 def test_timeline_records_both_sides():
     cm = _hybrid(zoo.make("llama_relu"), 1, 0.5)
     ffn = next(iter(cm.ffns().values()))

@@ -302,6 +302,10 @@ class HybridFFN:
             self._record(marks["start"])
             t0 = time.perf_counter()
         x = x.float()  # both sides add float32 partial outputs
+        if predicted is not None and 1 < T <= KERNEL_MAX_TOKENS:
+            # The GPU's kernels compute the union of a few tokens' predicted rows for each of
+            # them (codegen/cuda.py); the cold rows do the same, so that the block is one thing
+            predicted = predicted.any(0, keepdim=True).expand(T, -1).contiguous()
         hot_mask = None if predicted is None else predicted[:, : self.n_hot]
         # 1. the cold part starts on the worker thread as soon as its input reaches the host
         # (prefill: the cold side's dense BLAS path, on this thread)
