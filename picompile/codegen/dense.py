@@ -76,7 +76,7 @@ def avx512_available() -> bool:
 
 def default_tuning() -> dict[str, int]:
     """dense.c's knobs for this CPU. Intel: software prefetches 4 KiB ahead in the weight stream
-    (its hardware prefetchers stop at 4 KiB pages; 1.1x to 1.45x GB/s on a Xeon Cascade Lake for
+    (its hardware prefetchers stop at 4 KiB pages; 1.1x to 1.4x GB/s on a Xeon Cascade Lake for
     one token, float and quantized, benchmarks/dense_prefetch.py); elsewhere none (AMD EPYC Zen 4:
     its hardware prefetchers were as fast, benchmarks/gemv.py)."""
     return {"PF_BYTES": 4096} if c.cpu_vendor() == "GenuineIntel" else {}

@@ -8,6 +8,7 @@ neuron j (all neurons, or the candidate list `idx`):
                     h = a * u
     plain:          h = act(x[t] . w_up[j] + b_up[j])
     neuron j is active for token t iff |h| > threshold       (threshold 0: exactly the nonzeros)
+        and, with a predictor's mask [T, n_ff], it is set for token t  (`allowed`)
     out[t] = sum over active j of h * w_down_t[j]  + b_down
 
 Weights are stored one row per neuron: w_gate, w_up and w_down_t are all [n_ff, d] (w_down_t is the
