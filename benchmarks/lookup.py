@@ -3,7 +3,7 @@ prompt and on open-ended ones.
 
     .venv/bin/python benchmarks/lookup.py                  # SmolLM2-135M-Instruct, as `picompile chat`
     .venv/bin/python benchmarks/lookup.py --rounds 5 --new-tokens 128 --lookup 7
-    .venv/bin/python benchmarks/lookup.py --mode predicted  # trained predictors, every block
+    .venv/bin/python benchmarks/lookup.py --mode predicted  # trained predictors (4096 tokens)
 
 The default model compiled as `picompile chat` compiles it (the GGUF file's blocks, threshold
 sparsity --sparsity; with --mode predicted, predictors trained on the built-in corpus and run
@@ -79,9 +79,12 @@ def main():
     ap.add_argument("--lookup", type=int, default=7)
     ap.add_argument("--sparsity", type=float, default=0.5)
     ap.add_argument("--mode", choices=["threshold", "predicted"], default="threshold")
+    ap.add_argument("--calibration-tokens", type=int, default=4096,
+                    help="predicted mode: tokens the predictors are trained on")
     args = ap.parse_args()
 
-    predicted = dict(mode="predicted", predictors="all") if args.mode == "predicted" else {}
+    predicted = dict(mode="predicted", predictors="all",
+                     calibration_tokens=args.calibration_tokens) if args.mode == "predicted" else {}
     cm, tokenizer = default_model(args.sparsity, **predicted)
     ends, pad = end_tokens(cm, tokenizer)
     prompts = {name: torch.tensor([chat_prompt(tokenizer, [{"role": "user", "content": t}])[0]])
