@@ -27,6 +27,12 @@ SHAPES = [("lm_head", 49152, 576), ("gate / up", 1536, 576), ("down", 576, 1536)
 FORMATS = ["float32", "float16", "q8_0", "q4_1"]
 
 
+def weight_bytes(fmt: str, O: int, K: int) -> int:
+    if fmt in dense.QFORMATS:
+        return O * quant.row_bytes(K, fmt)
+    return O * K * dense.DTYPES[fmt].itemsize
+
+
 def kernels(fmt: str, O: int, K: int, distance: int, copies: int) -> list:
     """One build's kernels over `copies` random weight matrices of format `fmt`."""
     gen = torch.Generator().manual_seed(0)
@@ -36,12 +42,11 @@ def kernels(fmt: str, O: int, K: int, distance: int, copies: int) -> list:
         tuning = {"PF_BYTES": distance}
         if fmt in dense.QFORMATS:
             q = quant.interleave_blocks(quant.quantize(w, fmt), fmt)
-            out.append((dense.quant_kernel_for(q, fmt, K, avx512=dense.avx512_available(),
-                                               tuning=tuning), q.numel()))
+            out.append(dense.quant_kernel_for(q, fmt, K, avx512=dense.avx512_available(),
+                                              tuning=tuning))
         else:
             w = w.to(dense.DTYPES[fmt])
-            out.append((dense.dense_kernel_for(w, avx512=False, tuning=tuning),
-                        w.numel() * w.element_size()))
+            out.append(dense.dense_kernel_for(w, avx512=False, tuning=tuning))
     return out
 
 
@@ -62,8 +67,7 @@ def main() -> None:
     print("|---|---|---|" + "---:|" * len(distances))
     for fmt in FORMATS:
         for name, O, K in SHAPES:
-            built = {d: kernels(fmt, O, K, d, 1) for d in distances}
-            nbytes = built[distances[0]][0][1]
+            nbytes = weight_bytes(fmt, O, K)
             copies = max(2, -(-COLD_BYTES // nbytes))
             built = {d: kernels(fmt, O, K, d, min(copies, 64)) for d in distances}
             x = torch.randn(args.tokens, K)
@@ -74,7 +78,7 @@ def main() -> None:
                     ks = built[d]
                     t0 = time.perf_counter()
                     for i in range(calls):
-                        ks[i % len(ks)][0](x)
+                        ks[i % len(ks)](x)
                     times[d].append((time.perf_counter() - t0) / calls)
             print(f"| {fmt} | {O}x{K} | {name} | " + " | ".join(
                 f"{nbytes / statistics.median(times[d]) / 1e9:.1f}" for d in distances) + " |",

@@ -116,6 +116,25 @@ def test_a_step_of_several_tokens_equals_the_per_module_path(arch, how):
             pos += T
 
 
+@pytest.mark.parametrize("how", ["exact", "threshold", "predicted"])
+def test_quantized_steps_of_several_tokens_are_bit_for_bit_steps_of_one(how):
+    """With integer dots (quantized rows) nothing a token computes depends on the other tokens
+    of its step: the predictor's sums, its picks at tau and the FFN's chunks of neurons are
+    those of a step of its own, so drafted tokens are checked exactly (prompt lookup)."""
+    model = _model("llama_silu", layers=2, hidden=64, n_ff=192)
+    cm = picompile.compile(model, quantize="q8_0", **_compile_kw(how))
+    dec = cm.decoder()
+    assert dec is not None, cm.decoder_reason
+    ids = torch.randint(3, zoo.VOCAB, (12,), generator=torch.Generator().manual_seed(2))
+    assert dec.reserve(12)
+    dec.set_threads()
+    for p in range(4):
+        dec.step(ids[p:p + 1], p)
+    one = torch.stack([dec.step(ids[p:p + 1], p)[0].clone() for p in range(4, 12)])
+    several = dec.step(ids[4:12], 4).clone()
+    assert torch.equal(several, one)
+
+
 @pytest.mark.parametrize("arch", ["llama_silu", "qwen3", "phi3", "opt", "gemma3"])
 def test_steps_that_go_back_overwrite_what_was_rejected(arch):
     """Speculative decoding's pattern: a step of several tokens, then the next step starts

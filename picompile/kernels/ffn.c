@@ -547,6 +547,18 @@ typedef struct {
 /* Neuron number of candidate i: idx[i], or i where idx is NULL (all neurons). */
 PIC_INLINE int64_t cand(const int32_t* idx, int64_t i) { return idx ? (int64_t)idx[i] : i; }
 
+/* The first candidate numbered j or more in an ascending list of M (or all neurons) */
+static int64_t first_from(const int32_t* idx, int64_t M, int64_t j) {
+    if (!idx) return j < M ? j : M;
+    int64_t lo = 0, hi = M;
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (idx[mid] < j) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
 /* Whether token n may use neuron j: ms [nt] the tokens' rows of a predictor's mask, or NULL
  * (every candidate is every token's). */
 PIC_INLINE int allowed(const uint8_t* const* ms, int n, int64_t j) { return !ms || ms[n][j]; }
@@ -734,8 +746,9 @@ static int64_t mask_union(const uint8_t* mask, int64_t T, int64_t n_ff, int32_t*
 static void ffn_candidates(const float* x, int64_t T, int64_t d, int64_t n_ff,
                            const void* w_gate, const void* w_up, const void* w_down_t,
                            const float* b_gate, const float* b_up, const float* b_down,
-                           const int32_t* idx, int64_t m, const uint8_t* mask,
-                           float threshold, float* out, int64_t* n_active);
+                           const int32_t* idx, int64_t m, int by_neuron,
+                           const uint8_t* mask, float threshold, float* out,
+                           int64_t* n_active);
 
 void ffn(const float* x, int64_t T, int64_t d, int64_t n_ff,
          const void* w_gate, const void* w_up, const void* w_down_t,
@@ -744,15 +757,15 @@ void ffn(const float* x, int64_t T, int64_t d, int64_t n_ff,
          int64_t* n_active) {
     if (idx || !mask) {
         ffn_candidates(x, T, d, n_ff, w_gate, w_up, w_down_t, b_gate, b_up, b_down, idx, m,
-                       NULL, threshold, out, n_active);
+                       idx == NULL, NULL, threshold, out, n_active);
         return;
     }
     int32_t* predicted = (int32_t*)malloc((size_t)(n_ff > 0 ? n_ff : 1) * sizeof(int32_t));
     if (!predicted) { *n_active = -1; return; }
     m = T > 0 ? mask_union(mask, T, n_ff, predicted) : 0;
     /* the union's rows are read once for all the tokens; each token uses its own (one token:
-     * its row is the union) */
-    ffn_candidates(x, T, d, n_ff, w_gate, w_up, w_down_t, b_gate, b_up, b_down, predicted, m,
+     * its row is the union), summed in chunks of neuron numbers as a call of its own sums it */
+    ffn_candidates(x, T, d, n_ff, w_gate, w_up, w_down_t, b_gate, b_up, b_down, predicted, m, 1,
                    T > 1 ? mask : NULL, threshold, out, n_active);
     free(predicted);
 }
@@ -786,8 +799,13 @@ int predict(const float* x, int64_t T, int64_t d, int64_t r, int64_t n_ff,
 #endif
             for (int64_t i = 0; i < r; ++i) {
                 float s[PIC_MAXTOK];
-                pred_dot(p1 + i * d, xs, nt, d, s,
-                         i + PIC_PF_ROWS < r ? PIC_PF_ROWS * d * (int64_t)sizeof(etype) : 0);
+                /* two tokens at a time (the row from L1 after the first pass), so that each
+                 * token's sums run in the order of a call of its own: a predictor's pick at tau
+                 * must not depend on how many tokens a call has (row_dot's accumulators do) */
+                for (int n0 = 0; n0 < nt; n0 += 2)
+                    pred_dot(p1 + i * d, xs + n0, nt - n0 < 2 ? 1 : 2, d, s + n0,
+                             n0 == 0 && i + PIC_PF_ROWS < r
+                                 ? PIC_PF_ROWS * d * (int64_t)sizeof(etype) : 0);
                 for (int n = 0; n < nt; ++n) {
                     const float v = s[n] + pb1[i];
                     z[(t0 + n) * r + i] = v > 0.0f ? v : 0.0f;
@@ -846,8 +864,9 @@ int predict(const float* x, int64_t T, int64_t d, int64_t r, int64_t n_ff,
 static void ffn_candidates(const float* x, int64_t T, int64_t d, int64_t n_ff,
                            const void* w_gate, const void* w_up, const void* w_down_t,
                            const float* b_gate, const float* b_up, const float* b_down,
-                           const int32_t* idx, int64_t m, const uint8_t* mask,
-                           float threshold, float* out, int64_t* n_active) {
+                           const int32_t* idx, int64_t m, int by_neuron,
+                           const uint8_t* mask, float threshold, float* out,
+                           int64_t* n_active) {
     const int64_t M = idx ? m : n_ff; /* candidate neurons */
     *n_active = 0;
     if (T <= 0 || d <= 0) return;
@@ -858,8 +877,11 @@ static void ffn_candidates(const float* x, int64_t T, int64_t d, int64_t n_ff,
     /* The candidates are cut into nch contiguous chunks, each with its own partial output
      * [T][dp]. Threads take chunks dynamically (a descheduled thread does not hold the others
      * up) and the partials are summed in chunk order, so the result does not depend on the
-     * thread count or on which thread ran which chunk. */
-    int64_t nch = M < PIC_CHUNKS ? M : PIC_CHUNKS;
+     * thread count or on which thread ran which chunk. by_neuron (idx ascending or NULL): the
+     * chunks are ranges of neuron numbers, so a token's sums do not depend on which other
+     * neurons the list holds (the other tokens' in a call of several). */
+    const int64_t most = by_neuron ? n_ff : M;
+    int64_t nch = most < PIC_CHUNKS ? most : PIC_CHUNKS;
     while (nch > 1 && nch * T * dp * (int64_t)sizeof(float) > PIC_PARTIAL_MAX_BYTES) nch /= 2;
     int nthr = 1;
 #ifdef _OPENMP
@@ -890,7 +912,11 @@ static void ffn_candidates(const float* x, int64_t T, int64_t d, int64_t n_ff,
         for (int64_t c = 0; c < nch; ++c) {
             float* mine = part + (size_t)c * T * dp;
             memset(mine, 0, (size_t)T * dp * sizeof(float));
-            const int64_t lo = M * c / nch, hi = M * (c + 1) / nch; /* gate rows stream in order */
+            /* gate rows stream in order; by_neuron: chunk c holds the candidates numbered
+             * n_ff * c / nch and up (idx ascending), whatever else the list holds */
+            const int64_t lo = by_neuron ? first_from(idx, M, n_ff * c / nch) : M * c / nch;
+            const int64_t hi = by_neuron ? first_from(idx, M, n_ff * (c + 1) / nch)
+                                         : M * (c + 1) / nch;
             for (int64_t t0 = 0; t0 < T; t0 += PIC_MAXTOK) {
                 const int nt = (int)(T - t0 < PIC_MAXTOK ? T - t0 : PIC_MAXTOK);
                 for (int n = 0; n < nt; ++n) {
