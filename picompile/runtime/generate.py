@@ -133,8 +133,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     single unpadded row within their max_len (the decoder, when given, takes precedence).
     prompt_lookup: draft up to this many tokens a step from the text so far (runtime/lookup.py)
     where the decoder checks several tokens a step (the C one); 0, or elsewhere: one at a time.
-    The tokens are those of one at a time (up to float rounding: a step of several tokens sums
-    in another order, which can tip a near-tie).
+    The tokens are those of one at a time (bit for bit with quantized weights; with float ones
+    a step of several tokens sums in another order, which can tip a near-tie).
     """
     reason = model_reason(model)
     if reason is not None:
