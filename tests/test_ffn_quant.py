@@ -285,6 +285,27 @@ def test_every_mode(fmt, down, kind, act, bias):
         check_exact(fmt, v, w, x, threshold=half, mask=mask, ffn=ffn)
 
 
+@pytest.mark.parametrize("fmt,down", PAIRS)
+@pytest.mark.parametrize("kind,act", [("gated", "silu"), ("plain", "relu"), ("drelu", "relu")])
+def test_stable_entry_gives_each_token_its_own_calls_sums(fmt, down, kind, act):
+    """ffn_stable (the C decoder's): with a predictor's mask, each of up to 20 tokens gets bit for
+    bit what a call of its own gives (quantized rows dot in integers; the chunks are ranges of
+    neuron numbers, not of the union's list), and the reference's result."""
+    v = variant(fmt, kind, False, act, down)
+    T, d, n_ff = 20, 160, 300
+    w, x = exact_case(fmt, v, T, d, n_ff, 3)
+    ffn = make_module(fmt, v, w, d)
+    kernel = c.kernel_for(ffn)
+    half = pick_threshold(reference_h(fmt, v, w, x), 0.5)
+    mask = torch.rand(T, n_ff, generator=torch.Generator().manual_seed(4)) < 0.3
+    out, n_active = kernel(x, threshold=half, mask=mask, stable=True)
+    alone = [kernel(x[t:t + 1], threshold=half, mask=mask[t:t + 1], stable=True) for t in range(T)]
+    assert torch.equal(out, torch.cat([o for o, _ in alone]))
+    assert n_active == sum(n for _, n in alone)
+    want, _ = check_exact(fmt, v, w, x, threshold=half, mask=mask, ffn=ffn)  # ffn: the reference's
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
+
+
 @pytest.fixture(params=["simd", "scalar"])
 def isa(request, monkeypatch):
     """The AVX2 build and the portable scalar fallback (the same source built without -mavx2

@@ -110,6 +110,10 @@ _HEADER = """\
  *            float threshold,
  *            float* out,            [T, d] float32, written fully
  *            int64_t* n_active);    out: number of active (token, neuron) pairs; -1 = no memory
+ *   void ffn_stable(...);           the same arguments and results; with a mask, each token's
+ *                                   sums run as in a call of its own, bit for bit (the C
+ *                                   decoder's steps: drafted tokens are checked exactly),
+ *                                   where ffn balances its threads' work instead
  *   int predict(const float* x,     [T, d] float32: the block input
  *               int64_t T, int64_t d, int64_t r, int64_t n_ff,
  *               const etype* p1,    [r, d]      the predictor's layers (etype: this library's
@@ -311,12 +315,14 @@ def load(v: Variant) -> ctypes.CDLL:
             path = build(v)  # verified against its checksum record: never a truncated file
             try:
                 lib = ctypes.CDLL(str(path))
-                for symbol in ("ffn", "predict", "pic_set_num_threads", "pic_variant"):
+                for symbol in ("ffn", "ffn_stable", "predict", "pic_set_num_threads",
+                               "pic_variant"):
                     getattr(lib, symbol)
             except (OSError, AttributeError) as e:
                 raise LoadFailed(f"{path}: {e}") from e
-            lib.ffn.argtypes = _FFN_ARGTYPES
-            lib.ffn.restype = None
+            for fn in (lib.ffn, lib.ffn_stable):
+                fn.argtypes = _FFN_ARGTYPES
+                fn.restype = None
             lib.predict.argtypes = _PREDICT_ARGTYPES
             lib.predict.restype = ctypes.c_int
             lib.pic_set_num_threads.argtypes = [ctypes.c_int]
@@ -468,7 +474,6 @@ def _bind(lib: ctypes.CDLL, v: Variant, ffn) -> Kernel:
     raw_biases = (ffn.b_gate, ffn.b_up, ffn.b_down)
     converted: dict = {}  # "biases": their float32 copies, made on first use
     ptrs = (_ptr(w_gate), _ptr(w_up), _ptr(w_down_t))
-    fn = lib.ffn
 
     def float32_biases() -> tuple:
         biases = converted.get("biases")
@@ -479,10 +484,10 @@ def _bind(lib: ctypes.CDLL, v: Variant, ffn) -> Kernel:
         return biases
 
     def kernel(x: torch.Tensor, threshold: float = 0.0, idx: torch.Tensor | None = None,
-               mask: torch.Tensor | None = None):
+               mask: torch.Tensor | None = None, stable: bool = False):
         """x [T, d] -> (out [T, d] float32, n_active: active (token, neuron) pairs).
         Candidates: idx [m] (neuron numbers), else mask [T, n_ff] bool (token t: those set
-        in its row), else all neurons."""
+        in its row), else all neurons. stable: the library's ffn_stable (the C decoder's)."""
         biases = float32_biases()
         if x.dim() != 2 or x.shape[1] != d:
             raise ValueError(f"kernel input must be [T, {d}], got {tuple(x.shape)}")
@@ -506,7 +511,7 @@ def _bind(lib: ctypes.CDLL, v: Variant, ffn) -> Kernel:
                 mask = mask.to("cpu").contiguous()
         _set_threads(lib)
         n_active = ctypes.c_int64(0)
-        fn(
+        (lib.ffn_stable if stable else lib.ffn)(
             x.data_ptr(), T, d, n_ff, *ptrs, *(_ptr(b) for b in biases),
             _ptr(idx), m, _ptr(mask), float(threshold), out.data_ptr(), ctypes.byref(n_active),
         )

@@ -750,24 +750,43 @@ static void ffn_candidates(const float* x, int64_t T, int64_t d, int64_t n_ff,
                            const uint8_t* mask, float threshold, float* out,
                            int64_t* n_active);
 
-void ffn(const float* x, int64_t T, int64_t d, int64_t n_ff,
-         const void* w_gate, const void* w_up, const void* w_down_t,
-         const float* b_gate, const float* b_up, const float* b_down,
-         const int32_t* idx, int64_t m, const uint8_t* mask, float threshold, float* out,
-         int64_t* n_active) {
+/* ffn and ffn_stable: with a predictor's mask (idx NULL), the union's rows are read once for all
+ * the tokens and each token uses its own (one token: its row is the union). by_neuron: see
+ * ffn_candidates. */
+static void ffn_masked(const float* x, int64_t T, int64_t d, int64_t n_ff,
+                       const void* w_gate, const void* w_up, const void* w_down_t,
+                       const float* b_gate, const float* b_up, const float* b_down,
+                       const int32_t* idx, int64_t m, const uint8_t* mask, float threshold,
+                       float* out, int64_t* n_active, int by_neuron) {
     if (idx || !mask) {
         ffn_candidates(x, T, d, n_ff, w_gate, w_up, w_down_t, b_gate, b_up, b_down, idx, m,
-                       idx == NULL, NULL, threshold, out, n_active);
+                       0, NULL, threshold, out, n_active);
         return;
     }
     int32_t* predicted = (int32_t*)malloc((size_t)(n_ff > 0 ? n_ff : 1) * sizeof(int32_t));
     if (!predicted) { *n_active = -1; return; }
     m = T > 0 ? mask_union(mask, T, n_ff, predicted) : 0;
-    /* the union's rows are read once for all the tokens; each token uses its own (one token:
-     * its row is the union), summed in chunks of neuron numbers as a call of its own sums it */
-    ffn_candidates(x, T, d, n_ff, w_gate, w_up, w_down_t, b_gate, b_up, b_down, predicted, m, 1,
-                   T > 1 ? mask : NULL, threshold, out, n_active);
+    ffn_candidates(x, T, d, n_ff, w_gate, w_up, w_down_t, b_gate, b_up, b_down, predicted, m,
+                   by_neuron, T > 1 ? mask : NULL, threshold, out, n_active);
     free(predicted);
+}
+
+void ffn(const float* x, int64_t T, int64_t d, int64_t n_ff,
+         const void* w_gate, const void* w_up, const void* w_down_t,
+         const float* b_gate, const float* b_up, const float* b_down,
+         const int32_t* idx, int64_t m, const uint8_t* mask, float threshold, float* out,
+         int64_t* n_active) {
+    ffn_masked(x, T, d, n_ff, w_gate, w_up, w_down_t, b_gate, b_up, b_down, idx, m, mask,
+               threshold, out, n_active, 0);
+}
+
+void ffn_stable(const float* x, int64_t T, int64_t d, int64_t n_ff,
+                const void* w_gate, const void* w_up, const void* w_down_t,
+                const float* b_gate, const float* b_up, const float* b_down,
+                const int32_t* idx, int64_t m, const uint8_t* mask, float threshold,
+                float* out, int64_t* n_active) {
+    ffn_masked(x, T, d, n_ff, w_gate, w_up, w_down_t, b_gate, b_up, b_down, idx, m, mask,
+               threshold, out, n_active, 1);
 }
 
 int predict(const float* x, int64_t T, int64_t d, int64_t r, int64_t n_ff,
@@ -877,9 +896,11 @@ static void ffn_candidates(const float* x, int64_t T, int64_t d, int64_t n_ff,
     /* The candidates are cut into nch contiguous chunks, each with its own partial output
      * [T][dp]. Threads take chunks dynamically (a descheduled thread does not hold the others
      * up) and the partials are summed in chunk order, so the result does not depend on the
-     * thread count or on which thread ran which chunk. by_neuron (idx ascending or NULL): the
-     * chunks are ranges of neuron numbers, so a token's sums do not depend on which other
-     * neurons the list holds (the other tokens' in a call of several). */
+     * thread count or on which thread ran which chunk. The chunks are equal runs of the list,
+     * or with by_neuron (idx ascending or NULL) ranges of neuron numbers, so that a token's sums
+     * do not depend on which other neurons the list holds (the other tokens' in a call of
+     * several), at the price of uneven chunks where the firing neurons bunch (hot-first
+     * orders). */
     const int64_t most = by_neuron ? n_ff : M;
     int64_t nch = most < PIC_CHUNKS ? most : PIC_CHUNKS;
     while (nch > 1 && nch * T * dp * (int64_t)sizeof(float) > PIC_PARTIAL_MAX_BYTES) nch /= 2;

@@ -771,7 +771,8 @@ def _c_linear(lin: DenseLinear | QuantLinear) -> native.Linear:
 
 
 def _c_ffn(ffn: SparseFFN) -> native.FFN:
-    s = native.FFN(native.function_pointer(ffn.kernel.library.ffn), *ffn.kernel.pointers(),
+    # ffn_stable: a token's sums as in a step of its own, whatever else the step holds
+    s = native.FFN(native.function_pointer(ffn.kernel.library.ffn_stable), *ffn.kernel.pointers(),
                    ffn.n_ff, ffn.threshold)
     pred = ffn.predictor
     if pred is not None and pred.enabled:
