@@ -7,8 +7,8 @@ prompt and on open-ended ones.
 
 The default model compiled as `picompile chat` compiles it (the GGUF file's blocks, threshold
 sparsity --sparsity; with --mode predicted, predictors trained on the built-in corpus and run
-in every block at that sparsity); each task is a chat prompt answered greedily, once a token a step and once
-with prompt lookup (cm.prompt_lookup = --lookup), in turn within each round (the order swapped
+in every block at that sparsity); each task is a chat prompt answered greedily, once a token a
+step and once with prompt lookup (cm.prompt_lookup = --lookup), in turn within each round (the order swapped
 every other round, so the machine's drift falls on both). Per task: decode tokens/s after the
 first token (timing.timed_generate), the median over rounds, the median of the per-round ratios,
 decoder steps per new token with lookup, and whether both replies were the same tokens (each
@@ -117,8 +117,8 @@ def main():
                                       args.new_tokens, repetitions=1) for _ in range(args.rounds))
     print(f"\n{cpu_name()}, {torch.get_num_threads()} threads; "
           f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC")
-    print(f"SmolLM2-135M-Instruct, the Q4_1 file's blocks, {args.mode} @{args.sparsity:.0%}, greedy, "
-          f"up to {args.new_tokens} new tokens, {args.rounds} rounds, lookup {args.lookup}"
+    print(f"SmolLM2-135M-Instruct, the Q4_1 file's blocks, {args.mode} @{args.sparsity:.0%}, "
+          f"greedy, up to {args.new_tokens} new tokens, {args.rounds} rounds, lookup {args.lookup}"
           + ("" if llama is None else f"; llama.cpp decode (llama-bench, same file) {llama:.1f} "
              "tok/s"))
     print("\n| task | new tokens | a token a step tok/s | lookup tok/s | ratio (median of rounds) "

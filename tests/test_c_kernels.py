@@ -28,7 +28,7 @@ from picompile.codegen import c
 from picompile.codegen.cache import cache_dir, cache_key, cached_build
 from picompile.runtime.predictor import Predictor
 from picompile.plan import BlockPlan, Decisions
-from picompile.runtime.sparse_ffn import SparseFFN, down_input, ffn_reference
+from picompile.runtime.sparse_ffn import SparseFFN, down_input, ffn_reference, predicted_candidates
 
 KINDS = ("plain", "gated", "drelu")
 TORCH_DT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -137,8 +137,7 @@ def check(v: c.Variant, weights: dict, x: torch.Tensor, *, threshold: float,
     out, n_active = kernel(xin, threshold=threshold, idx=idx, mask=mask)
     allowed = None
     if mask is not None:
-        idx = mask.any(0).nonzero().flatten()
-        allowed = mask[:, idx]
+        idx, allowed = predicted_candidates(mask)
     ref, active = ffn_reference(x.float(), **ffn.weights(), act=v.act, drelu=v.drelu,
                                 threshold=threshold, idx=idx, allowed=allowed)
     assert out.dtype == torch.float32 and out.shape == ref.shape

@@ -46,7 +46,8 @@ from hypothesis import strategies as st
 from picompile import quant
 from picompile.codegen import c
 from picompile.plan import BlockPlan, Decisions
-from picompile.runtime.sparse_ffn import SparseFFN, activation, combine, down_input, ffn_reference
+from picompile.runtime.sparse_ffn import (SparseFFN, activation, combine, down_input, ffn_reference,
+                                           predicted_candidates)
 from tests import zoo
 from tests.test_decoder import _compile_kw, _step_logits  # shared with the float decoder tests
 from tests.test_c_kernels import candidates  # the float kernel tests' candidate sets
@@ -191,8 +192,7 @@ def check_exact(fmt, v, w, x, *, threshold, idx=None, mask=None, ffn=None):
     out, n_active = kernel(x, threshold=threshold, idx=idx, mask=mask)
     allowed = None
     if mask is not None:
-        idx = mask.any(0).nonzero().flatten()
-        allowed = mask[:, idx]
+        idx, allowed = predicted_candidates(mask)
     ref, active = ffn_reference(x, **ffn.weights(), act=v.act, drelu=v.drelu,
                                 threshold=threshold, idx=idx, allowed=allowed)
     assert out.dtype == torch.float32 and out.shape == ref.shape == (x.shape[0], d)

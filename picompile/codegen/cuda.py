@@ -21,7 +21,8 @@ Small batches (T = 2..8) use the union of the per-token predictions: a row is li
 token fires, it is loaded once for all T tokens, and h is computed for every token on it (the
 ReLU / threshold test then zeroes the per-token inactive ones, exactly as `ffn_reference` with
 that index list and no `allowed` mask does; the CPU kernel gives each token its own, and a split
-block's cold rows take the union too, runtime/hybrid.py). T = 1 has its own kernels (`*_1_*`, the token loops compile away).
+block's cold rows take the union too, runtime/hybrid.py). T = 1 has its own kernels (`*_1_*`,
+the token loops compile away).
 
 Every variant (`picompile.codegen.variant.Variant`, the type the C generator uses too) is its own
 source, assembled from package data: picompile/kernels/ffn_cuda.cuh (number formats, loads, warp

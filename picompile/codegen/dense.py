@@ -95,7 +95,8 @@ def flags(variant: str, avx512: bool = False, tuning: dict[str, int] | None = No
         if variant in quant.FORMATS and quant.format_of(variant).activation_bits == 8 and {
                 "avx512vl", "avx512bw", "avx512_vnni"} <= c.cpu_flags():
             out += ["-mavx512vl", "-mavx512bw", "-mavx512vnni"]  # integer dots: vpdpbusd
-    out += [f"-DPI_{k}={int(v)}" for k, v in sorted({**default_tuning(), **(tuning or {})}.items())]
+    knobs = {**default_tuning(), **(tuning or {})}
+    out += [f"-DPI_{k}={int(v)}" for k, v in sorted(knobs.items())]
     return out
 
 

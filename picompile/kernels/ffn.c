@@ -547,9 +547,8 @@ typedef struct {
 /* Neuron number of candidate i: idx[i], or i where idx is NULL (all neurons). */
 PIC_INLINE int64_t cand(const int32_t* idx, int64_t i) { return idx ? (int64_t)idx[i] : i; }
 
-/* The first candidate numbered j or more in an ascending list of M (or all neurons) */
+/* The first candidate numbered j or more in an ascending list idx [M] */
 static int64_t first_from(const int32_t* idx, int64_t M, int64_t j) {
-    if (!idx) return j < M ? j : M;
     int64_t lo = 0, hi = M;
     while (lo < hi) {
         const int64_t mid = lo + (hi - lo) / 2;
@@ -897,7 +896,7 @@ static void ffn_candidates(const float* x, int64_t T, int64_t d, int64_t n_ff,
      * [T][dp]. Threads take chunks dynamically (a descheduled thread does not hold the others
      * up) and the partials are summed in chunk order, so the result does not depend on the
      * thread count or on which thread ran which chunk. The chunks are equal runs of the list,
-     * or with by_neuron (idx ascending or NULL) ranges of neuron numbers, so that a token's sums
+     * or with by_neuron (idx given, ascending) ranges of neuron numbers, so that a token's sums
      * do not depend on which other neurons the list holds (the other tokens' in a call of
      * several), at the price of uneven chunks where the firing neurons bunch (hot-first
      * orders). */

@@ -772,8 +772,8 @@ def _c_linear(lin: DenseLinear | QuantLinear) -> native.Linear:
 
 def _c_ffn(ffn: SparseFFN) -> native.FFN:
     # ffn_stable: a token's sums as in a step of its own, whatever else the step holds
-    s = native.FFN(native.function_pointer(ffn.kernel.library.ffn_stable), *ffn.kernel.pointers(),
-                   ffn.n_ff, ffn.threshold)
+    s = native.FFN(native.function_pointer(ffn.kernel.library.ffn_stable),
+                   *ffn.kernel.pointers(), ffn.n_ff, ffn.threshold)
     pred = ffn.predictor
     if pred is not None and pred.enabled:
         if pred.kernel is None:

@@ -22,9 +22,8 @@ and waits for the worker once (wait_cold). Each side is an ordinary SparseFFN ov
 "view"), so decode (the kernels over the predicted rows) and prefill (dense BLAS over each
 side's rows, masked, on the calling thread) are the same code as the CPU-only runtime (but for
 calls of 2 to 8 tokens in predicted mode: both sides take the union of their predictions, as the
-GPU's kernels do). With
-`device="cpu"` the CPU stands in for the GPU: every split and merge runs, which is how CI tests
-this file.
+GPU's kernels do). With `device="cpu"` the CPU stands in for the GPU: every split and merge
+runs, which is how CI tests this file.
 """
 
 from __future__ import annotations

@@ -100,6 +100,13 @@ def combine(up: torch.Tensor, gate: torch.Tensor | None, act: str, drelu: bool) 
     return activation(act, gate) * (F.relu(up) if drelu else up)
 
 
+def predicted_candidates(predicted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A predictor's mask [T, n_ff] bool -> (idx [m]: the neurons set for any token, ascending;
+    allowed [T, m]: which of them each token's row sets), ffn_reference's idx and allowed."""
+    idx = predicted.any(0).nonzero().flatten()
+    return idx, predicted[:, idx]
+
+
 def ffn_reference(
     x: torch.Tensor,  # [T, d]
     w_up: torch.Tensor,  # [n_ff, d]
@@ -468,10 +475,7 @@ class SparseFFN(KernelModule):
             if self.kernel is not None:
                 out, n_active = self.kernel(x2, threshold=self.threshold, mask=predicted)
             else:
-                idx = allowed = None
-                if predicted is not None:
-                    idx = predicted.any(0).nonzero().flatten()
-                    allowed = predicted[:, idx]
+                idx, allowed = (None, None) if predicted is None else predicted_candidates(predicted)
                 out, active = self.forward_native(x2, idx, allowed)
                 n_active = int(active.sum())
         else:
