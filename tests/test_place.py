@@ -90,11 +90,14 @@ def test_place_invariants(problem, budget_frac, exact_budget):
     for b in blocks:
         k = r.hot[b.name]
         assert k == 0 or min(min_slice, b.n_ff) <= k <= b.n_ff, (b.name, k, b.n_ff)
-        # the order: a permutation, by descending freq, so the hot neurons are the top ones
+        # the order: a permutation, the hot neurons first by descending freq (the top ones),
+        # then the cold ones in ascending neuron number
         o = r.order[b.name]
         assert o.dtype == torch.long and torch.equal(torch.sort(o).values, torch.arange(b.n_ff))
         f = b.freq[o]
-        assert bool((f[:-1] >= f[1:]).all())
+        assert bool((f[:k][:-1] >= f[:k][1:]).all())
+        assert k in (0, b.n_ff) or float(f[:k].min()) >= float(f[k:].max())
+        assert bool((o[k:][1:] > o[k:][:-1]).all())
     total = sum(float(b.freq.double().sum()) for b in blocks)
     if total > 0:
         assert r.expected_gpu_share == pytest.approx(hot_value(blocks, r.hot) / total, abs=1e-9)
@@ -231,8 +234,11 @@ def test_layers_that_do_not_fit_run_on_the_cpu_from_the_last():
     assert r.hot["l0.mlp"] + r.hot["l1.mlp"] == 25  # the 100 bytes left, 4 per neuron
     served = sum(float(b.freq.sort(descending=True).values[: r.hot[b.name]].sum()) for b in blocks)
     assert r.expected_gpu_share == pytest.approx(served / sum(float(b.freq.sum()) for b in blocks))
-    for b in blocks:  # every block ordered hot-first, the host layers' too
-        assert torch.equal(b.freq[r.order[b.name]], b.freq.sort(descending=True, stable=True).values)
+    for b in blocks:  # hot neurons first by freq, then the cold ones in their own order
+        k, o = r.hot[b.name], r.order[b.name]
+        assert torch.equal(b.freq[o[:k]], b.freq.sort(descending=True, stable=True).values[:k])
+        assert torch.equal(o[k:], o[k:].sort().values)
+    assert torch.equal(r.order["l2.mlp"], torch.arange(100))  # the host layers: unpermuted
     assert "the last 2 decoder layers (l2 on) run wholly on the CPU" in r.notes[0]
 
 
@@ -494,3 +500,23 @@ def test_place_then_apply_order_end_to_end():
             assert fr[:hot].min() >= fr[hot:].max()
     with torch.no_grad():
         torch.testing.assert_close(zoo.logits(cm, ids), want, atol=1e-4, rtol=1e-4)
+
+
+def test_cold_neurons_spread_over_the_cpu_kernels_neuron_ranges():
+    """The CPU kernel (the C decoder's ffn_stable) cuts a call's cold rows into 16 ranges of row
+    numbers, one thread at a time each: in frequency order the first range would hold half the
+    firings of a power law; in the model's own order each holds about a sixteenth."""
+    n, chunks = 4096, 16
+    freq = power_law_freq(n, 1.2, seed=3).double()
+    for _ in range(50):  # about 10% of the neurons fire per token, none always
+        freq = (freq * 0.1 / freq.mean()).clamp(1e-4, 0.99)
+    demand = BlockDemand("a", n, 4, freq)
+    for budget in (0, 256 * 4):
+        r = place(budget_bytes=budget, fixed_bytes={}, blocks=[demand], min_slice=32)
+        k = r.hot["a"]
+        assert k == budget // 4
+        cold = freq[r.order["a"][k:]].double()  # the CPU's rows, in their placed order
+        shares = torch.stack([c.sum() for c in cold.tensor_split(chunks)]) / cold.sum()
+        assert float(shares.max()) < 2 / chunks, shares
+        by_freq = cold.sort(descending=True).values.tensor_split(chunks)[0].sum() / cold.sum()
+        assert float(by_freq) > 0.25  # what a frequency order would give the first range

@@ -10,7 +10,8 @@ Three parts, PowerInfer-style:
   serve the largest expected share of firings within the budget, with every block's hot count 0
   or at least a minimum slice.
 * `apply_order(ffn, order)`: permute a block's neurons hot-first (most frequent first), so the hot
-  neurons are rows 0 .. hot-1 of every per-neuron tensor, which is what the GPU kernels read.
+  neurons are rows 0 .. hot-1 of every per-neuron tensor, which is what the GPU kernels read. The
+  cold neurons after them keep the model's own order (see `_placed_order`).
 
 Everything here is plain arithmetic on byte counts and frequency vectors: it needs no GPU.
 """
@@ -331,7 +332,7 @@ class BlockDemand:
 @dataclass
 class PlacementResult:
     hot: dict[str, int]  # hot neuron count per block: 0, or >= min(min_slice, n_ff)
-    order: dict[str, torch.Tensor]  # LongTensor [n_ff] per block: neurons by freq, descending
+    order: dict[str, torch.Tensor]  # LongTensor [n_ff] per block: see _placed_order
     gpu_bytes: int  # fixed + hot neurons; never more than the budget
     fixed_on_gpu: bool  # False: even the fixed (non-FFN) parts did not fit
     expected_gpu_share: float  # sum of hot freq / sum of all freq
@@ -369,6 +370,16 @@ def _hot_first(freq: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
     return torch.from_numpy(o.astype(np.int64)), f[o]
 
 
+def _placed_order(hot_first: torch.Tensor, hot: int) -> torch.Tensor:
+    """A block's neuron order once `hot` of its neurons are placed: the hot ones first, most
+    frequent first (rows 0 .. hot-1: the GPU's), then the cold ones in ascending neuron number.
+    Why not all by frequency: the CPU kernel cuts a call's neurons into chunks by ranges of
+    neuron numbers (the C decoder's ffn_stable), and in frequency order the first range would
+    hold most of the firings (half of them in 1 of 16 ranges for a power law), so one thread
+    would do the work of many; the model's own order spreads them as the model does."""
+    return torch.cat([hot_first[:hot], hot_first[hot:].sort().values])
+
+
 def _fmt_bytes(n: float) -> str:
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= size:
@@ -392,7 +403,7 @@ def place(
     The fixed parts go first: if they alone exceed the budget (or the budget is 0), nothing is
     placed and everything runs on the CPU. Within a block all neurons cost the same, so the best
     hot set of a given size is always the most frequent neurons: the decision is one count per
-    block, and `order` (neurons by descending freq, stable) puts the hot ones first.
+    block, and `order` puts the hot ones first, most frequent first (`_placed_order`).
 
     Method and optimality. Per block, the value of k hot neurons is F_b(k), the sum of its k
     largest freqs (concave in k). A price lambda per byte splits the problem into one independent
@@ -456,7 +467,8 @@ def place(
         else:
             share = 1.0 if all_hot else 0.0
         bound_share = share if bound is None else max(share, min(1.0, bound))
-        return PlacementResult(hot=hot, order=order, gpu_bytes=gpu, fixed_on_gpu=fixed_on_gpu,
+        placed = {b.name: _placed_order(order[b.name], hot[b.name]) for b in blocks}
+        return PlacementResult(hot=hot, order=placed, gpu_bytes=gpu, fixed_on_gpu=fixed_on_gpu,
                                expected_gpu_share=share, notes=notes, share_bound=bound_share)
 
     none_hot = {b.name: 0 for b in blocks}
@@ -577,7 +589,7 @@ def place_layers(*, budget_bytes: int, fixed_bytes: dict[str, int], blocks: list
     for b in blocks:
         if b.name in on_host:
             inner.hot[b.name] = 0
-            inner.order[b.name] = _hot_first(b.freq)[0]
+            inner.order[b.name] = torch.arange(b.n_ff)  # no hot neurons: the model's order
     inner.expected_gpu_share *= scale
     inner.share_bound *= scale
     parts = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in fixed_bytes.items() if v)
