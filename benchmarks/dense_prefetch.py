@@ -21,7 +21,7 @@ import torch
 
 from machine import COLD_BYTES, OtherLoad, cpu_name, stream_probe  # benchmarks/machine.py
 from picompile import quant
-from picompile.codegen import dense
+from picompile.codegen import c, dense
 
 SHAPES = [("lm_head", 49152, 576), ("gate / up", 1536, 576), ("down", 576, 1536)]
 FORMATS = ["float32", "float16", "q8_0", "q4_1"]
@@ -42,7 +42,7 @@ def kernels(fmt: str, O: int, K: int, distance: int, copies: int) -> list:
         tuning = {"PF_BYTES": distance}
         if fmt in dense.QFORMATS:
             q = quant.interleave_blocks(quant.quantize(w, fmt), fmt)
-            out.append(dense.quant_kernel_for(q, fmt, K, avx512=dense.avx512_available(),
+            out.append(dense.quant_kernel_for(q, fmt, K, avx512=c.avx512_available(),
                                               tuning=tuning))
         else:
             w = w.to(dense.DTYPES[fmt])

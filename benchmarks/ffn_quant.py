@@ -168,7 +168,7 @@ def main() -> None:
     other = OtherLoad()
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, {cpu_name()}, "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}, threads={args.threads}, T=1, "
-          f"build flags {' '.join(c_codegen.build_flags())}\n")
+          f"build flags {' '.join(c_codegen.ffn_flags())}\n")
     print(f"streaming read (torch sum of 1 GB float32): {stream_probe(5 if args.quick else 15):.1f} GB/s\n")
     print("| block | weights | mode | fired | MB read | us | GB/s | best GB/s | vs f32 | vs f16 "
           "| closure us |")

@@ -26,7 +26,8 @@ so a probe before and after is too far from most calls); each (format, density) 
 Kernels: `new` is this tree's picompile/kernels/ffn.c; `base` the ffn.c and qblocks.h of the git
 revision --base (built with this tree's variant header); `NAME:K=V,K=V` adds -D tuning knobs
 (codegen.c.source's `tuning`); `NAME+vnni` builds with -mavx512f/vl/bw/vnni added (AVX-512
-VNNI integer dots, 32 vector registers); `NAME@huge` runs NAME on copies of the weights in
+VNNI integer dots, 32 vector registers); `NAME+avx2` without the -mavx512f that codegen.c.ffn_flags
+adds where the CPU has AVX-512F (the down rows' AVX2 path); `NAME@huge` runs NAME on copies of the weights in
 transparent huge pages (picompile.runtime.memory, as compile places them), the others on copies
 in the allocator's ordinary 4 KB pages. `rows` (`rows:PF=2`: software prefetch 2 candidates
 ahead) is no kernel: benchmarks/row_reader.c reads the very rows the kernel reads and only
@@ -63,7 +64,7 @@ D, N_FF = SHAPES["llama7b"]  # the shape measured (--shape)
 def kernel_source(v: c_codegen.Variant, spec: str, base: str) -> str:
     """The generated source of variant v for a kernel spec ("new", "base"; ":K=V,..." knobs)."""
     name, _, knobs = spec.partition(":")
-    name = name.removesuffix("+vnni")
+    name = name.removesuffix("+vnni").removesuffix("+avx2")
     tuning = {k: int(val) for k, val in (kv.split("=") for kv in knobs.split(",") if kv)}
     src = c_codegen.source(v, tuning)
     if name == "base":
@@ -88,7 +89,9 @@ def load_reader() -> ctypes.CDLL:
 
 
 def load_kernel(v: c_codegen.Variant, spec: str, base: str) -> ctypes.CDLL:
-    flags = c_codegen.build_flags()
+    flags = c_codegen.ffn_flags()
+    if "+avx2" in spec.partition(":")[0]:
+        flags = c_codegen.build_flags()
     if "+vnni" in spec.partition(":")[0]:
         flags = flags + ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni"]
     path = c_codegen.build_library(kernel_source(v, spec, base), flags, "picompile-c bench")
@@ -171,7 +174,7 @@ def main() -> None:
           f"{os.cpu_count()} CPUs, torch {torch.__version__}, threads={args.threads}, T=1, "
           f"d={D}, n_ff={N_FF}, gated ReLU, predicted (mask), "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, build flags "
-          f"{' '.join(c_codegen.build_flags())}, kernels {args.kernels} (base = {args.base})"
+          f"{' '.join(c_codegen.ffn_flags())}, kernels {args.kernels} (base = {args.base})"
           f"{', HOT: rows from the caches' if args.hot else ''}")
     print(f"streaming read (torch sum of 1 GB float32): {stream_probe(15):.1f} GB/s\n", flush=True)
 

@@ -23,7 +23,6 @@ calibrating, profiling and training again.
 from __future__ import annotations
 
 import gc
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +45,7 @@ from picompile.passes import rewrite as rewrite_pass
 from picompile.passes.detect import activation_of, detect
 from picompile.passes.profile import BlockProfile
 from picompile.plan import BlockPlan, Mode, Plan, Unmatched
-from picompile.progress import note
+from picompile.progress import note, warn_user
 from picompile.runtime import memory
 from picompile.runtime.dense_linear import DenseLinear, QuantLinear
 from picompile.runtime.predictor import Predictor
@@ -515,8 +514,8 @@ def _place(model, ffns, placement, profiles, budget: int, max_context: int,
     placement.notes = list(result.notes)
     if not torch.cuda.is_available():
         placement.notes.append("no CUDA GPU here: the plan is made, execution stays on the CPU")
-        warnings.warn("picompile: no CUDA GPU found; the placement is planned (see explain()) "
-                      "but everything runs on the CPU", stacklevel=3)
+        warn_user("picompile: no CUDA GPU found; the placement is planned (see explain()) but "
+                  "everything runs on the CPU")
 
 
 def apply_order(ffn: SparseFFN, order: torch.Tensor) -> None:

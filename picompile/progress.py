@@ -11,11 +11,23 @@ import contextlib
 import os
 import sys
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 
 from tqdm.auto import tqdm
 
 LINES_PER_STAGE = 10  # plain-line mode: at most about this many lines before the final one
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
+    """warnings.warn, naming the user's line (the first caller outside picompile: compile(...),
+    generate(...)) rather than where inside picompile the warning was raised."""
+    frame, level = sys._getframe(0), 1  # this function: stacklevel 1
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(
+            _PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 def quiet_by_default() -> bool:

@@ -38,6 +38,10 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
 NVCC=/usr/local/cuda/bin/nvcc  # one path on both machines: part of the cubins' cache key
+# pytest under a limit: SIGINT first (pytest then prints what passed and failed so far), a kill
+# 20 s later; a test running past 120 s dumps every thread's stack (a hang shows where it waits)
+PYTEST=("$PY" -m pytest -m gpu -q -p no:cacheprovider -o faulthandler_timeout=120 --durations=10)
+limited() { local limit=$1; shift; timeout -s INT -k 20 "$limit" "$@"; }
 CUBINS=build/cuda-cubins.tar.xz
 CUBINS_CHECK='
 import torch
@@ -103,15 +107,16 @@ print(len(variants), 'variants compiled for sm_90')" &&
     memory)  # where a hybrid run's GPU memory goes, phase by phase, against the budget
         timeout 240 "$PY" benchmarks/gpu_memory.py ;;
     tests-quick)  # the device decoder's paths first (its wait for the host, graph replays,
-        # the prompt cache, host layers in C): about a minute, before the long parts
-        timeout 300 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_hybrid_gpu.py \
+        # the prompt cache, host layers in C), before the long parts: 8 tests, but the module's
+        # fixture first builds its models (NVRTC compiles each kernel variant on a fresh machine)
+        limited 300 "${PYTEST[@]}" tests/test_hybrid_gpu.py \
             -k "waits_for_the_host or replays_cuda_graphs or reuses_the_device or layer_left_on" ;;
     tests)  # the hybrid runtime and GPU profiling on a real GPU
-        timeout 540 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_hybrid_gpu.py tests/test_layerwise.py ;;
+        limited 540 "${PYTEST[@]}" tests/test_hybrid_gpu.py tests/test_layerwise.py ;;
     kernel-tests)  # every CUDA kernel against its plain-PyTorch reference
-        timeout 420 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_cuda_kernels_gpu.py ;;
+        limited 420 "${PYTEST[@]}" tests/test_cuda_kernels_gpu.py ;;
     quant-tests)  # the quantized CUDA kernels (sparse FFN rows, dense linear layers)
-        timeout 420 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_cuda_quant_gpu.py ;;
+        limited 420 "${PYTEST[@]}" tests/test_cuda_quant_gpu.py ;;
     sanitizer)  # memcheck and racecheck over a few kernel tests
         for tool in memcheck racecheck; do
             timeout 75 compute-sanitizer --tool "$tool" --error-exitcode 1 --target-processes all \

@@ -106,7 +106,7 @@ BUILDS = {  # ISA (as pi_dense_variant names it) -> dense_kernel_for's build opt
 def test_kernel_builds(build):
     """Every code path the library can be built with: vector bodies, tails, the scalar fallback;
     float16 subnormals and values near the float16 range convert exactly."""
-    if build.startswith("avx512") and not dense.avx512_available():
+    if build.startswith("avx512") and not c.avx512_available():
         pytest.skip("no AVX-512F on this CPU")
     if build.startswith("avx2") and "-mavx2" not in c.build_flags():
         pytest.skip("no AVX2 / FMA / F16C on this CPU")

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 import picompile
 from picompile.compiler import apply_order
+from picompile.runtime import decoder as decoder_module
 from picompile.runtime import generate as fast
 from picompile.runtime.device_decoder import DeviceDecoder
 from tests import zoo
@@ -304,3 +305,13 @@ def test_a_wait_the_device_gave_up_on_stops_decoding_once():
     with pytest.raises(RuntimeError, match="stopped waiting for the CPU's cold rows"):
         cm.generate(ids, max_new_tokens=4, do_sample=False)
     assert torch.equal(cm.generate(ids, max_new_tokens=4, do_sample=False), want)
+
+
+def test_a_wait_that_gives_up_in_the_build_probe_falls_back_to_the_modules(monkeypatch):
+    """A give-up in the probe step that checks a new device decoder (set when the device would
+    set it, in its wait) is found there, not in the user's first generate: build falls back to
+    the modules and says why."""
+    dense, cm = _split("llama_relu", (0.5,))
+    monkeypatch.setattr(DeviceDecoder, "_ffn_wait", lambda self, i: self.gave_up.fill_(1))
+    dec, why = decoder_module.build(cm._orig_mod)
+    assert dec is None and "stopped waiting for the CPU's cold rows" in why, why

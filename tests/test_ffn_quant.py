@@ -306,15 +306,18 @@ def test_stable_entry_gives_each_token_its_own_calls_sums(fmt, down, kind, act):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
 
 
-@pytest.fixture(params=["simd", "scalar"])
+@pytest.fixture(params=["simd", "avx2", "scalar"])
 def isa(request, monkeypatch):
-    """The AVX2 build and the portable scalar fallback (the same source built without -mavx2
-    -mfma -mf16c)."""
+    """This CPU's build (with -mavx512f where it has AVX-512F), the AVX2 one, and the portable
+    scalar fallback (the same source built without -mavx2 -mfma -mf16c)."""
     if request.param == "scalar":
         monkeypatch.setattr(c, "cpu_flags", lambda: frozenset())
-        assert "-mavx2" not in c.build_flags()
+        assert "-mavx2" not in c.ffn_flags()
     elif "-mavx2" not in c.build_flags():
         pytest.skip("no AVX2 + FMA + F16C on this CPU")
+    elif request.param == "avx2":
+        monkeypatch.setattr(c, "avx512_available", lambda: False)
+        assert "-mavx512f" not in c.ffn_flags()
     return request.param
 
 
@@ -345,6 +348,30 @@ def test_scalar_and_simd_builds_give_the_same_counts(monkeypatch):
             scalar = c.kernel_for(make_module(fmt, v, w, 256))(x, 0.0)
         assert simd[1] == scalar[1]
         torch.testing.assert_close(simd[0], scalar[0], rtol=1e-5, atol=1e-5 * float(simd[0].abs().max()))
+
+
+@pytest.mark.parametrize("fmt,down", PAIRS)
+def test_avx512_build_adds_down_rows_as_the_avx2_build_bit_for_bit(fmt, down, monkeypatch):
+    """The AVX-512 build adds quantized down rows 16 floats at a time with the AVX2 build's
+    FMAs: the same outputs to the bit, one token (rows in groups) and several (a row at a time),
+    every mode's candidates."""
+    if not c.avx512_available():
+        pytest.skip("no AVX-512F on this CPU")
+    assert "-mavx512f" in c.ffn_flags()
+    for kind, act in (("gated", "relu"), ("plain", "silu")):
+        v = variant(fmt, kind, False, act, down)
+        for T, d, n_ff in ((1, 288, 150), (3, 96, 90), (9, 320, 64)):
+            w, x = exact_case(fmt, v, T, d, n_ff, seed=T + d)
+            ffn = make_module(fmt, v, w, d)
+            mask = torch.rand(T, n_ff, generator=torch.Generator().manual_seed(T)) < 0.4
+            thr = 0.0 if act == "relu" else pick_threshold(reference_h(fmt, v, w, x), 0.5)
+            wide = c.kernel_for(ffn)
+            with monkeypatch.context() as m:
+                m.setattr(c, "avx512_available", lambda: False)
+                narrow = c.kernel_for(ffn)
+            for kw in (dict(), dict(mask=mask), dict(mask=mask, stable=True)):
+                a, b = wide(x, thr, **kw), narrow(x, thr, **kw)
+                assert torch.equal(a[0], b[0]) and a[1] == b[1], (T, kw)
 
 
 # ---------------------------------------------------------------------------------------------

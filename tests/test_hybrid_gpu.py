@@ -231,6 +231,10 @@ def test_decode_replays_cuda_graphs_and_equals_the_eager_segments(dtype, ffn_sha
     step (eager) gives each split block's wall from CUDA events."""
     from picompile.runtime.device_decoder import DeviceDecoder
 
+    if dtype == torch.float16:  # each generate prefills its whole prompt, as the first did: a
+        # cached prompt's last token, prefilled alone, rounds otherwise in float16 (a near-tie
+        # could turn); the prompt cache's own test is the next one
+        monkeypatch.setenv("PICOMPILE_PROMPT_CACHE", "0")
     dense = _model(dtype, "llama_relu")
     cm, budget = _compile(dense, ffn_share, mode="predicted",
                           calibration=torch.randint(0, zoo.VOCAB, (4, 32)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 
 import numpy as np
 import pytest
@@ -520,3 +521,15 @@ def test_cold_neurons_spread_over_the_cpu_kernels_neuron_ranges():
         assert float(shares.max()) < 2 / chunks, shares
         by_freq = cold.sort(descending=True).values.tensor_split(chunks)[0].sum() / cold.sum()
         assert float(by_freq) > 0.25  # what a frequency order would give the first range
+
+
+def test_a_plan_without_a_gpu_warns_at_the_users_line():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is here: the plan runs, nothing to warn of")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        cm = picompile.compile(zoo.make("llama_relu", layers=2), quiet=True, gpu_budget="1GB",
+                               calibration=torch.randint(0, zoo.VOCAB, (2, 16)))
+    (warned,) = [x for x in w if "no CUDA GPU found" in str(x.message)]
+    assert warned.filename == __file__  # compile(...) above, not picompile's internals
+    assert any("no CUDA GPU here" in n for n in cm.plan.placement.notes)

@@ -40,9 +40,7 @@ import pathlib
 import platform
 import shlex
 import shutil
-import sys
 import threading
-import warnings
 from typing import Callable
 
 import torch
@@ -53,6 +51,7 @@ from picompile.codegen.build import (BuildFailed, CompilerNotFound, compile_cach
                                      package_source)
 from picompile.codegen.variant import ACTS, DTYPES, QFORMATS, Variant
 from picompile.config import reference_forced
+from picompile.progress import warn_user
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +208,18 @@ def build_flags() -> list[str]:
     return flags
 
 
+def avx512_available() -> bool:
+    """The CPU has AVX-512F and the AVX2 / FMA / F16C build is used (so F16C is there too)."""
+    return "-mavx2" in build_flags() and "avx512f" in cpu_flags()
+
+
+def ffn_flags() -> list[str]:
+    """The FFN kernel's flags: build_flags(), and -mavx512f where the CPU has AVX-512F (its
+    quantized down rows are added 16 floats at a time: the int8 -> float conversion of every
+    weight is what bounds that loop on two cores, benchmarks/ffn_rows.py `+avx2`)."""
+    return build_flags() + (["-mavx512f"] if avx512_available() else [])
+
+
 def compiler() -> list[str]:
     """The C compiler command ($CC or cc), as argv. Raises CompilerNotFound."""
     env_cc = os.environ.get("CC", "").strip()
@@ -254,7 +265,7 @@ def _load_package_library(name, cc, flags, symbols) -> ctypes.CDLL:
 
 def build(v: Variant) -> pathlib.Path:
     """Compile (or fetch from the cache) the shared library of a variant; its path."""
-    return build_library(source(v), build_flags(), tag="picompile-c")
+    return build_library(source(v), ffn_flags(), tag="picompile-c")
 
 
 _c_int64, _vp = ctypes.c_int64, ctypes.c_void_p
@@ -279,18 +290,7 @@ _warn_lock = threading.Lock()
 # failed try_load; removed when a later one succeeds.
 _failures: dict[Variant, str] = {}
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _SILENCE = "set PICOMPILE_REFERENCE=1 to run the reference path without this warning"
-
-
-def _user_stacklevel() -> int:
-    """The stacklevel, for warnings.warn called from the caller of this function, of the first
-    frame outside picompile: the warning then names the user's line (compile(...), ...)."""
-    frame, level = sys._getframe(1), 1  # the caller, which calls warnings.warn: stacklevel 1
-    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(
-            _PACKAGE_DIR):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _warn_once(msg: str) -> None:
@@ -302,13 +302,13 @@ def _warn_once(msg: str) -> None:
     if not first:
         log.debug("%s", msg)
         return
-    warnings.warn(msg, RuntimeWarning, stacklevel=_user_stacklevel())
+    warn_user(msg, RuntimeWarning)
 
 
 def load(v: Variant) -> ctypes.CDLL:
     """The loaded library of a variant (built on first use). Raises on any failure."""
     cc = compiler()
-    key = (v, tuple(cc), tuple(build_flags()))
+    key = (v, tuple(cc), tuple(ffn_flags()))
     with _libs_lock:
         lib = _libs.get(key)
         if lib is None:

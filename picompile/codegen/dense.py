@@ -69,11 +69,6 @@ def source() -> str:
     return c.package_source("dense.c")
 
 
-def avx512_available() -> bool:
-    """The CPU has AVX-512F and the AVX2 / FMA / F16C build is used (so F16C is there too)."""
-    return "-mavx2" in c.build_flags() and "avx512f" in c.cpu_flags()
-
-
 def default_tuning() -> dict[str, int]:
     """dense.c's knobs for this CPU. Intel: software prefetches 4 KiB ahead in the weight stream
     (its hardware prefetchers stop at 4 KiB pages; 1.1x to 1.4x GB/s on a Xeon Cascade Lake for
@@ -207,7 +202,7 @@ def _set_threads(lib: ctypes.CDLL) -> None:
 
 def _wide_lib(variant: str) -> ctypes.CDLL | None:
     """The AVX-512 build for several tokens, where the CPU has AVX-512F and it builds."""
-    if not avx512_available():
+    if not c.avx512_available():
         return None
     try:
         return load(variant, avx512=True)

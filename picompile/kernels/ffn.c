@@ -41,6 +41,15 @@
 #else
 #define PIC_SIMD 0
 #endif
+/* AVX-512F (codegen/c.py's ffn_flags adds -mavx512f where the CPU has it): quantized down rows
+ * are added 16 floats at a time. Each output's FMAs are the AVX2 path's, so the sums are equal
+ * bit for bit; it is the dequantizing (int8 -> float, one conversion per weight) that gets
+ * twice as wide. */
+#if PIC_SIMD && defined(__AVX512F__)
+#define PIC_AVX512 1
+#else
+#define PIC_AVX512 0
+#endif
 
 #define PIC_INLINE static inline __attribute__((always_inline))
 #define PIC_MAXTOK 8            /* tokens handled together per weight row */
@@ -298,6 +307,32 @@ PIC_INLINE void qvals(const int F, const uint8_t* blk, __m256 v[4]) {
     }
 }
 
+#if PIC_AVX512
+/* One block's 32 weights as float32 in two 16-float vectors (v[0]: weights 0..15) and its
+ * broadcast scale s: q8_0 q and q4_0 n - 8 (to be scaled by s), q4_1 s * n + m (dequantized):
+ * the values qvals and qhead give, twice as wide. */
+PIC_INLINE __m512 qblock16(const int F, const uint8_t* blk, __m512 v[2]) {
+    const __m128 head = qhead(blk);
+    const __m512 s = _mm512_broadcastss_ps(head);
+    if (F == PIC_Q8_0) {
+        for (int i = 0; i < 2; ++i)
+            v[i] = _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 2 + 16 * i))));
+        return s;
+    }
+    /* byte k of qs, one per lane: its low nibble is weight k, its high nibble weight 16 + k */
+    const __m512i b = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128((const __m128i*)(blk + (F == PIC_Q4_1 ? 4 : 2))));
+    __m512i n[2] = {_mm512_and_si512(b, _mm512_set1_epi32(15)), _mm512_srli_epi32(b, 4)};
+    for (int i = 0; i < 2; ++i) {
+        if (F == PIC_Q4_0) n[i] = _mm512_sub_epi32(n[i], _mm512_set1_epi32(8));
+        v[i] = _mm512_cvtepi32_ps(n[i]);
+        if (F == PIC_Q4_1) v[i] = _mm512_fmadd_ps(s, v[i], _mm512_broadcastss_ps(_mm_movehdup_ps(head)));
+    }
+    return s;
+}
+#endif
+
 #else
 /* The 32 weights of a block, dequantized (the reference's arithmetic, in float32). */
 PIC_INLINE void qdeq32(const int F, const uint8_t* blk, float w[32]) {
@@ -332,6 +367,17 @@ PIC_INLINE void qdot_n(const int F, const void* row, const pq_act* const* xa, in
 PIC_INLINE void qaxpy_block(const int F, const uint8_t* w, int64_t b, const __m256* hv,
                             float* const* ps, const int N) {
     const uint8_t* blk = w + b * pic_qbytes(F);
+#if PIC_AVX512
+    __m512 v16[2];
+    const __m512 s16 = qblock16(F, blk, v16);
+    for (int n = 0; n < N; ++n) {
+        const __m512 h = _mm512_broadcastss_ps(_mm256_castps256_ps128(hv[n]));
+        const __m512 c = F == PIC_Q4_1 ? h : _mm512_mul_ps(h, s16);
+        float* p = ps[n] + b * PIC_QK;
+        for (int i = 0; i < 2; ++i)
+            _mm512_storeu_ps(p + 16 * i, _mm512_fmadd_ps(c, v16[i], _mm512_loadu_ps(p + 16 * i)));
+    }
+#else
     __m256 v[4];
     qvals(F, blk, v);
     const __m128 head = qhead(blk);
@@ -347,6 +393,7 @@ PIC_INLINE void qaxpy_block(const int F, const uint8_t* w, int64_t b, const __m2
         for (int i = 0; i < 4; ++i)
             _mm256_storeu_ps(p + 8 * i, _mm256_fmadd_ps(c, v[i], _mm256_loadu_ps(p + 8 * i)));
     }
+#endif
 }
 #endif
 
@@ -419,6 +466,17 @@ PIC_INLINE void axpy_rows(const int F, const void* const* rows, const float* h, 
                             PIC_PREFETCH((const uint8_t*)rows[r] + b0 * qb + pf[r] + 64 * l);
             for (int64_t b = b0; b < b1; ++b) {
                 float* pb = p + b * PIC_QK;
+#if PIC_AVX512
+                __m512 a16[2] = {_mm512_loadu_ps(pb), _mm512_loadu_ps(pb + 16)};
+                for (int r = 0; r < R; ++r) { /* as qaxpy_block */
+                    __m512 v16[2];
+                    const __m512 s16 = qblock16(F, (const uint8_t*)rows[r] + b * qb, v16);
+                    const __m512 hr = _mm512_set1_ps(h[r]);
+                    const __m512 c = F == PIC_Q4_1 ? hr : _mm512_mul_ps(hr, s16);
+                    for (int i = 0; i < 2; ++i) a16[i] = _mm512_fmadd_ps(c, v16[i], a16[i]);
+                }
+                for (int i = 0; i < 2; ++i) _mm512_storeu_ps(pb + 16 * i, a16[i]);
+#else
                 __m256 acc[4];
                 for (int i = 0; i < 4; ++i) acc[i] = _mm256_loadu_ps(pb + 8 * i);
                 for (int r = 0; r < R; ++r) { /* as qaxpy_block */
@@ -435,6 +493,7 @@ PIC_INLINE void axpy_rows(const int F, const void* const* rows, const float* h, 
                     for (int i = 0; i < 4; ++i) acc[i] = _mm256_fmadd_ps(c, v[i], acc[i]);
                 }
                 for (int i = 0; i < 4; ++i) _mm256_storeu_ps(pb + 8 * i, acc[i]);
+#endif
             }
         }
         return;

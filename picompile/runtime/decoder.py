@@ -464,6 +464,10 @@ class Stack:
         """Let go of what the decoder holds beyond its model (the device decoder: graphs, KV
         cache) when it is replaced; the C decoder's memory is the host's, freed with it."""
 
+    def settle(self) -> None:
+        """Finish the steps run so far and raise what they found (the device decoder's work
+        runs behind the host); the C decoder's steps are done when they return."""
+
     # ---- the prompt cache, as llama.cpp's server keeps one ---------------------------------
     # After a generate the KV cache holds the keys and values of the prompt and the reply: the
     # token ids they belong to (`held`, [n] long on the CPU) and the weights they were computed
@@ -927,6 +931,7 @@ def verify(model: nn.Module, decoder: Stack) -> None:
         decoder.set_threads()
         try:
             got = decoder.step(ids[0, -1:], n - 1)[0]
+            decoder.settle()
         except FloatingPointError as e:  # the probe overflowed a 16-bit KV cache
             raise Unsupported(str(e)) from None
     finally:

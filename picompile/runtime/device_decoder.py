@@ -96,6 +96,11 @@ def _post(norm, y: torch.Tensor) -> torch.Tensor:
     return y if norm is None else norm.module(y)
 
 
+class ColdWaitTimeout(RuntimeError):
+    """The GPU stopped waiting for a split block's cold rows: a step read an output the CPU
+    never wrote (the cold worker hung, or the host is overloaded)."""
+
+
 class DeviceDecoder(Stack):
     """A decode step over a distributed model, segment by segment (module docstring)."""
 
@@ -372,7 +377,7 @@ class DeviceDecoder(Stack):
         flush_stats finds out)."""
         if int(self.gave_up):
             self.gave_up.zero_()  # said once: the steps after it are the user's to retry
-            raise RuntimeError(
+            raise ColdWaitTimeout(
                 "picompile: the GPU stopped waiting for the CPU's cold rows of a split FFN block "
                 f"after {HOST_WAIT_TIMEOUT_S:g} s, so a decode step used an output never written: "
                 "the cold worker hung or the host is overloaded. Decode again; if it recurs, run "
@@ -542,6 +547,8 @@ class DeviceDecoder(Stack):
             with torch.cuda.stream(side):
                 for _ in range(2):
                     self._run()
+            side.synchronize()
+            self._check_waits()  # a wait that gave up is no capture problem: raised as it is
             torch.cuda.current_stream(self.device).wait_stream(side)
             want = self.logits.clone()
             pool, graphs = torch.cuda.graph_pool_handle(), []
@@ -560,6 +567,8 @@ class DeviceDecoder(Stack):
                 return (f"a replayed step differed from the eager one by {err:.2g} of the "
                         f"largest logit (tolerance {GRAPH_RTOL:g}); running eagerly")
             return ""
+        except ColdWaitTimeout:
+            raise
         except RuntimeError as e:  # capture refused an operation: run the same steps eagerly
             self.graphs = None
             first = (str(e).strip().splitlines() or [""])[0][:200]
@@ -570,6 +579,12 @@ class DeviceDecoder(Stack):
             for f, s, cold in zip(self.ffns, self.stages, counts[1]):
                 if s is not None:
                     f.hybrid.cold.active_pairs = cold
+
+    def settle(self) -> None:
+        """Wait for the device's steps so far; raise ColdWaitTimeout if a wait gave up."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self._check_waits()
 
     # ---- statistics -----------------------------------------------------------------------
     def flush_stats(self, steps: int) -> None:
