@@ -94,7 +94,8 @@ def methods(O: int, K: int, isa: bool, base: str | None, hot: bool) -> list[tupl
         copies = copies_of(q)
         builds = [("", None)]  # the build picompile selects for T=1
         if isa:
-            builds += [("forced", False)] + ([("forced", True)] if c_codegen.avx512_available() else [])
+            wide = [("forced", True)] if c_codegen.avx512_available() else []
+            builds += [("forced", False)] + wide
         for label, avx512 in builds:
             kernels = [(dense.quant_kernel_for(c, fmt, K, avx512=avx512), c) for c in copies]
             out.append((fmt, label, q.nbytes, kernels))

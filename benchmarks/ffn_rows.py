@@ -26,12 +26,13 @@ so a probe before and after is too far from most calls); each (format, density) 
 Kernels: `new` is this tree's picompile/kernels/ffn.c; `base` the ffn.c and qblocks.h of the git
 revision --base (built with this tree's variant header); `NAME:K=V,K=V` adds -D tuning knobs
 (codegen.c.source's `tuning`); `NAME+vnni` builds with -mavx512f/vl/bw/vnni added (AVX-512
-VNNI integer dots, 32 vector registers); `NAME+avx2` without the -mavx512f that codegen.c.ffn_flags
-adds where the CPU has AVX-512F (the down rows' AVX2 path); `NAME@huge` runs NAME on copies of the weights in
-transparent huge pages (picompile.runtime.memory, as compile places them), the others on copies
-in the allocator's ordinary 4 KB pages. `rows` (`rows:PF=2`: software prefetch 2 candidates
-ahead) is no kernel: benchmarks/row_reader.c reads the very rows the kernel reads and only
-XORs them, so its GB/s is what that access pattern gets from memory on these threads. Kernels run in alternating order within each round
+VNNI integer dots, 32 vector registers); `NAME+avx2` without the -mavx512f that
+codegen.c.ffn_flags adds where the CPU has AVX-512F (the down rows' AVX2 path); `NAME@huge`
+runs NAME on copies of the weights in transparent huge pages (picompile.runtime.memory, as
+compile places them), the others on copies in the allocator's ordinary 4 KB pages. `rows`
+(`rows:PF=2`: software prefetch 2 candidates ahead) is no kernel: benchmarks/row_reader.c reads
+the very rows the kernel reads and only XORs them, so its GB/s is what that access pattern gets
+from memory on these threads. Kernels run in alternating order within each round
 (A B A B ...) so that other processes' load hits all alike; each kernel's output is checked
 against the first one's. Printed: the streaming-read probe before and after, and the share of
 CPU time other processes used. On a machine other processes keep busy, set

@@ -324,10 +324,11 @@ PIC_INLINE __m512 qblock16(const int F, const uint8_t* blk, __m512 v[2]) {
     const __m512i b = _mm512_cvtepu8_epi32(
         _mm_loadu_si128((const __m128i*)(blk + (F == PIC_Q4_1 ? 4 : 2))));
     __m512i n[2] = {_mm512_and_si512(b, _mm512_set1_epi32(15)), _mm512_srli_epi32(b, 4)};
+    const __m512 m = _mm512_broadcastss_ps(_mm_movehdup_ps(head)); /* q4_1's minimum */
     for (int i = 0; i < 2; ++i) {
         if (F == PIC_Q4_0) n[i] = _mm512_sub_epi32(n[i], _mm512_set1_epi32(8));
         v[i] = _mm512_cvtepi32_ps(n[i]);
-        if (F == PIC_Q4_1) v[i] = _mm512_fmadd_ps(s, v[i], _mm512_broadcastss_ps(_mm_movehdup_ps(head)));
+        if (F == PIC_Q4_1) v[i] = _mm512_fmadd_ps(s, v[i], m);
     }
     return s;
 }
