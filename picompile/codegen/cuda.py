@@ -595,12 +595,15 @@ def wait_value(flag, value, gave_up, timeout_s: float = HOST_WAIT_TIMEOUT_S) -> 
 
 @functools.lru_cache(maxsize=None)
 def host_wait_works(device_index: int) -> str:
-    """Whether the device reads the host's writes to pinned memory (what wait_value relies on):
-    the pinned pointer is the device's too (unified addressing; asked of CUDA first, since a
-    kernel reading a pointer that is not would end the CUDA context), and a wait for a flag
-    another thread sets a moment after the launch ends. -> "" where it does, else why not.
-    Once per device and process; bounded by a 2 s timeout."""
+    """Whether the device and the host see each other's writes to pinned memory (what the
+    hybrid's hand-offs rely on): the pinned pointer is the device's too (unified addressing;
+    asked of CUDA first, since a kernel reading a pointer that is not would end the CUDA
+    context), a wait for a flag another thread sets a moment after the launch ends (wait_value),
+    and a copy from the device into a pinned flag shows to a host thread spinning on it without
+    a synchronize (the cold worker's wait for `ready`). -> "" where they do, else why not. Once
+    per device and process; each direction bounded by a 2 s timeout."""
     import threading
+    import time
 
     import torch
 
@@ -627,6 +630,15 @@ def host_wait_works(device_index: int) -> str:
     if int(gave_up):
         return ("the GPU does not see the host's writes to pinned memory within 2 s (a wait "
                 "for a flag the host set gave up)")
+    seen = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+    with torch.cuda.device(device):
+        seen.copy_(torch.full((1,), 7, dtype=torch.int32, device=device), non_blocking=True)
+    deadline = time.monotonic() + 2.0
+    while int(seen) != 7 and time.monotonic() < deadline:
+        time.sleep(1e-4)
+    if int(seen) != 7:
+        return ("the host does not see the GPU's copies into pinned memory within 2 s without "
+                "a synchronize (the cold worker waits for its input that way)")
     return ""
 
 
