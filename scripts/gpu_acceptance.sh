@@ -23,8 +23,10 @@
 # minutes: tests-quick first (the device now waits for each split block's cold rows itself,
 # kernels/host_wait.cu, never run on a GPU yet; a hang there is bounded by its 20 s timeout
 # per wait), then in one command `timeout 370 ... llama-13b; timeout 200 ... llama-cpp` (one
-# CUDA graph per step, host layers in C, the per-block ratio from CUDA events), then what time
-# is left: tests, llama-13b-0.8, kernel-tests, quant-tests. Without carried cubins NVRTC
+# CUDA graph per step, host layers in C, the per-block ratio from CUDA events; since session 27
+# the host layers' neurons keep the model's order, so their FFN chunks share the 16 threads
+# evenly: compare their time per step with session 23's 20.3 ms), then what time is left:
+# tests, llama-13b-0.8, kernel-tests, quant-tests. Without carried cubins NVRTC
 # compiles the variants a part uses (seconds each).
 #
 # Here, before a lent machine: `bash scripts/gpu_acceptance.sh cubins` compiles every CUDA kernel
