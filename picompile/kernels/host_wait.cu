@@ -10,7 +10,9 @@
 // the flag are visible after it); each poll crosses PCIe (about a microsecond), which paces
 // the loop. It gives up after `timeout_ns`, setting *gave_up (pinned host memory, which the
 // host checks: the step that follows read an output never written). The worker always writes
-// `done`, even after an error, so this only bounds a hang.
+// `done`, even after an error, so this only bounds a hang. The time is %globaltimer's; in case
+// that timer does not tick (it is the driver's to update), the SM's own cycle counter bounds
+// the wait too, at 4 cycles a nanosecond: no SM clocks faster, so it never gives up early.
 //
 // Pointers: flag [1] int32 and gave_up [1] int32 in pinned host memory (unified addressing:
 // their host addresses are their device addresses), value [1] int32 on the device (the
@@ -21,13 +23,15 @@ pi_wait_value(const int* flag, const int* value, int* gave_up, unsigned long lon
     const int want = *value;
     unsigned long long start, now;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    const long long cycles0 = clock64();
     for (;;) {
         int seen;
         asm volatile("ld.acquire.sys.b32 %0, [%1];" : "=r"(seen) : "l"(flag) : "memory");
         if (seen == want)
             return;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-        if (now - start > timeout_ns) {
+        if (now - start > timeout_ns
+            || (unsigned long long)(clock64() - cycles0) > 4ull * timeout_ns) {
             asm volatile("st.release.sys.b32 [%0], %1;" :: "l"(gave_up), "r"(1) : "memory");
             return;
         }
