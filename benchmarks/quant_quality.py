@@ -20,6 +20,8 @@ Rows, for SmolLM2-135M-Instruct (shipped as Q4_1):
     Q4_1  the shipped file (picompile: compile(gguf=file), its tensors kept as they are)
     Q8_0, Q4_0  of the F32 weights (llama-quantize from F32; picompile: compile(quantize=...))
     Q4_1  of the F32 weights (picompile only)
+    Q4_K_M  llama-quantize's Q4_K_M of the F32 weights (its Q4_K, Q5_0 and Q6_K tensors; picompile:
+          the float model transformers loads from that file, compile(gguf=that file))
     ... GPTQ  picompile only: compile(quantize=..., tokenizer=...): blocks rounded by GPTQ on the
           Hessians of the built-in corpus's calibration split (never the heldout text scored)
 """
@@ -116,16 +118,21 @@ def main():
             "Q8_0 GPTQ": dict(quantize="q8_0", tokenizer=tokenizer),
             "Q4_0 GPTQ": dict(quantize="q4_0", tokenizer=tokenizer),
             "Q4_1 GPTQ": dict(quantize="q4_1", tokenizer=tokenizer)}
-    llama = {}
+    llama, loaded_from = {}, {}  # row -> llama.cpp's file; the GGUF file of the row's own model
     if bins is not None:
         llama = {"F32": f32, "Q4_1 (shipped)": shipped,
                  "Q8_0": bench.requantized(bins, f32, "Q8_0", OUT / "smollm2-Q8_0.gguf"),
-                 "Q4_0": bench.requantized(bins, f32, "Q4_0", OUT / "smollm2-Q4_0.gguf")}
+                 "Q4_0": bench.requantized(bins, f32, "Q4_0", OUT / "smollm2-Q4_0.gguf"),
+                 "Q4_K_M": bench.requantized(bins, f32, "Q4_K_M", OUT / "smollm2-Q4_K_M.gguf")}
+        ours["Q4_K_M"] = dict(gguf=llama["Q4_K_M"])
+        loaded_from["Q4_K_M"] = llama["Q4_K_M"]
     names = list(ours) if args.rows is None else ["F32", *(n for n in args.rows.split(",") if n != "F32")]
     rows = []
     for name in names:
         t = time.perf_counter()
-        cm = picompile.compile(copy.deepcopy(model), quiet=True, **ours[name])
+        own = models.load(str(loaded_from[name]), quiet=True)[0] if name in loaded_from \
+            else copy.deepcopy(model)
+        cm = picompile.compile(own, quiet=True, **ours[name])
         took = time.perf_counter() - t
         ppl_ours = chunked_perplexity(cm, ids, args.ctx, chunks, bos)
         ppl_llama = None

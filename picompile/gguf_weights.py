@@ -14,8 +14,9 @@ by), so every architecture both know maps the same way; the LM head of a file wi
 
 Q8_0, Q4_0 and Q4_1 tensors are kept as they are (picompile/quant.py uses GGUF's block layout)
 for the architectures whose weights transformers loads unchanged (KEEPS_BLOCKS; q and k of
-"llama" files get the same whole-row permutation transformers applies). Other quantized types
-(K-quants, Q5_x, ...) map to the nearest supported format (NEAREST), and the tensors of other
+"llama" files get the same whole-row permutation transformers applies); Q4_K and Q5_0 tensors
+are written as q4_1 / q8_0 blocks of the same values (gguf_transcode). Other quantized types
+(other K-quants, Q5_1, ...) map to the nearest supported format (NEAREST), and the tensors of other
 architectures keep their file's format: both are re-quantized from the float weights by the
 caller, with a note. A file whose architecture the name map does not know is re-quantized to
 its most common format. Float tensors (F32, F16, BF16) stay float.
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from picompile import quant
+from picompile import gguf_transcode, quant
 
 KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}  # GGUF type -> picompile format
 # Everything else that is quantized: the nearest format of at least its precision.
@@ -150,8 +151,10 @@ def read(path, config=None, with_data: bool = True) -> tuple[FileTensors, list[s
                      "loading, so its blocks are not kept: each tensor re-quantized from the float "
                      "weights to its own format")
     out: dict[str, Blocks] = {}
+    written = collections.Counter()  # GGUF type -> tensors transcoded exactly
     for name, kind in types.items():
-        if kind in KEPT:
+        fmt = KEPT.get(kind) or (gguf_transcode.EXACT.get(kind) if keep else None)
+        if fmt is not None:
             data = None
             if keep and with_data:
                 rows = np.asarray(tensors[name].data)  # uint8 [rows, row_bytes], GGUF's own blocks
@@ -159,8 +162,16 @@ def read(path, config=None, with_data: bool = True) -> tuple[FileTensors, list[s
                 if arch == "llama" and part in _PERMUTED and config is not None:
                     heads = getattr(config, _PERMUTED[part], None) or config.num_attention_heads
                     rows = _unpermute_rows(rows, heads)
+                if kind not in KEPT:
+                    rows = gguf_transcode.transcode(rows, kind)
+                    if rows is None:
+                        out[name] = Blocks(NEAREST[kind], None, kind)
+                        notes.append(f"{name}: {kind} scales beyond float16's range: "
+                                     f"re-quantized to {NEAREST[kind]}")
+                        continue
+                    written[kind] += 1
                 data = torch.from_numpy(np.array(rows, copy=True))
-            out[name] = Blocks(KEPT[kind], data, kind)
+            out[name] = Blocks(fmt, data, kind)
         elif kind in NEAREST:
             out[name] = Blocks(NEAREST[kind], None, kind)
             notes.append(f"{name}: {kind} has no kernel here: re-quantized to {NEAREST[kind]}")
@@ -169,6 +180,11 @@ def read(path, config=None, with_data: bool = True) -> tuple[FileTensors, list[s
             notes.append(f"{name}: {kind} has no kernel and no nearest format here: runs as "
                          "float weights; compile with quantize='q4_0' (--quantize q4_0) to run "
                          "it quantized")
+    for kind, count in written.items():
+        how = " (their scales rounded to float16)" if kind == "Q4_K" else ""
+        notes.append(f"{kind}: {count} tensor{'s' if count > 1 else ''} written as "
+                     f"{gguf_transcode.EXACT[kind]} blocks of the same values{how}, not rounded "
+                     "a second time")
     return FileTensors(out, to_tensor, fallback), notes
 
 

@@ -154,3 +154,85 @@ def test_linear_dequantized_equals_the_reference(fmt, rows, blocks, T, tile_rows
     assert got is out
     with torch.no_grad():
         torch.testing.assert_close(got, layer.forward_native(x), rtol=1e-5, atol=1e-4)
+
+
+# ---- gguf_transcode: GGUF types written exactly as a kernel format's blocks ----
+
+def _random_blocks(kind: str, rows: int, cols: int, rng, exponent: int) -> np.ndarray:
+    """uint8 [rows, row_bytes] of random `kind` blocks, their float16 scales near 2**exponent."""
+    size = {"Q4_K": (256, 144), "Q5_0": (32, 22)}[kind]
+    raw = rng.integers(0, 256, (rows * cols // size[0], size[1]), dtype=np.uint8)
+    heads = 2 if kind == "Q4_K" else 1  # Q4_K: d and dmin
+    scales = rng.uniform(1, 2, (len(raw), heads)) * 2.0 ** exponent
+    if kind == "Q5_0":
+        scales *= rng.choice([-1, 1], scales.shape)
+    raw[:, :2 * heads] = scales.astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 5), superblocks=st.integers(1, 3), seed=st.integers(0, 2**16),
+       exponent=st.integers(-28, 8))
+def test_q4_k_as_q4_1_blocks_dequantizes_as_gguf_does(rows, superblocks, seed, exponent):
+    """Q4_K -> q4_1 against the gguf package's Q4_K dequantization: every weight within float16
+    rounding of its sub-block's scale and minimum (a nibble or a scale in the wrong place is
+    off by a whole step), scales in float16's normal and subnormal range."""
+    from picompile import gguf_transcode
+
+    cols = 256 * superblocks
+    raw = _random_blocks("Q4_K", rows, cols, np.random.default_rng(seed), exponent)
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
+    out = gguf_transcode.transcode(raw, "Q4_K")
+    assert out.dtype == np.uint8 and out.shape == (rows, quant.row_bytes(cols, "q4_1"))
+    got = quant.dequantize(torch.from_numpy(out), "q4_1", cols).numpy()
+    blocks = torch.from_numpy(out).reshape(rows, -1, 20)
+    s, m = (quant._f16(blocks, at).abs().numpy() for at in (0, 2))  # [rows, cols / 32, 1]
+    # float16 rounding: 2^-11 of a normal value, 2^-25 absolute below
+    bound = (15 * s + m) * 2.0 ** -11 + 16 * 2.0 ** -25
+    err = np.abs(got - want).reshape(rows, -1, 32)
+    assert (err <= bound * (1 + 1e-3) + 1e-6 * np.abs(want).reshape(rows, -1, 32)).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 5), blocks=st.integers(1, 9), seed=st.integers(0, 2**16),
+       exponent=st.integers(-20, 8))
+def test_q5_0_as_q8_0_blocks_is_exact(rows, blocks, seed, exponent):
+    from picompile import gguf_transcode
+
+    raw = _random_blocks("Q5_0", rows, 32 * blocks, np.random.default_rng(seed), exponent)
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_0)
+    out = gguf_transcode.transcode(raw, "Q5_0")
+    assert out.shape == (rows, quant.row_bytes(32 * blocks, "q8_0"))
+    np.testing.assert_array_equal(quant.dequantize(torch.from_numpy(out), "q8_0", 32 * blocks).numpy(),
+                                  want)
+
+
+def test_q4_k_scales_beyond_float16_are_not_transcoded(tmp_path):
+    """A Q4_K tensor one of whose products d * sc overflows float16 -> None, and
+    gguf_weights.read re-quantizes it with a note; the file's other tensors are written."""
+    from picompile import gguf_transcode, gguf_weights
+
+    rng = np.random.default_rng(0)
+    fine = _random_blocks("Q4_K", 64, 256, rng, -8)
+    huge = _random_blocks("Q4_K", 64, 256, rng, -8)
+    huge[0, 0:2] = np.array([60000], np.float16).view(np.uint8)
+    huge[0, 4] = 63  # sub-block 0's scale: 63 * 60000 > 65504
+    assert gguf_transcode.transcode(huge, "Q4_K") is None
+    with pytest.raises(ValueError, match="no exact transcoding of Q6_K"):
+        gguf_transcode.transcode(fine, "Q6_K")
+    writer = gguf.GGUFWriter(tmp_path / "m.gguf", "qwen2")
+    writer.add_block_count(1)
+    for name, raw in (("blk.0.ffn_up.weight", fine), ("blk.0.attn_q.weight", huge)):
+        writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tensors, notes = gguf_weights.read(tmp_path / "m.gguf")
+    up, q = (tensors.get(f"model.layers.0.{n}") for n in ("mlp.up_proj", "self_attn.q_proj"))
+    assert up.fmt == q.fmt == "q4_1"
+    assert torch.equal(up.data, torch.from_numpy(gguf_transcode.transcode(fine, "Q4_K")))
+    assert q.data is None
+    assert notes == ["blk.0.attn_q.weight: Q4_K scales beyond float16's range: re-quantized to q4_1",
+                     "Q4_K: 1 tensor written as q4_1 blocks of the same values (their scales "
+                     "rounded to float16), not rounded a second time"]

@@ -213,19 +213,38 @@ def _llama_cpp_rows(rows: torch.Tensor, n_head: int) -> torch.Tensor:
     return rows.reshape(n_head, 2, rows.shape[0] // n_head // 2, -1).transpose(1, 2).reshape(rows.shape)
 
 
+def _gguf_type_blocks(w: torch.Tensor, kind: str) -> np.ndarray:
+    """uint8 [rows, row_bytes] of GGUF `kind` blocks (Q5_0: w quantized by the gguf package;
+    Q4_K, which it cannot quantize: random integers, scales and minimums, at w's magnitude)."""
+    import gguf
+
+    if kind == "Q5_0":
+        return gguf.quants.quantize(w.detach().numpy(), gguf.GGMLQuantizationType.Q5_0)
+    rng = np.random.default_rng(w.shape[0] * 31 + w.shape[1])
+    raw = rng.integers(0, 256, (w.numel() // 256, 144), dtype=np.uint8)
+    top = float(w.abs().max()) / (63 * 15)
+    raw[:, 0:4] = rng.uniform(0.5 * top, top, (len(raw), 2)).astype(np.float16).view(np.uint8)
+    return raw.reshape(w.shape[0], -1)
+
+
+HEAD_FORMAT = {"q4_0": "q8_0", "q4_1": "q8_0", "Q4_K": "Q5_0"}  # the LM head's, as llama.cpp's
+
+
 def _write_gguf(model: nn.Module, arch: str, fmt: str, path, loadable: bool = False,
                 gate_fmt: str | None = None) -> dict[str, torch.Tensor]:
     """Write the model's linears as a GGUF file of `arch` the way llama.cpp's converter names
     them (gguf's name map; the LM head q8_0 under a 4-bit format, and where it is tied to the
-    embedding only token_embd), every weight in `fmt` blocks (_file_blocks_of). The model's
-    weights become those blocks dequantized (what transformers loads from the file).
+    embedding only token_embd), every weight in `fmt` blocks (_file_blocks_of; a GGUF type
+    gguf_transcode writes exactly, "Q4_K" or "Q5_0": _gguf_type_blocks, the blocks picompile
+    should keep then those transcoded). The model's weights become the kept blocks dequantized
+    (what transformers loads from the file, up to Q4_K's float16 scales).
     loadable: also what transformers needs to load the file: the config keys it reads, the
     shipped file's tokenizer, an untied embedding (q8_0), norms in float32 (Gemma's stored as
     1 + weight). gate_fmt: the FFN gate projections' format instead of `fmt`.
     -> {module name: its blocks, in the model's row order}."""
     import gguf
 
-    from picompile import gguf_weights
+    from picompile import gguf_transcode, gguf_weights
 
     c = model.config
     names = gguf_weights.tensor_name  # an architecture gguf does not know: Llama's names
@@ -239,20 +258,25 @@ def _write_gguf(model: nn.Module, arch: str, fmt: str, path, loadable: bool = Fa
 
     def write(name: str, m: nn.Module, m_fmt: str, tensor: str) -> None:
         with torch.no_grad():
-            q = _file_blocks_of(m.weight, m_fmt)
-            m.weight.copy_(quant.dequantize(q, m_fmt, m.weight.shape[1]))
+            if m_fmt in gguf_transcode.EXACT:
+                rows = torch.from_numpy(_gguf_type_blocks(m.weight, m_fmt))
+                q = torch.from_numpy(gguf_transcode.transcode(rows.numpy(), m_fmt))
+                kept = gguf_transcode.EXACT[m_fmt]
+            else:
+                rows = q = _file_blocks_of(m.weight, m_fmt)
+                kept = m_fmt
+            m.weight.copy_(quant.dequantize(q, kept, m.weight.shape[1]))
         blocks[name] = q
-        rows = q
         if arch == "llama" and name.endswith(("q_proj", "k_proj")):
             heads = c.num_attention_heads if name.endswith("q_proj") else c.num_key_value_heads
-            rows = _llama_cpp_rows(q, heads)
+            rows = _llama_cpp_rows(rows, heads)
         writer.add_tensor(tensor, rows.numpy(), raw_dtype=gguf.GGMLQuantizationType[m_fmt.upper()])
 
     blocks = {}
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear):
             m_fmt = gate_fmt if gate_fmt and name.endswith("gate_proj") else fmt
-            write(name, m, "q8_0" if m is head and fmt in FOUR_BIT else m_fmt,
+            write(name, m, HEAD_FORMAT.get(fmt, fmt) if m is head else m_fmt,
                   "token_embd.weight" if m is head and tied else to_tensor(name))
     if loadable:
         if not tied:
@@ -425,6 +449,35 @@ def test_a_gate_in_another_gguf_type_than_up_is_quantized_again_with_a_note(tmp_
     assert torch.equal(ffn.row_blocks("w_up"), blocks["model.layers.0.mlp.up_proj"][order])
     assert any("model.layers.0.mlp: gate rows Q8_0 in the file, quantized again to q4_0" in n
                for n in cm.quant_notes), cm.quant_notes
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_0"])
+def test_q4_k_and_q5_0_tensors_keep_their_values_as_q4_1_and_q8_0_blocks(kind, tmp_path):
+    """A file of Q4_K (LM head Q5_0, as llama.cpp's fallback for widths off 256) or Q5_0
+    tensors: every linear, gate and up hold gguf_transcode's blocks of the file's (not the
+    float weights quantized again), with one note a type; the model equals the reference on
+    those blocks."""
+    from picompile import gguf_transcode
+
+    fmt = gguf_transcode.EXACT[kind]
+    dense = zoo.make("llama_silu", hidden=256, n_ff=512)
+    blocks = _write_gguf(dense, "llama", kind, tmp_path / "m.gguf")
+    ref = _fake_quant_model(dense, fmt, gguf=True)
+    cm = picompile.compile(copy.deepcopy(dense), gguf=tmp_path / "m.gguf", quiet=True)
+    mods = dict(cm._orig_mod.named_modules())
+    kept = [name for name in blocks if isinstance(mods.get(name), QuantLinear)]
+    assert len(kept) == 2 * 4 + 1, kept
+    for name in kept:
+        assert torch.equal(mods[name].row_blocks(), blocks[name]), name
+    for name, ffn in cm.ffns().items():
+        module = name.removesuffix(".sparse_ffn")
+        order = slice(None) if ffn.order is None else ffn.order
+        assert ffn.qformat == fmt
+        assert torch.equal(ffn.row_blocks("w_up"), blocks[f"{module}.up_proj"][order])
+        assert torch.equal(ffn.row_blocks("w_gate"), blocks[f"{module}.gate_proj"][order])
+    assert any(n.startswith(f"{kind}: ") and f"written as {fmt} blocks of the same values" in n
+               for n in cm.quant_notes), cm.quant_notes
+    _assert_same_outputs(cm, ref)
 
 
 def test_gguf_blocks_of_another_model_are_refused(tmp_path):
