@@ -8,6 +8,7 @@ both on them quantized to Q8_0 (compile(quantize="q8_0"), rounded to nearest; ll
     .venv/bin/python benchmarks/interleaved.py --dtype float16
     .venv/bin/python benchmarks/interleaved.py --dtype float16 --depth 2048
     .venv/bin/python benchmarks/interleaved.py --depth 2048 --kv-cache float32 float16
+    .venv/bin/python benchmarks/interleaved.py --gguf build/quant-quality/smollm2-Q4_K_M.gguf
 
 This VM's speed drifts by tens of percent over seconds to minutes (BENCHMARKS.md), so peers.py's
 "best of N, one system after the other" can hand one system a slow stretch. Here each round runs
@@ -17,7 +18,9 @@ the rounds, and the median of the per-round ratios to llama.cpp (both sides of a
 within seconds of each other). With --depth D the decode steps follow a D-token prompt (held-out
 text prefilled once into picompile's cache; llama-bench -d D), so attention reads D positions.
 --kv-cache float16 keeps picompile's KV cache in float16 (compile(kv_cache=)), as llama.cpp's is;
-several values run picompile once per cache dtype, in the same rounds.
+several values run picompile once per cache dtype, in the same rounds. --gguf FILE runs both on
+another GGUF file of SmolLM2 (a llama-quantize of it, such as benchmarks/quant_quality.py's
+Q4_K_M), picompile on the model loaded from that file and its blocks (compile(gguf=FILE)).
 Needs llama.cpp built by benchmarks/peers.py.
 """
 
@@ -60,14 +63,19 @@ def main():
                     help="gguf: the file's Q4_1 blocks as they are; else its weights in that dtype")
     ap.add_argument("--kv-cache", nargs="+", choices=["float32", "float16", "bfloat16"],
                     default=[None], help="picompile's KV cache dtype(s) (default: the model's)")
+    ap.add_argument("--gguf", default=None, help="another GGUF file of SmolLM2 (with --dtype gguf)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     bins = bench.llama_cpp_bins()
     if bins is None:
         raise SystemExit(bench.not_built())
+    if args.gguf and args.dtype != "gguf":
+        raise SystemExit("--gguf runs a file's own blocks: it goes with --dtype gguf only")
     gguf = models.default_gguf()
     if args.dtype == "gguf":
-        peer, peer_file, dtype, weights = "llama.cpp Q4_1", gguf, None, dict(gguf=gguf)
+        gguf = models.check(args.gguf) if args.gguf else gguf
+        peer = f"llama.cpp {gguf.name}" if args.gguf else "llama.cpp Q4_1"
+        peer_file, dtype, weights = gguf, None, dict(gguf=gguf)
     elif args.dtype == "q8_0":  # both quantize the file's float32 weights again
         peer, dtype, weights = "llama.cpp Q8_0", None, dict(quantize="q8_0")
         peer_file = bench.requantized(bins, gguf, "Q8_0", bench.BUILD / f"{gguf.stem}-Q8_0.gguf")
@@ -76,7 +84,7 @@ def main():
         kind = bench.GGUF_KINDS[dtype]
         peer, weights = f"llama.cpp {kind}", {}
         peer_file = bench.requantized(bins, gguf, kind, bench.BUILD / f"{gguf.stem}-{kind}.gguf")
-    model, tok = models.load(None, dtype=dtype)
+    model, tok = models.load(args.gguf, dtype=dtype)
     prompt = corpus.token_batches(tok, "heldout", 1, seq_len=max(32, args.depth))
     calib = corpus.token_batches(tok, "calibration", 16384)
     systems = {peer: lambda: bench.llama_bench(bins, peer_file, args.threads, args.new_tokens, 1,
