@@ -151,7 +151,7 @@ def read(path, config=None, with_data: bool = True) -> tuple[FileTensors, list[s
                      "loading, so its blocks are not kept: each tensor re-quantized from the float "
                      "weights to its own format")
     out: dict[str, Blocks] = {}
-    written = collections.Counter()  # GGUF type -> tensors transcoded exactly
+    written = set()  # GGUF types transcoded exactly
     for name, kind in types.items():
         fmt = KEPT.get(kind) or (gguf_transcode.EXACT.get(kind) if keep else None)
         if fmt is not None:
@@ -169,7 +169,7 @@ def read(path, config=None, with_data: bool = True) -> tuple[FileTensors, list[s
                         notes.append(f"{name}: {kind} scales beyond float16's range: "
                                      f"re-quantized to {NEAREST[kind]}")
                         continue
-                    written[kind] += 1
+                    written.add(kind)
                 data = torch.from_numpy(np.array(rows, copy=True))
             out[name] = Blocks(fmt, data, kind)
         elif kind in NEAREST:
@@ -180,11 +180,10 @@ def read(path, config=None, with_data: bool = True) -> tuple[FileTensors, list[s
             notes.append(f"{name}: {kind} has no kernel and no nearest format here: runs as "
                          "float weights; compile with quantize='q4_0' (--quantize q4_0) to run "
                          "it quantized")
-    for kind, count in written.items():
+    for kind in sorted(written):
         how = " (their scales rounded to float16)" if kind == "Q4_K" else ""
-        notes.append(f"{kind}: {count} tensor{'s' if count > 1 else ''} written as "
-                     f"{gguf_transcode.EXACT[kind]} blocks of the same values{how}, not rounded "
-                     "a second time")
+        notes.append(f"{kind} tensors: written as {gguf_transcode.EXACT[kind]} blocks of the same "
+                     f"values{how}, not rounded a second time")
     return FileTensors(out, to_tensor, fallback), notes
 
 

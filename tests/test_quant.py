@@ -234,5 +234,5 @@ def test_q4_k_scales_beyond_float16_are_not_transcoded(tmp_path):
     assert torch.equal(up.data, torch.from_numpy(gguf_transcode.transcode(fine, "Q4_K")))
     assert q.data is None
     assert notes == ["blk.0.attn_q.weight: Q4_K scales beyond float16's range: re-quantized to q4_1",
-                     "Q4_K: 1 tensor written as q4_1 blocks of the same values (their scales "
+                     "Q4_K tensors: written as q4_1 blocks of the same values (their scales "
                      "rounded to float16), not rounded a second time"]
