@@ -102,7 +102,8 @@ def parse_calls(text: str, forced: bool = False, names=None) -> tuple[str | None
     tool_calls entries). forced: the whole text is one call's JSON (a grammar held it so);
     else each Hermes-style <tool_call> block holding one JSON object with a name (of `names`,
     where given) and object arguments is a call, and the text outside them the content (any
-    other block stays in the content)."""
+    other block stays in the content): its pieces without the whitespace next to a call,
+    joined by a space. CallStream streams the same content."""
     if forced:
         value = json.loads(text)
         return None, [_call(value["name"], value["arguments"])]
@@ -130,20 +131,22 @@ def parse_calls(text: str, forced: bool = False, names=None) -> tuple[str | None
         end = stop + close.end()
     if not calls:
         return text, []
-    content = "".join(kept + [text[end:]]).strip()
-    return content or None, calls
+    pieces = [kept[0].rstrip(), *(p.strip() for p in kept[1:]), text[end:].lstrip()]
+    return " ".join(p for p in pieces if p) or None, calls
 
 
 class CallStream:
     """A streamed reply read for calls: feed() each text delta, and stream what it returns (the
-    text before a call could start: a tail that may begin "<tool_call>" is held back), then
-    finish() -> (the rest of the content, None where none; the calls). forced: the whole reply
-    is one call, nothing streams."""
+    text before a call could start: a tail that may begin "<tool_call>" is held back, and
+    trailing whitespace, which parse_calls drops before a call), then finish() -> (the rest of
+    the content, None where none; the calls). What streams and the rest join to parse_calls'
+    content of the whole reply. forced: the whole reply is one call, nothing streams."""
 
     MARK = "<tool_call>"
 
     def __init__(self, forced: bool = False, names=None):
         self.forced, self.names, self.held, self.calling = forced, names, "", forced
+        self.sent = ""  # the text streamed so far
 
     def feed(self, delta: str) -> str:
         self.held += delta
@@ -157,12 +160,17 @@ class CallStream:
             cut = len(self.held) - next((k for k in range(min(len(self.MARK) - 1,
                                                                len(self.held)), 0, -1)
                                          if self.MARK.startswith(self.held[-k:])), 0)
+        cut = len(self.held[:cut].rstrip())
         out, self.held = self.held[:cut], self.held[cut:]
+        self.sent += out
         return out
 
     def finish(self) -> tuple[str | None, list[dict]]:
-        content, calls = parse_calls(self.held, self.forced, self.names)
-        return (content or None) if calls else (self.held or None), calls
+        content, calls = parse_calls(self.sent + self.held, self.forced, self.names)
+        if not calls:
+            return self.held or None, calls
+        # the content begins with what streamed: the text before the first call, rstripped
+        return (content or "")[len(self.sent):] or None, calls
 
 
 def template_messages(messages: list[dict]) -> list[dict]:

@@ -119,7 +119,7 @@ def test_auto_reads_the_calls_the_model_writes_and_the_text_around_them(client):
     (got,) = message.tool_calls
     assert _check_call(got) == ("get_weather", {"city": "Oslo"})
     chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Checking. "
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Checking."
     (got,) = [call for c in chunks for call in c.choices[0].delta.tool_calls or []]
     assert _check_call(got) == ("get_weather", {"city": "Oslo"})
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
@@ -202,7 +202,7 @@ def test_bad_tool_requests_get_400s_naming_the_field(client, tokenizer):
 def test_parse_calls():
     text = 'a <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> b'
     content, calls = tool_calls.parse_calls(text)
-    assert content == "a  b" and calls[0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    assert content == "a b" and calls[0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
     assert tool_calls.parse_calls("<tool_call>{not json}</tool_call>") == (
         "<tool_call>{not json}</tool_call>", [])
     content, calls = tool_calls.parse_calls(
@@ -231,12 +231,31 @@ def test_a_streamed_reply_streams_its_text_until_a_call_could_start():
     text = 'Let me look. <tool_call>{"name": "f", "arguments": {}}</tool_call> done'
     reader = tool_calls.CallStream()
     streamed = "".join(reader.feed(ch) for ch in text)  # one character a delta
-    assert streamed == "Let me look. "
+    assert streamed == "Let me look."
     content, calls = reader.finish()
-    assert content == "done" and calls[0]["function"]["name"] == "f"
+    assert content == " done" and calls[0]["function"]["name"] == "f"
     reader = tool_calls.CallStream()
-    assert reader.feed("a <tool") == "a " and reader.feed("box>") == "<toolbox>"
-    assert reader.feed("<") == "" and reader.finish() == ("<", [])  # held back, then given
+    assert reader.feed("a <tool") == "a" and reader.feed("box>") == " <toolbox>"
+    assert reader.feed("\n<") == "" and reader.finish() == ("\n<", [])  # held back, then given
+
+
+CALL = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+
+
+@pytest.mark.parametrize("text", [
+    f"Sure.\n\n{CALL}", f"  Let me check. {CALL}\n", f"\n{CALL}\n{CALL}\n", f"a {CALL} b {CALL} c ",
+    f"{CALL}", "no call at all \n", f"broken <tool_call>{{not json}}</tool_call> \n",
+    f"x\n<tool_call>{{}}</tool_call> {CALL} y"])
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_streamed_reply_has_the_content_of_the_whole_reply(text, step):
+    """The streamed deltas and finish()'s rest join to parse_calls' content of the whole text,
+    however the text is cut into deltas; the same calls."""
+    reader = tool_calls.CallStream()
+    streamed = "".join(reader.feed(text[i:i + step]) for i in range(0, len(text), step))
+    rest, calls = reader.finish()
+    content, want = tool_calls.parse_calls(text)
+    assert ((streamed + (rest or "")) or None) == content
+    assert [c["function"] for c in calls] == [c["function"] for c in want]
     forced = tool_calls.CallStream(forced=True)
     assert forced.feed('{"name": "f", ') == "" and forced.feed('"arguments": {}}') == ""
     assert forced.finish()[1][0]["function"] == {"name": "f", "arguments": "{}"}
