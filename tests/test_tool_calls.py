@@ -244,7 +244,7 @@ CALL = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
 
 @pytest.mark.parametrize("text", [
     f"Sure.\n\n{CALL}", f"  Let me check. {CALL}\n", f"\n{CALL}\n{CALL}\n", f"a {CALL} b {CALL} c ",
-    f"{CALL}", "no call at all \n", f"broken <tool_call>{{not json}}</tool_call> \n",
+    f"{CALL}", "no call at all \n", "broken <tool_call>{not json}</tool_call> \n",
     f"x\n<tool_call>{{}}</tool_call> {CALL} y"])
 @pytest.mark.parametrize("step", [1, 3, 1000])
 def test_a_streamed_reply_has_the_content_of_the_whole_reply(text, step):
