@@ -205,5 +205,5 @@ def _call(name: str, arguments) -> dict:
 
 
 def _show(value) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    text = json.dumps(value)  # JSON's quoting, as the client wrote it (serve's messages too)
     return text if len(text) <= 80 else text[:77] + "..."
