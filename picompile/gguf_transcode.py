@@ -1,4 +1,5 @@
-"""GGUF block types written exactly in a format the kernels have: Q4_K -> q4_1, Q5_0 -> q8_0.
+"""GGUF block types written exactly in a format the kernels have: Q4_K -> q4_1; Q5_0, IQ4_NL
+and IQ4_XS -> q8_0.
 
 Why: most GGUF files people download are K-quants (Q4_K_M, Q4_K_S), and llama.cpp quantizes
 rows whose width is not a multiple of 256 to Q5_0 instead. picompile has no kernels for those
@@ -14,6 +15,14 @@ weight a second time. These two need no second rounding:
     Q5_0  22 bytes per 32 weights: float16 d, 32 high bits qh, 16 bytes of low nibbles:
           w = d * (q - 16) with 5-bit q. A q8_0 block with the same d holds q - 16 exactly
           (1.5x the bytes: speed for no loss).
+    IQ4_NL  18 bytes per 32 weights: float16 d, 4-bit indices (q4_0's nibble order) into a fixed
+          non-uniform grid of int8 levels KVALUES: w = d * KVALUES[i]. A q8_0 block with the
+          same d and the levels as its int8 is exact. (A second 4-bit rounding onto q4_1's
+          uniform grid cost SmolLM2 about 25% perplexity.)
+    IQ4_XS  136 bytes per 256 weights: float16 d, 8 sub-blocks' 6-bit scales ls (low 4 bits in
+          scales_l[4], high 2 bits in the uint16 scales_h), indices as IQ4_NL's, 16 bytes a
+          sub-block: w = d * (ls - 32) * KVALUES[i]. q8_0 blocks with scale d * (ls - 32) in
+          float16 and the levels as int8.
 
 Products too small for float16's normal range round to its subnormals, as a q4_1 block made from
 the floats would round its own scale; one too large for float16 at all (no q4_1 block holds it
@@ -27,7 +36,10 @@ from __future__ import annotations
 import numpy as np
 
 # GGUF type -> the picompile format its blocks are written in exactly
-EXACT = {"Q4_K": "q4_1", "Q5_0": "q8_0"}
+EXACT = {"Q4_K": "q4_1", "Q5_0": "q8_0", "IQ4_NL": "q8_0", "IQ4_XS": "q8_0"}
+# IQ4_NL's and IQ4_XS's levels (ggml's kvalues_iq4nl)
+KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                   np.int8)
 
 
 def transcode(raw: np.ndarray, gguf_type: str) -> np.ndarray | None:
@@ -39,6 +51,10 @@ def transcode(raw: np.ndarray, gguf_type: str) -> np.ndarray | None:
         out = _q4_k_to_q4_1(raw.reshape(-1, 144))
     elif gguf_type == "Q5_0":
         out = _q5_0_to_q8_0(raw.reshape(-1, 22))
+    elif gguf_type == "IQ4_NL":
+        out = _iq4_nl_to_q8_0(raw.reshape(-1, 18))
+    elif gguf_type == "IQ4_XS":
+        out = _iq4_xs_to_q8_0(raw.reshape(-1, 136))
     else:
         raise ValueError(f"no exact transcoding of {gguf_type}: only {', '.join(EXACT)}")
     return None if out is None else out.reshape(rows, -1)
@@ -78,3 +94,27 @@ def _q5_0_to_q8_0(blocks: np.ndarray) -> np.ndarray:
     low = np.concatenate([blocks[:, 6:22] & 15, blocks[:, 6:22] >> 4], axis=1)
     q = (low | (high << 4)).astype(np.int16) - 16
     return np.concatenate([blocks[:, 0:2], q.astype(np.int8).view(np.uint8)], axis=1)
+
+
+def _levels(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes of 4-bit indices (low nibbles weights 0..15) -> [..., 32] int8 levels as
+    bytes."""
+    return KVALUES[np.concatenate([qs & 15, qs >> 4], axis=-1)].view(np.uint8)
+
+
+def _iq4_nl_to_q8_0(blocks: np.ndarray) -> np.ndarray:
+    """[n, 18] IQ4_NL blocks -> [n, 34] q8_0 blocks (the same d)."""
+    return np.concatenate([blocks[:, 0:2], _levels(blocks[:, 2:18])], axis=1)
+
+
+def _iq4_xs_to_q8_0(blocks: np.ndarray) -> np.ndarray | None:
+    """[n, 136] IQ4_XS superblocks -> [n, 8, 34] q8_0 blocks."""
+    n = blocks.shape[0]
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)          # [n, 1]
+    high = blocks[:, 2:4].copy().view("<u2")                               # [n, 1]
+    low = np.stack([blocks[:, 4:8] & 15, blocks[:, 4:8] >> 4], axis=2).reshape(n, 8)
+    ls = low.astype(np.int32) | (((high >> (2 * np.arange(8))) & 3).astype(np.int32) << 4)
+    scale = _f16_bits(d * (ls - 32).astype(np.float32))                   # [n, 8, 2]
+    if scale is None:
+        return None
+    return np.concatenate([scale, _levels(blocks[:, 8:136].reshape(n, 8, 16))], axis=2)

@@ -39,8 +39,9 @@ import torch
 from picompile import gguf_transcode, quant
 
 KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}  # GGUF type -> picompile format
-# Everything else that is quantized: the nearest format of at least its precision.
-NEAREST = {"Q4_K": "q4_1", "IQ4_NL": "q4_1", "IQ4_XS": "q4_1", "Q2_K": "q4_0", "Q3_K": "q4_0",
+# Everything else that is quantized: the nearest format of at least its precision (IQ4's
+# non-uniform levels need 8 bits: gguf_transcode writes them exactly where it can).
+NEAREST = {"Q4_K": "q4_1", "IQ4_NL": "q8_0", "IQ4_XS": "q8_0", "Q2_K": "q4_0", "Q3_K": "q4_0",
            "IQ2_XXS": "q4_0", "IQ2_XS": "q4_0", "IQ2_S": "q4_0", "IQ3_XXS": "q4_0", "IQ3_S": "q4_0",
            "IQ1_S": "q4_0", "IQ1_M": "q4_0", "Q5_0": "q8_0", "Q5_1": "q8_0", "Q5_K": "q8_0",
            "Q6_K": "q8_0", "Q8_1": "q8_0", "Q8_K": "q8_0", "TQ1_0": "q4_0", "TQ2_0": "q4_0",

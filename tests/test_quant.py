@@ -160,11 +160,11 @@ def test_linear_dequantized_equals_the_reference(fmt, rows, blocks, T, tile_rows
 
 def _random_blocks(kind: str, rows: int, cols: int, rng, exponent: int) -> np.ndarray:
     """uint8 [rows, row_bytes] of random `kind` blocks, their float16 scales near 2**exponent."""
-    size = {"Q4_K": (256, 144), "Q5_0": (32, 22)}[kind]
+    size = {"Q4_K": (256, 144), "Q5_0": (32, 22), "IQ4_NL": (32, 18), "IQ4_XS": (256, 136)}[kind]
     raw = rng.integers(0, 256, (rows * cols // size[0], size[1]), dtype=np.uint8)
     heads = 2 if kind == "Q4_K" else 1  # Q4_K: d and dmin
     scales = rng.uniform(1, 2, (len(raw), heads)) * 2.0 ** exponent
-    if kind == "Q5_0":
+    if kind != "Q4_K":
         scales *= rng.choice([-1, 1], scales.shape)
     raw[:, :2 * heads] = scales.astype(np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
@@ -205,6 +205,26 @@ def test_q5_0_as_q8_0_blocks_is_exact(rows, blocks, seed, exponent):
     assert out.shape == (rows, quant.row_bytes(32 * blocks, "q8_0"))
     np.testing.assert_array_equal(quant.dequantize(torch.from_numpy(out), "q8_0", 32 * blocks).numpy(),
                                   want)
+
+
+@settings(max_examples=30, deadline=None)
+@given(kind=st.sampled_from(["IQ4_NL", "IQ4_XS"]), rows=st.integers(1, 5),
+       superblocks=st.integers(1, 3), seed=st.integers(0, 2**16), exponent=st.integers(-20, 8))
+def test_iq4_as_q8_0_blocks_dequantizes_as_gguf_does(kind, rows, superblocks, seed, exponent):
+    """IQ4_NL's levels with their d are q8_0 blocks, exactly; IQ4_XS's within float16 rounding
+    of each sub-block's scale d * (ls - 32)."""
+    from picompile import gguf_transcode
+
+    cols = 256 * superblocks
+    raw = _random_blocks(kind, rows, cols, np.random.default_rng(seed), exponent)
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind])
+    out = gguf_transcode.transcode(raw, kind)
+    assert out.shape == (rows, quant.row_bytes(cols, "q8_0"))
+    got = quant.dequantize(torch.from_numpy(out), "q8_0", cols).numpy()
+    if kind == "IQ4_NL":
+        np.testing.assert_array_equal(got, want)
+    else:
+        assert (np.abs(got - want) <= np.abs(want) * 2.0 ** -11 + 127 * 2.0 ** -25).all()
 
 
 def test_q4_k_scales_beyond_float16_are_not_transcoded(tmp_path):
