@@ -84,6 +84,9 @@ class FileTensors:
 
 # The LM head's tensor, whatever the architecture (gguf's name maps leave it out).
 HEAD_TENSOR = {"lm_head": "output.weight"}
+# Tensors a file blocks along an FFN's n_ff: the FFN kernels quantize them again along d (their
+# blocks are kept only where no FFN block runs them: a plain linear layer)
+ALONG_N_FF = ("ffn_down",)
 
 
 def tensor_name(arch: str, n_blocks: int):
@@ -170,7 +173,8 @@ def read(path, config=None, with_data: bool = True) -> tuple[FileTensors, list[s
                         notes.append(f"{name}: {kind} scales beyond float16's range: "
                                      f"re-quantized to {NEAREST[kind]}")
                         continue
-                    written.add(kind)
+                    if part not in ALONG_N_FF:
+                        written.add(kind)
                 data = torch.from_numpy(np.array(rows, copy=True))
             out[name] = Blocks(fmt, data, kind)
         elif kind in NEAREST:

@@ -229,7 +229,8 @@ def test_iq4_as_q8_0_blocks_dequantizes_as_gguf_does(kind, rows, superblocks, se
 
 def test_q4_k_scales_beyond_float16_are_not_transcoded(tmp_path):
     """A Q4_K tensor one of whose products d * sc overflows float16 -> None, and
-    gguf_weights.read re-quantizes it with a note; the file's other tensors are written."""
+    gguf_weights.read re-quantizes it with a note; the file's other tensors are written, and
+    noted unless the FFN kernels quantize them again (ffn_down: blocked along n_ff)."""
     from picompile import gguf_transcode, gguf_weights
 
     rng = np.random.default_rng(0)
@@ -244,6 +245,8 @@ def test_q4_k_scales_beyond_float16_are_not_transcoded(tmp_path):
     writer.add_block_count(1)
     for name, raw in (("blk.0.ffn_up.weight", fine), ("blk.0.attn_q.weight", huge)):
         writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    down = _random_blocks("Q5_0", 64, 256, rng, -8)
+    writer.add_tensor("blk.0.ffn_down.weight", down, raw_dtype=gguf.GGMLQuantizationType.Q5_0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -253,6 +256,8 @@ def test_q4_k_scales_beyond_float16_are_not_transcoded(tmp_path):
     assert up.fmt == q.fmt == "q4_1"
     assert torch.equal(up.data, torch.from_numpy(gguf_transcode.transcode(fine, "Q4_K")))
     assert q.data is None
+    assert torch.equal(tensors.get("model.layers.0.mlp.down_proj").data,
+                       torch.from_numpy(gguf_transcode.transcode(down, "Q5_0")))
     assert notes == ["blk.0.attn_q.weight: Q4_K scales beyond float16's range: re-quantized to q4_1",
                      "Q4_K tensors: written as q4_1 blocks of the same values (their scales "
                      "rounded to float16), not rounded a second time"]

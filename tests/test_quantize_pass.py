@@ -128,9 +128,10 @@ def _file_blocks(dense: nn.Module, fmt: str) -> dict:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gguf_mode_requantizes_4_bit_down_rows_to_q8_0(fmt):
     """quantize_ffns in "gguf" mode on a model whose weights are a file's `fmt` blocks: gate and
-    up rows are the file's blocks, down rows q8_0 along d for 4-bit files (noted once), the
-    file's format for q8_0 ones; the model equals the fake-quantized reference and explain shows
-    the down rows' format."""
+    up rows are the file's blocks, down rows q8_0 along d for 4-bit files, the file's format for
+    q8_0 ones, quantized again from the file's values either way (noted once: the file blocks
+    them along n_ff); the model equals the fake-quantized reference and explain shows the down
+    rows' format."""
     dense = zoo.make("llama_silu", hidden=64, n_ff=96)
     with torch.no_grad():  # the float model a GGUF file loads as: its blocks dequantized
         for m in dense.modules():
@@ -147,16 +148,13 @@ def test_gguf_mode_requantizes_4_bit_down_rows_to_q8_0(fmt):
         assert ffn.qformat == fmt and ffn.down_qformat == down
         assert torch.equal(ffn.w_up, up if ffn.order is None else up[ffn.order])
         assert ffn.kernel is not None and ffn.kernel.variant.down_dtype == down
-    requantized = [n for n in notes if "re-quantized to q8_0 along d" in n]
-    assert len(requantized) == (1 if fmt in FOUR_BIT else 0)
+    requantized = [n for n in notes if "re-quantized to q8_0 along d from the file's" in n]
+    assert len(requantized) == 1 and f"of {len(ffns)} blocks" in requantized[0]
     _assert_same_outputs(cm, ref)
     cm.quant_notes = notes
     text = picompile.explain(cm)
     assert (f"FFN {fmt} (down q8_0) " in text) == (fmt in FOUR_BIT)
-    if requantized:
-        assert f"quantization: {requantized[0]}" in text
-    else:
-        assert f"FFN {fmt} " in text
+    assert f"FFN {fmt} " in text and f"quantization: {requantized[0]}" in text
 
 
 def test_quantized_plan_saves_and_loads(tmp_path):

@@ -304,7 +304,7 @@ def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None,
     blocks for the weights it has (not with file_blocks).
     -> notes on the blocks that stay float, and why, and on the down rows' format."""
     notes = []
-    requantized_down = 0  # blocks whose 4-bit down rows went to q8_0
+    requantized_down = 0  # blocks whose down rows a file had along n_ff, or 4-bit ones in q8_0
 
     for name, ffn in ffns.items():
         block_fmt, why = _block_format(ffn, fmt, file_blocks)
@@ -312,7 +312,7 @@ def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None,
             notes.append(f"{name}: stays {str(ffn.w_up.dtype).removeprefix('torch.')}: {why}")
             continue
         block_fmt, down_fmt = ffn_formats(block_fmt)
-        requantized_down += down_fmt != block_fmt
+        requantized_down += file_blocks is not None or down_fmt != block_fmt
         given = {}  # role -> blocks in GGUF's layout: GPTQ's (or saved), or the file's own
         if rounding is not None and file_blocks is None:
             for role, role_fmt in _role_formats(block_fmt, down_fmt):
@@ -326,11 +326,12 @@ def quantize_ffns(ffns: dict, fmt: str, file_blocks: dict | None = None,
             given.update(rows)
             notes += mixed
         ffn.quantize_(block_fmt, down_fmt, blocks=given)
-    if requantized_down:
-        how = ("re-quantized to", " (the file blocks them along n_ff)") if file_blocks is not None \
-            else ("in", " (4-bit blocks along d lose far more than along n_ff)")
-        notes.append(f"FFN down rows of {requantized_down} 4-bit blocks {how[0]} "
-                     f"{HIGH_PRECISION} along d{how[1]}")
+    if requantized_down and file_blocks is not None:
+        notes.append(f"FFN down rows of {requantized_down} blocks re-quantized to {HIGH_PRECISION} "
+                     "along d from the file's values (the file blocks them along n_ff)")
+    elif requantized_down:
+        notes.append(f"FFN down rows of {requantized_down} 4-bit blocks in {HIGH_PRECISION} along "
+                     "d (4-bit blocks along d lose far more than along n_ff)")
     return notes
 
 
