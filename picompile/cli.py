@@ -88,7 +88,7 @@ def _quantization(args) -> tuple:
     from picompile import models
 
     path = models.check(args.model)
-    gguf = path if path.is_file() and path.suffix == ".gguf" else None
+    gguf = path if path.is_file() else None  # a file check() passed is a GGUF file, by its magic
     if args.quantize == "float":
         return None, None
     if args.quantize in (None, "gguf"):

@@ -32,8 +32,8 @@ from torch import nn
 from picompile import gguf_weights, quant, saving
 from picompile.capture import capture, replace_module
 from picompile.compiled_model import CompiledModel
-from picompile.options import (Options, calibration_ids, check_kv_cache, check_not_compiled,
-                               check_options)
+from picompile.options import (Options, calibration_ids, check_gguf, check_kv_cache,
+                               check_not_compiled, check_options)
 from picompile.passes import autotune as autotune_pass
 from picompile.passes import calibrate as calibrate_pass
 from picompile.passes import hessians as hessians_pass
@@ -437,6 +437,7 @@ def load(model: nn.Module, directory, gguf=None, kv_cache=None,
                 calibration_tokens=saved.calibration_tokens, predictors=saved.predictors,
                 quantize=saved.quantize, quant_calibration_tokens=saved.quant_calibration_tokens,
                 gguf_types=saved.gguf_types)
+    check_gguf(gguf)
     if plan.quantize == "gguf" and gguf is None:
         raise ValueError(f"the plan in {directory} keeps the GGUF file's quantized tensors: pass "
                          "gguf=<the file the model was loaded from>")

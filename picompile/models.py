@@ -276,7 +276,10 @@ def check_gguf(path: pathlib.Path) -> None:
             raise ModelLoadError(path, f"truncated in the GGUF header ({e})", _REDOWNLOAD) from None
         except (ValueError, UnicodeDecodeError, struct.error) as e:
             raise ModelLoadError(path, f"corrupt GGUF header ({e})", _REDOWNLOAD) from None
-    if n_tensors and data_start + end > size:
+    if not n_tensors:
+        raise ModelLoadError(path, "a GGUF file that holds no tensors (a vocabulary-only file?)",
+                             "pass a GGUF file with the model's weights")
+    if data_start + end > size:
         raise ModelLoadError(path, f"truncated: its GGUF header describes {n_tensors} tensors "
                                    f"whose data ends at byte {data_start + end}, but the file has "
                                    f"{size} bytes ({data_start + end - size} missing)", _REDOWNLOAD)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from picompile import gguf_weights
+from picompile import gguf_weights, models
 from picompile.budget import parse_budget
 from picompile.compiled_model import CompiledModel, check_predictor_policy
 from picompile.passes import calibrate as calibrate_pass
@@ -94,18 +94,27 @@ def check_kv_cache(kv_cache) -> torch.dtype | None:
 
 
 def _check_quantize(quantize, gguf) -> None:
+    check_gguf(gguf)
     if quantize is None:
         return
     if quantize not in QUANT_FORMATS:
         raise ValueError(f"quantize must be one of {', '.join(QUANT_FORMATS)} (GGUF's block "
                          f"formats, or the GGUF file's own) or None for float weights, got "
                          f"{quantize!r}")
-    if quantize == "gguf" and (gguf is None or not pathlib.Path(gguf).is_file()):
-        raise ValueError(f"quantize='gguf' keeps the tensors of the GGUF file the model was "
-                         f"loaded from: pass gguf=<that file> (got {gguf!r})")
-    if gguf is not None and not pathlib.Path(gguf).is_file():
+    if quantize == "gguf" and gguf is None:
+        raise ValueError("quantize='gguf' keeps the tensors of the GGUF file the model was "
+                         "loaded from: pass gguf=<that file>")
+
+
+def check_gguf(gguf) -> None:
+    """gguf= must be a whole GGUF file (models.check_gguf's clear errors: not GGUF, truncated,
+    no tensors), or None."""
+    if gguf is None:
+        return
+    if not pathlib.Path(gguf).is_file():
         raise ValueError(f"gguf={str(gguf)!r} is not a file: pass the GGUF file the model was "
                          "loaded from, or leave gguf= out")
+    models.check_gguf(pathlib.Path(gguf))
 
 
 def check_not_compiled(model, what: str) -> None:

@@ -179,6 +179,56 @@ def test_a_tiny_gguf_is_too_small_not_a_struct_error(tmp_path, capsys):
     assert_model_error(tmp_path, empty, capsys, "too small to be a GGUF file", "0 bytes")
 
 
+def test_a_gguf_without_tensors_is_refused_not_built_random(tmp_path, capsys):
+    """A vocabulary-only file (metadata of a large model, no tensors): transformers would build
+    that model with random weights, past the memory check that counts the file's weights."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "vocab.gguf"), "llama")
+    w.add_block_count(32)
+    w.add_embedding_length(4096)
+    w.add_token_list(["<s>", "a", "b"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert_model_error(tmp_path, tmp_path / "vocab.gguf", capsys, "holds no tensors",
+                       "vocabulary-only", "with the model's weights")
+
+
+def test_a_gguf_file_named_otherwise_keeps_its_blocks(tmp_path):
+    """A GGUF file without the .gguf suffix (Ollama keeps its blobs so) is a GGUF model to the
+    command line too: it runs on the file's blocks, not silently as float weights."""
+    import argparse
+    import shutil
+
+    blob = shutil.copy(smollm2_gguf(), tmp_path / "sha256-0123abcd")
+    for quantize in (None, "gguf"):
+        args = argparse.Namespace(model=str(blob), quantize=quantize)
+        assert cli._quantization(args) == (pathlib.Path(blob), "gguf")
+
+
+def test_a_bad_gguf_argument_is_a_clear_error(tmp_path):
+    """compile(gguf=) and load(gguf=) check the file as --model does (not a numpy or gguf
+    reader error from deep inside)."""
+    import picompile
+    from tests import zoo
+
+    dense = zoo.make("llama_silu", hidden=64, n_ff=96)
+    fake = tmp_path / "fake.gguf"
+    fake.write_text("<html>404 Not Found</html>" * 4)
+    cut = truncate(smollm2_gguf(), tmp_path / "cut.gguf", 4_000_000)
+    for bad, words in ((fake, "not a GGUF file"), (cut, "truncated"),
+                       (tmp_path / "missing.gguf", "is not a file")):
+        with pytest.raises(ValueError, match=words):
+            picompile.compile(dense, gguf=bad, quiet=True)
+    cm = picompile.compile(dense, quiet=True)
+    cm.save(tmp_path / "plan")
+    for bad, words in ((fake, "not a GGUF file"), (tmp_path / "missing.gguf", "is not a file")):
+        with pytest.raises(ValueError, match=words):
+            picompile.load(zoo.make("llama_silu", hidden=64, n_ff=96), tmp_path / "plan", gguf=bad)
+
+
 def test_a_file_that_is_not_gguf(tmp_path, capsys):
     fake = tmp_path / "model.gguf"
     fake.write_text("<html>404 Not Found</html>" * 4)
