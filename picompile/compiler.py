@@ -267,11 +267,11 @@ def _decide(captured: Captured, plan: Plan, ids, opts: Options) -> dict[str, Blo
     # nothing), so with none of those the pass would run every calibration token for nothing.
     needs_threshold = bool(opts.sparsity) and any(not b.exact for b in plan.blocks)
     measures = not opts.needs_profile and any(b.exact for b in plan.blocks)
-    if ids is not None:
-        plan.calibration_tokens = int(ids.numel())
-        if needs_threshold or measures:
-            calibrate_pass.calibrate(model, ffns, ids, opts.sparsity, quiet=opts.quiet, device=device,
-                                     dtype=dtype)
+    if ids is not None and (needs_threshold or measures or opts.needs_profile):
+        plan.calibration_tokens = int(ids.numel())  # what explain() says the plan saw
+    if ids is not None and (needs_threshold or measures):
+        calibrate_pass.calibrate(model, ffns, ids, opts.sparsity, quiet=opts.quiet, device=device,
+                                 dtype=dtype)
     if not opts.needs_profile:
         return {}
     # profile + predictors: which neurons fire, and small MLPs that guess it per token

@@ -157,10 +157,12 @@ def test_threshold_sparsity_zero_equals_dense():
 @pytest.mark.parametrize("arch, measured", [("llama_silu", False), ("llama_relu", True)])
 def test_calibration_without_a_target_runs_only_where_there_is_sparsity_to_measure(arch, measured):
     """No sparsity= asked: ReLU blocks get their natural sparsity measured; SiLU blocks (which
-    skip nothing at threshold 0) do not make compile run its calibration tokens for nothing."""
+    skip nothing at threshold 0) do not make compile run its calibration tokens for nothing,
+    nor the plan and explain() say it calibrated on them."""
     calib = torch.randint(0, zoo.VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
     _, cm = compile_pair(arch, calibration=calib)
-    assert cm.plan.calibration_tokens == calib.numel()
+    assert cm.plan.calibration_tokens == (calib.numel() if measured else 0)
+    assert (f"calibrated on {calib.numel()} tokens" in picompile.explain(cm)) == measured
     for b in cm.plan.blocks:
         assert b.decided.threshold == 0.0
         assert (b.measured.sparsity is not None) == measured
