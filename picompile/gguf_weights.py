@@ -39,11 +39,12 @@ import torch
 from picompile import gguf_transcode, quant
 
 KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}  # GGUF type -> picompile format
-# Everything else that is quantized: the nearest format of at least its precision (IQ4's
-# non-uniform levels need 8 bits: gguf_transcode writes them exactly where it can).
-NEAREST = {"Q4_K": "q4_1", "IQ4_NL": "q8_0", "IQ4_XS": "q8_0", "Q2_K": "q4_0", "Q3_K": "q4_0",
+# Everything else that is quantized: the nearest format of at least its precision; the types
+# gguf_transcode writes exactly go to its format where it cannot (or the architecture's blocks
+# are not kept): IQ4's non-uniform levels need 8 bits.
+NEAREST = {**gguf_transcode.EXACT, "Q2_K": "q4_0", "Q3_K": "q4_0",
            "IQ2_XXS": "q4_0", "IQ2_XS": "q4_0", "IQ2_S": "q4_0", "IQ3_XXS": "q4_0", "IQ3_S": "q4_0",
-           "IQ1_S": "q4_0", "IQ1_M": "q4_0", "Q5_0": "q8_0", "Q5_1": "q8_0", "Q5_K": "q8_0",
+           "IQ1_S": "q4_0", "IQ1_M": "q4_0", "Q5_1": "q8_0", "Q5_K": "q8_0",
            "Q6_K": "q8_0", "Q8_1": "q8_0", "Q8_K": "q8_0", "TQ1_0": "q4_0", "TQ2_0": "q4_0",
            "Q1_0": "q4_0", "MXFP4": "q8_0", "NVFP4": "q8_0"}  # FP4 grids are not uniform: 8 bits
 FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
@@ -166,8 +167,10 @@ def read(path, config=None, with_data: bool = True) -> tuple[FileTensors, list[s
                 if arch == "llama" and part in _PERMUTED and config is not None:
                     heads = getattr(config, _PERMUTED[part], None) or config.num_attention_heads
                     rows = _unpermute_rows(rows, heads)
-                if kind not in KEPT:
-                    rows = gguf_transcode.transcode(rows, kind)
+                if kind in KEPT:
+                    rows = np.array(rows, copy=True)  # off the memory map
+                else:
+                    rows = gguf_transcode.transcode(rows, kind)  # a new array
                     if rows is None:
                         out[name] = Blocks(NEAREST[kind], None, kind)
                         notes.append(f"{name}: {kind} scales beyond float16's range: "
@@ -175,7 +178,7 @@ def read(path, config=None, with_data: bool = True) -> tuple[FileTensors, list[s
                         continue
                     if part not in ALONG_N_FF:
                         written.add(kind)
-                data = torch.from_numpy(np.array(rows, copy=True))
+                data = torch.from_numpy(rows)
             out[name] = Blocks(fmt, data, kind)
         elif kind in NEAREST:
             out[name] = Blocks(NEAREST[kind], None, kind)

@@ -313,6 +313,26 @@ def _add_config_and_tokenizer(writer, config) -> None:
             writer.add_key_value(key, value, vtype, sub_type=sub if array else None)
 
 
+def _assert_keeps_file_blocks(cm, blocks: dict[str, torch.Tensor]) -> list[str]:
+    """Every linear of `blocks` (_write_gguf's) that compile made a QuantLinear, and every FFN
+    block's gate and up rows (a fused gate_up's halves; in the block's neuron order), hold
+    exactly the blocks the file should keep. -> the names of those linears."""
+    mods = dict(cm._orig_mod.named_modules())
+    kept = [name for name in blocks if isinstance(mods.get(name), QuantLinear)]
+    for name in kept:
+        assert torch.equal(mods[name].row_blocks(), blocks[name]), name
+    for name, ffn in cm.ffns().items():
+        module = name.removesuffix(".sparse_ffn")
+        if "gate_up" in ffn.block.linears:
+            gate, up = blocks[f"{module}.gate_up_proj"].chunk(2)
+        else:
+            gate, up = blocks[f"{module}.gate_proj"], blocks[f"{module}.up_proj"]
+        order = slice(None) if ffn.order is None else ffn.order
+        assert torch.equal(ffn.row_blocks("w_up"), up[order]), name
+        assert torch.equal(ffn.row_blocks("w_gate"), gate[order]), name
+    return kept
+
+
 @pytest.mark.parametrize("arch", list(GGUF_ARCH))
 def test_gguf_files_of_each_architecture_keep_their_blocks(arch, tmp_path):
     """compile(model, gguf=file) for every architecture whose file keeps its blocks: each linear
@@ -325,21 +345,9 @@ def test_gguf_files_of_each_architecture_keep_their_blocks(arch, tmp_path):
     ref = _fake_quant_model(dense, fmt, gguf=True)
     cm = picompile.compile(copy.deepcopy(dense), gguf=tmp_path / "model.gguf", quiet=True)
     assert cm.plan.quantize == "gguf"
-    mods = dict(cm._orig_mod.named_modules())
-    kept = [name for name in blocks if isinstance(mods.get(name), QuantLinear)]
+    kept = _assert_keeps_file_blocks(cm, blocks)
     assert "lm_head" in kept and any("self_attn" in name for name in kept)
-    for name in kept:
-        assert torch.equal(mods[name].row_blocks(), blocks[name]), name
-    for name, ffn in cm.ffns().items():
-        module = name.removesuffix(".sparse_ffn")
-        if "gate_up" in ffn.block.linears:
-            gate, up = blocks[f"{module}.gate_up_proj"].chunk(2)
-        else:
-            gate, up = blocks[f"{module}.gate_proj"], blocks[f"{module}.up_proj"]
-        order = slice(None) if ffn.order is None else ffn.order
-        assert ffn.qformat == fmt and ffn.down_qformat == "q8_0"
-        assert torch.equal(ffn.row_blocks("w_up"), up[order])
-        assert torch.equal(ffn.row_blocks("w_gate"), gate[order])
+    assert all(ffn.qformat == fmt and ffn.down_qformat == "q8_0" for ffn in cm.ffns().values())
     _assert_same_outputs(cm, ref)
 
 
@@ -368,16 +376,9 @@ def test_a_gguf_file_transformers_loads_keeps_its_blocks(arch, tmp_path):
     model, _ = models.load(str(path))
     ref = _fake_quant_model(model, "q4_0", gguf=True)
     cm = picompile.compile(copy.deepcopy(model), gguf=path, quiet=True)
-    mods = dict(cm._orig_mod.named_modules())
-    linears = [n for n, m in mods.items() if isinstance(m, QuantLinear)]
+    linears = [n for n, m in cm._orig_mod.named_modules() if isinstance(m, QuantLinear)]
     assert len(linears) == 2 * 4 + 1, linears
-    for name in linears:
-        assert torch.equal(mods[name].row_blocks(), blocks[name]), name
-    for name, ffn in cm.ffns().items():
-        module = name.removesuffix(".sparse_ffn")
-        order = slice(None) if ffn.order is None else ffn.order
-        assert torch.equal(ffn.row_blocks("w_up"), blocks[f"{module}.up_proj"][order])
-        assert torch.equal(ffn.row_blocks("w_gate"), blocks[f"{module}.gate_proj"][order])
+    assert sorted(_assert_keeps_file_blocks(cm, blocks)) == sorted(linears)
     ids = torch.randint(0, 49152, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         got, want, dense = zoo.logits(cm, ids), zoo.logits(ref, ids), zoo.logits(model, ids)
@@ -462,17 +463,9 @@ def test_q4_k_and_q5_0_tensors_keep_their_values_as_q4_1_and_q8_0_blocks(kind, t
     blocks = _write_gguf(dense, "llama", kind, tmp_path / "m.gguf")
     ref = _fake_quant_model(dense, fmt, gguf=True)
     cm = picompile.compile(copy.deepcopy(dense), gguf=tmp_path / "m.gguf", quiet=True)
-    mods = dict(cm._orig_mod.named_modules())
-    kept = [name for name in blocks if isinstance(mods.get(name), QuantLinear)]
+    kept = _assert_keeps_file_blocks(cm, blocks)
     assert len(kept) == 2 * 4 + 1, kept
-    for name in kept:
-        assert torch.equal(mods[name].row_blocks(), blocks[name]), name
-    for name, ffn in cm.ffns().items():
-        module = name.removesuffix(".sparse_ffn")
-        order = slice(None) if ffn.order is None else ffn.order
-        assert ffn.qformat == fmt
-        assert torch.equal(ffn.row_blocks("w_up"), blocks[f"{module}.up_proj"][order])
-        assert torch.equal(ffn.row_blocks("w_gate"), blocks[f"{module}.gate_proj"][order])
+    assert all(ffn.qformat == fmt for ffn in cm.ffns().values())
     assert any(f"{kind} tensors: written as {fmt} blocks of the same values" in n
                for n in cm.quant_notes), cm.quant_notes
     _assert_same_outputs(cm, ref)
