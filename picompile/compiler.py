@@ -203,8 +203,8 @@ def _capture(model: nn.Module, plan: Plan) -> Captured:
 
     captured, eager = capture(model, holds_block, holds_part)
     kept_eager = [Unmatched(u.name, u.reason) for u in eager]
-    rejected = [Unmatched(name, why) for name, found in detections.items()
-                for why in found.rejected]
+    rejected = [Unmatched(name or type(model).__name__, why)
+                for name, found in detections.items() for why in found.rejected]
     plan.unmatched += kept_eager + rejected
 
     graphs: dict[str, fx.GraphModule] = {}
@@ -229,7 +229,7 @@ def _capture(model: nn.Module, plan: Plan) -> Captured:
         raise ValueError(
             f"picompile found no FFN block in {type(model).__name__} ({reasons}). Supported: "
             "down(act(up x)), down(act(gate x) * up x), dReLU, fused gate_up; act in relu, silu, "
-            "gelu, gelu_tanh"
+            "gelu, gelu_tanh. Nothing here runs sparse: run the model with transformers as it is"
         )
     return Captured(model, graphs, ffns)
 
@@ -241,8 +241,10 @@ def _unsupported_kinds(model: nn.Module) -> list[str]:
     if any(type(m).__name__ == "Conv1D" for m in model.modules()):  # GPT-2's c_fc / c_proj
         out.append("its projections are GPT-2-style Conv1D layers (weights [in, out]), not "
                    "nn.Linear, which picompile does not read")
-    moe = next((f"{name}: {type(m).__name__}" for name, m in model.named_modules()
-                if any(k in type(m).__name__.lower() for k in ("moe", "experts"))), None)
+    moe = next((f"{name}: {kind}" for name, m in model.named_modules()
+                for kind in [type(m).__name__]  # not the model's own classes (GraniteMoeModel)
+                if any(k in kind.lower() for k in ("moe", "experts"))
+                and not kind.endswith(("Model", "ForCausalLM"))), None)
     if moe is not None:
         out.append(f"its FFNs are mixture-of-experts blocks ({moe}), which picompile does not "
                    "compile: only a dense model's FFN blocks (or an MoE's shared expert)")

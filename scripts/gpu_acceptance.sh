@@ -26,8 +26,12 @@
 # CUDA graph per step, host layers in C, the per-block ratio from CUDA events; since session 27
 # the host layers' neurons keep the model's order, so their FFN chunks share the 16 threads
 # evenly: compare their time per step with session 23's 20.3 ms), then what time is left:
-# tests, llama-13b-0.8, kernel-tests, quant-tests. Without carried cubins NVRTC
-# compiles the variants a part uses (seconds each).
+# kernels (27 s: since session 29 a call is 3 kernels where session 23 timed 6, the compaction
+# reading the bool mask itself and zeroing the counters, the down sums added by each column
+# slice's last block: compare its table with session 23's at 5-10%), tests, kernel-tests,
+# llama-13b-0.8, quant-tests. Should kernel-tests fail there, `git checkout b6835c8 --
+# picompile/kernels picompile/codegen/cuda.py` brings back the kernels session 23 measured.
+# Without carried cubins NVRTC compiles the variants a part uses (seconds each).
 #
 # Here, before a lent machine: `bash scripts/gpu_acceptance.sh cubins` compiles every CUDA kernel
 # variant for sm_90 with nvcc (no GPU needed) into build/cuda-cubins.tar.xz; carried along, the

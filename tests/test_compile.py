@@ -96,6 +96,31 @@ def test_refusals_name_the_ffn_picompile_does_not_compile():
         max_position_embeddings=64))
     with pytest.raises(ValueError, match="mixture-of-experts blocks .*MixtralSparseMoeBlock"):
         picompile.compile(mixtral.eval(), quiet=True)
+    # a model named so itself (GraniteMoeForCausalLM): the experts' module is named, not ""
+    granite = T.GraniteMoeForCausalLM(T.GraniteMoeConfig(
+        vocab_size=zoo.VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, num_local_experts=4,
+        max_position_embeddings=64))
+    with pytest.raises(ValueError, match=r"mixture-of-experts blocks \(model.layers.0"):
+        picompile.compile(granite.eval(), quiet=True)
+
+
+def test_an_activation_in_another_form_is_named_with_its_path():
+    """A known activation between linears but not in a pattern (BitNet's sub-norm before down,
+    here an affine norm): the refusal names the path instead of only unrelated reasons."""
+    class SubNormMLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate, self.up, self.down = nn.Linear(16, 32), nn.Linear(16, 32), nn.Linear(32, 16)
+            self.norm = nn.LayerNorm(32)
+
+        def forward(self, x):
+            return self.down(self.norm(F.silu(self.gate(x)) * self.up(x)))
+
+    with pytest.raises(ValueError, match=r"found no FFN block in SubNormMLP \(SubNormMLP: silu: the silu "
+                       r"activation is in gate -> silu -> mul -> norm -> down, not in a "
+                       r"supported form.*run the model with transformers as it is"):
+        picompile.compile(SubNormMLP().eval(), quiet=True)
 
 
 def test_gpt2_conv1d_layers_are_named_in_the_refusal():

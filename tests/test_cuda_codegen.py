@@ -115,8 +115,9 @@ def test_kernel_files_document_every_parameter():
                 assert "//" in ln, f"{kernel}: parameter without a comment: {ln.strip()}"
             if re.search(r"pi_(gate_up|down_1|down_b|pred|qlinear)", kernel):
                 assert re.search(r"\[\w+, \w+\]", params), f"{kernel}: no [rows, cols] shape comment"
-    assert n == 2 + 7 + 2 + 1 + 2  # mask bits, compaction; per dtype; per variant; rounding of
-    # x; per block format (dense linear layers)
+    # compaction (of bits, of a bool mask); per dtype; per variant; rounding of x; per block
+    # format (dense linear layers)
+    assert n == 2 + 6 + 2 + 1 + 2
 
 
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.tag)
@@ -209,9 +210,9 @@ def test_combined_source_defines_each_kernel_once():
     assert len(defined) == len(set(defined))
     expected = {n for v in VARIANTS for n in cuda.kernel_names(v).values()}
     assert set(defined) == expected
-    # 4 dtype parts x 7 kernels + mask bits + compaction + rounding + 2 gate/up kernels per
+    # 4 dtype parts x 6 kernels + 2 compactions + rounding + 2 gate/up kernels per
     # variant + 2 dense linear kernels per block format
-    assert len(defined) == 4 * 7 + 3 + 2 * len(VARIANTS) + 2 * len(cuda.QFORMATS)
+    assert len(defined) == 4 * 6 + 3 + 2 * len(VARIANTS) + 2 * len(cuda.QFORMATS)
 
 
 def test_kernel_sources_are_package_data():

@@ -447,7 +447,7 @@ def test_cuda_ffn_reuses_buffers_safely_across_calls():
 @pytest.mark.parametrize("d,n,T", [(64, 40, 1), (576, 1536, 1), (203, 333, 3), (100, 77, 8)])
 def test_given_mask_compacts_on_the_device(dtype, d, n, T):
     """The hybrid path: a predictor's bool mask [T, n] on the device -> the rows set for any
-    token (pi_mask_bits, then pi_compact, no host sync) -> the block over them. The mask is a
+    token (pi_compact_mask, no host sync) -> the block over them. The mask is a
     column slice of a wider one, as the hot part's is (rows strided)."""
     v = Variant(dtype=dtype, gated=True, drelu=False, bias=False, act="relu",
                          threshold=False)
@@ -463,6 +463,32 @@ def test_given_mask_compacts_on_the_device(dtype, d, n, T):
     ref, active = reference_given_idx(v, w, x, idx, 0.0)
     check_close(out, ref, dtype, f"mask d={d} n={n} T={T}")
     assert abs(int(n_active) - int(active.sum())) <= 2
+
+
+def test_split_down_sums_every_call_in_range_order():
+    """The down kernel's row ranges: the last block of each column slice adds the partial sums.
+    Its arrival counts are zeroed by each call's compaction, so call after call writes out (a
+    count left over would leave out unwritten), and the sum's order is fixed: the same mask
+    gives the same bits whichever block finishes last."""
+    v = Variant("float16", gated=True, drelu=False, bias=True, act="silu", threshold=False)
+    d, n, T = 1000, 4096, 2
+    w = make_block(d, n, v)
+    wd = to_dev(w)
+    ffn = cuda.CudaFFN(wd.pop("w_up"), wd.pop("w_down_t"), **wd, act="silu")
+    assert ffn.kernels.n_split(n, d, DEV.index or 0) > 1  # several ranges per column slice
+    g = torch.Generator().manual_seed(5)
+    x = make_x(T, d, "float16")
+    firsts = []
+    for density in (0.05, 0.5, 0.05, 1.0):
+        mask = torch.rand(T, n, generator=g) < density
+        out, n_active = ffn.ffn_given_mask(x.to(DEV), mask.to(DEV))
+        again, _ = ffn.ffn_given_mask(x.to(DEV), mask.to(DEV))
+        assert torch.equal(out, again), f"density {density}: two calls differ"
+        ref, active = reference_given_idx(v, w, x, mask.any(0).nonzero().flatten(), 0.0)
+        check_close(out, ref, "float16", f"density {density}")
+        assert abs(int(n_active) - int(active.sum())) <= 2
+        firsts.append(out)
+    assert not torch.equal(firsts[0], firsts[1])
 
 
 @pytest.mark.parametrize("missing", ["b_gate", "b_up"])

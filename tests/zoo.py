@@ -58,6 +58,14 @@ def hf_config(arch: str, hidden: int = 32, n_ff: int = 80, layers: int = 2):
         return T.GraniteConfig(**c, intermediate_size=n_ff, num_key_value_heads=2,
                                residual_multiplier=0.5, embedding_multiplier=2.0,
                                logits_scaling=3.0)
+    if arch == "qwen3_next":  # a linear-attention layer first (no self_attn), MoE FFNs with a
+        # shared expert
+        return T.Qwen3NextConfig(
+            **c, num_key_value_heads=2, head_dim=8, intermediate_size=n_ff,
+            moe_intermediate_size=16, shared_expert_intermediate_size=n_ff, num_experts=4,
+            num_experts_per_tok=2, linear_num_value_heads=4, linear_num_key_heads=2,
+            linear_key_head_dim=8, linear_value_head_dim=8,
+            layer_types=(["linear_attention", "full_attention"] * layers)[:layers])
     raise KeyError(arch)
 
 

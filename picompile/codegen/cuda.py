@@ -8,14 +8,19 @@ w_down_t and of the predictor's p2 live on the GPU. Per call (T <= 8 tokens) the
                  logits = p2 z + pb2, fire iff logit > tau (any token)       pi_pred_mask_*
                  -> a bitmask, one uint32 word per 32 hot neurons
   2. compaction  bitmask -> dense ascending int32 index list + count         pi_compact
-                 (one block, ballot/popc + block prefix sum: deterministic order)
+                 (or a bool mask [T, n], any token on)                       pi_compact_mask
+                 (one block, ballot/popc + block prefix sum: deterministic order; it also
+                 zeroes the counters the next two kernels add to, saving their launches)
   3. gate / up   one warp per listed row, 16-byte loads, fp32 accumulation,  pi_gate_up_*
                  the activation fused, the ReLU zero-gate skip (the up row is then never read),
                  the |h| > threshold test; h [T, cap] fp32
   4. down        out[t] = sum_i h[t, i] * w_down_t[idx[i]] (+ b_down)        pi_down_*
                  race-free: each block owns a slice of d and a contiguous range of the list; with
-                 more than one range per slice, per-range partials are summed by
-                 pi_down_reduce_* in a fixed order (deterministic, no atomics on out).
+                 more than one range per slice, the slice's last block to finish sums the
+                 per-range partials in range order (deterministic, no atomics on out).
+
+In a CUDA graph each kernel costs a few microseconds whatever it reads, which at 5-10% of the rows
+is most of a call: hence the compaction and the down sums inside their neighbours' launches.
 
 Small batches (T = 2..8) use the union of the per-token predictions: a row is listed when any
 token fires, it is loaded once for all T tokens, and h is computed for every token on it (the
@@ -102,7 +107,6 @@ _Q_DOWN_VEC = 8  # PiQRows::VEC: down columns per thread
 # Block sizes; the kernels' __launch_bounds__ (ffn_cuda.cuh's PI_* macros) use the same numbers.
 _WARPS_PER_BLOCK = 8  # pred_hidden, pred_mask, gate_up: 256 threads
 _DOWN_THREADS = 128
-_REDUCE_THREADS = 256
 _COMPACT_THREADS = 1024
 _MAX_SPLIT = 64  # down: at most this many row ranges (partials) per column slice
 
@@ -165,12 +169,11 @@ def kernel_names(v: Variant) -> dict[str, str]:
         "pred_mask_1": f"pi_pred_mask_1_{dt}",
         "pred_mask_b": f"pi_pred_mask_b_{dt}",
         "compact": "pi_compact",
-        "mask_bits": "pi_mask_bits",
+        "compact_mask": "pi_compact_mask",
         "gate_up_1": f"pi_gate_up_1_{v.tag}",
         "gate_up_b": f"pi_gate_up_b_{v.tag}",
         "down_1": f"pi_down_1_{dt}",
         "down_b": f"pi_down_b_{dt}",
-        "down_reduce": f"pi_down_reduce_{dt}",
         **quantized,
     }
 
@@ -464,18 +467,20 @@ class CudaKernels:
                       _i32(n_hot), _i32(vec)),
                      shared_mem=smem)
 
-    def mask_bits(self, mask, bits) -> None:
-        """mask [T, n] bool (rows may be strided, columns contiguous) -> bits [ceil(n / 32)]."""
-        T, n = mask.shape
-        n_words = math.ceil(n / 32)
-        blocks = max(1, min(math.ceil(n_words / 256), 8 * self._sms(mask)))
-        self._launch("mask_bits", (blocks,), (256,),
-                     (_ptr(mask), _i32(T), _i32(n), _i32(mask.stride(0)), _ptr(bits)))
-
-    def compact(self, mask, n_words: int, idx, count) -> None:
-        """mask [n_words] -> idx [32 n_words] (ascending; `count` of them), count [1]."""
+    def compact(self, mask, n_words: int, idx, count, counters) -> None:
+        """mask [n_words] bits -> idx [32 n_words] (ascending; `count` of them), count [1];
+        counters [k] int32 zeroed (what gate_up and down add to)."""
         self._launch("compact", (1,), (_COMPACT_THREADS,),
-                     (_ptr(mask), _i32(n_words), _ptr(idx), _ptr(count)))
+                     (_ptr(mask), _i32(n_words), _ptr(idx), _ptr(count), _ptr(counters),
+                      _i32(counters.numel())))
+
+    def compact_mask(self, mask, idx, count, counters) -> None:
+        """mask [T, n] bool (rows may be strided, columns contiguous) -> idx [n], the neurons on
+        for any token (ascending; `count` of them), count [1]; counters zeroed, as compact."""
+        T, n = mask.shape
+        self._launch("compact_mask", (1,), (_COMPACT_THREADS,),
+                     (_ptr(mask), _i32(T), _i32(n), _i32(mask.stride(0)), _ptr(idx), _ptr(count),
+                      _ptr(counters), _i32(counters.numel())))
 
     def gate_up(self, x, w_gate, w_up, b_gate, b_up, idx, count, cap: int, threshold: float,
                 h, n_active) -> None:
@@ -512,33 +517,34 @@ class CudaKernels:
                      (_ptr(w), _ptr(xr), _ptr(bias), _ptr(y), _i32(T), _i32(k), _i32(o),
                       _i32(vec)))
 
+    def down_slices(self, d: int) -> int:
+        """Column slices of the down kernel's grid (its `arrive` counters)."""
+        return math.ceil(d / (_DOWN_THREADS * self.down_vec))
+
     def n_split(self, cap: int, d: int, device_index: int) -> int:
-        """Row ranges per column slice of the down projection (1: no partials / reduction)."""
-        col_blocks = math.ceil(d / (_DOWN_THREADS * self.down_vec))
-        want = math.ceil(2 * _sm_count(device_index) / col_blocks)
+        """Row ranges per column slice of the down projection (1: no partial sums); with
+        several, each slice's last block to finish adds theirs up."""
+        want = math.ceil(2 * _sm_count(device_index) / self.down_slices(d))
         return max(1, min(_MAX_SPLIT, cap // 32, want))
 
-    def down(self, h, cap: int, idx, count, w_down_t, b_down, out, accumulate: bool) -> None:
-        """out [T, d] (+)= h [T, cap] over rows idx[:count] of w_down_t (+ b_down)."""
+    def down(self, h, cap: int, idx, count, w_down_t, b_down, out, accumulate: bool,
+             arrive) -> None:
+        """out [T, d] (+)= h [T, cap] over rows idx[:count] of w_down_t (+ b_down). arrive
+        [down_slices(d)] int32 zeros, counted up by the blocks."""
         import torch
 
         T, d = out.shape
         vec = int(d % self.down_vec == 0 and _aligned16(w_down_t))
-        col_blocks = math.ceil(d / (_DOWN_THREADS * self.down_vec))
-        n_split = self.n_split(cap, d, out.device.index)
+        col_blocks, n_split = self.down_slices(d), self.n_split(cap, d, out.device.index)
         partial = None
         if n_split > 1:
             partial = torch.empty(n_split * T * d, dtype=torch.float32, device=out.device)
         self._launch("down_1" if T == 1 else "down_b", (col_blocks, n_split), (_DOWN_THREADS,),
                      (_ptr(h), _i32(cap), _ptr(idx), _ptr(count), _ptr(w_down_t), _ptr(b_down),
-                      _ptr(out), _ptr(partial), _i32(T), _i32(d), _i32(vec), _i32(int(accumulate))))
-        if n_split > 1:
-            blocks = max(1, min(math.ceil(T * d / _REDUCE_THREADS), 8 * self._sms(out)))
-            self._launch("down_reduce", (blocks,), (_REDUCE_THREADS,),
-                         (_ptr(partial), _ptr(b_down), _ptr(out), _i32(T), _i32(d), _i32(n_split),
-                          _i32(int(accumulate))))
+                      _ptr(out), _ptr(partial), _ptr(arrive), _i32(T), _i32(d), _i32(vec),
+                      _i32(int(accumulate))))
         # `partial` is freed to torch's caching allocator on this (the current) stream: reuse by a
-        # later allocation on the same stream is ordered after these kernels.
+        # later allocation on the same stream is ordered after the kernel.
 
 
 # ------------------------------------------------------------------------------------------------
@@ -768,25 +774,38 @@ class CudaFFN:
             raise ValueError("this CudaFFN has no predictor (p1, pb1, p2, pb2)")
         x = self._x(x)
         with torch_stream(self.device):
-            return self._predict(x)
+            return self._predict(x, self._counters())
 
-    def _predict(self, x):
+    def _counters(self, zeroed: bool = False):
+        """-> int32 [1 + column slices] on the device: n_active, then the down kernel's arrivals
+        per column slice. Zeroed by the compaction kernel that runs first, else here."""
+        import torch
+
+        n = 1 + self.kernels.down_slices(self.d)
+        make = torch.zeros if zeroed else torch.empty
+        return make(n, dtype=torch.int32, device=self.device)
+
+    def _predict(self, x, counters):
+        """-> (idx, count) of the predicted rows; counters zeroed."""
         import torch
 
         T = x.shape[0]
         r = self.p1.shape[0]
         n_words = max(1, math.ceil(self.n_rows / 32))
         z = torch.empty(T, r, dtype=torch.float32, device=self.device)
-        mask = torch.zeros(n_words, dtype=torch.int32, device=self.device)
+        run = self.n_rows > 0 and r > 0  # the predictor then writes every word of the mask
+        mask = (torch.empty if run else torch.zeros)(n_words, dtype=torch.int32,
+                                                     device=self.device)
         idx = torch.empty(max(1, self.n_rows), dtype=torch.int32, device=self.device)
         count = torch.empty(1, dtype=torch.int32, device=self.device)
-        if self.n_rows > 0 and r > 0:
+        if run:
             self.kernels.pred_hidden(x, self.p1, self.pb1, z)
             self.kernels.pred_mask(z, T, self.p2, self.pb2, self.tau, mask)
-        self.kernels.compact(mask, n_words, idx, count)
+        self.kernels.compact(mask, n_words, idx, count, counters)
         return idx, count
 
-    def _run(self, x, idx, count, cap, out, accumulate):
+    def _run(self, x, idx, count, cap, out, accumulate, counters):
+        """gate / up, then down, over rows idx[:count] (count <= cap); counters zeroed."""
         import torch
 
         T = x.shape[0]
@@ -795,10 +814,11 @@ class CudaFFN:
             self.kernels.round_x(x, xr, self.variant.dtype)
             x = xr
         h = torch.empty(T, max(1, cap), dtype=torch.float32, device=self.device)
-        n_active = torch.zeros((), dtype=torch.int32, device=self.device)
+        n_active, arrive = counters[0], counters[1:]
         self.kernels.gate_up(x, self.w_gate, self.w_up, self.b_gate, self.b_up, idx, count,
                              max(1, cap), self.threshold, h, n_active)
-        self.kernels.down(h, max(1, cap), idx, count, self.w_down_t, self.b_down, out, accumulate)
+        self.kernels.down(h, max(1, cap), idx, count, self.w_down_t, self.b_down, out, accumulate,
+                          arrive)
         return out, n_active
 
     # -- entry points ----------------------------------------------------------------------------
@@ -810,9 +830,10 @@ class CudaFFN:
         x = self._x(x)
         out = self._out(out, x.shape[0])
         with torch_stream(self.device):
-            idx, count = self._predict(x)
+            counters = self._counters()
+            idx, count = self._predict(x, counters)
             self.last_idx, self.last_count = idx, count
-            return self._run(x, idx, count, self.n_rows, out, accumulate)
+            return self._run(x, idx, count, self.n_rows, out, accumulate, counters)
 
     def ffn_given_mask(self, x, mask, *, out=None, accumulate: bool = False):
         """x [T, d], mask [T, n_rows] bool on the device (a predictor's decision) -> (out,
@@ -828,16 +849,11 @@ class CudaFFN:
         if mask.stride(1) != 1:
             mask = mask.contiguous()
         with torch_stream(self.device):
-            words = torch.empty(max(1, math.ceil(self.n_rows / 32)), dtype=torch.int32,
-                                device=self.device)
-            if self.n_rows:
-                self.kernels.mask_bits(mask, words)
-            else:
-                words.zero_()
             idx = torch.empty(max(1, self.n_rows), dtype=torch.int32, device=self.device)
             count = torch.empty(1, dtype=torch.int32, device=self.device)
-            self.kernels.compact(words, words.numel(), idx, count)
-            return self._run(x, idx, count, self.n_rows, out, accumulate)
+            counters = self._counters()
+            self.kernels.compact_mask(mask, idx, count, counters)
+            return self._run(x, idx, count, self.n_rows, out, accumulate, counters)
 
     def ffn_given_idx(self, x, idx, *, out=None, accumulate: bool = False):
         """x [T, d], idx [m] rows (any order, int32 or int64, on the device) -> (out, n_active);
@@ -850,7 +866,7 @@ class CudaFFN:
         m = idx.numel()
         with torch_stream(self.device):
             count = torch.full((1,), m, dtype=torch.int32, device=self.device)
-            return self._run(x, idx, count, m, out, accumulate)
+            return self._run(x, idx, count, m, out, accumulate, self._counters(zeroed=True))
 
 
 def hot_ffn(x, w_up, w_down_t, *, w_gate=None, b_gate=None, b_up=None, b_down=None,

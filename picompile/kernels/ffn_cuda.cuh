@@ -18,7 +18,6 @@
 #define PI_FULL 0xffffffffu
 #define PI_WARPS_PER_BLOCK 8      // pred_hidden, pred_mask, gate_up: 256 threads
 #define PI_DOWN_THREADS 128       // down: threads per block, one tile of the index list each
-#define PI_REDUCE_THREADS 256
 #define PI_COMPACT_THREADS 1024
 #define PI_MAXT 8                 // small-batch path: at most 8 tokens per call
 
@@ -219,45 +218,46 @@ __device__ __forceinline__ void pi_pred_mask_body(
   }
 }
 
-// ---- 2a. mask -> bitmask: a predictor's bool mask [T, n] (one byte each, rows `stride` bytes
-// apart) -> bits [ceil(n / 32)], bit b of word w set when neuron 32 w + b is on for any token.
-// One thread per word: the hybrid runtime's mask from PyTorch, in one launch, no host sync.
-extern "C" __global__ void __launch_bounds__(256) pi_mask_bits(
-    const unsigned char* __restrict__ mask,  // [T, stride] bool, n used per row
-    int T,                                   //            tokens
-    int n,                                   //            neurons
-    int stride,                              //            bytes between rows (>= n)
-    unsigned* __restrict__ bits)             // [ceil(n / 32)] out
-{
-  const int n_words = (n + PI_WARP - 1) / PI_WARP;
-  for (int w = blockIdx.x * blockDim.x + threadIdx.x; w < n_words; w += gridDim.x * blockDim.x) {
+// ---- 2. compaction: the firing neurons -> idx (ascending neuron ids) + count. ----
+// Word w of the firing bitmask (bit b set when neuron 32 w + b fires), from one of two sources:
+// a predictor's bits, or a bool mask [T, n] (any token on: the hybrid runtime's mask from
+// PyTorch, compacted here without a separate bitmask kernel or a host sync).
+struct PiMaskWords {
+  const unsigned* bits;  // [n_words]
+  __device__ __forceinline__ unsigned operator()(int w) const { return bits[w]; }
+};
+
+struct PiMaskBytes {
+  const unsigned char* mask;  // [T, stride] bool, n used per row
+  int T, n, stride;
+  __device__ __forceinline__ unsigned operator()(int w) const {
     unsigned word = 0u;
+    const int in_word = min(PI_WARP, n - w * PI_WARP);
     for (int t = 0; t < T; ++t) {
       const unsigned char* row = mask + (size_t)t * stride + (size_t)w * PI_WARP;
-      const int in_word = min(PI_WARP, n - w * PI_WARP);
       for (int b = 0; b < in_word; ++b) word |= (row[b] != 0 ? 1u : 0u) << b;
     }
-    bits[w] = word;
+    return word;
   }
-}
+};
 
-// ---- 2. compaction: bitmask [n_words] -> idx (ascending neuron ids) + count. ----
 // One block of PI_COMPACT_THREADS threads, one mask word per thread per pass: popc, a warp
 // scan (__shfl_up_sync), a scan of the warp totals, then each thread writes its word's bits.
-extern "C" __global__ void __launch_bounds__(PI_COMPACT_THREADS) pi_compact(
-    const unsigned* __restrict__ mask,  // [n_words]  bit b of word w: neuron 32 w + b fires
-    int n_words,                        //            = ceil(n_hot / 32)
-    int* __restrict__ idx,              // [n_hot]    out: the firing neurons, ascending
-    int* __restrict__ count)            // [1]        out: how many
-{
+// It also zeroes the counters the next kernels add to (n_active, the down kernel's arrivals),
+// which saves their own launches: the kernels of one stream run in order.
+template <class Words>
+__device__ __forceinline__ void pi_compact_body(Words words, int n_words, int* __restrict__ idx,
+                                                int* __restrict__ count,
+                                                int* __restrict__ counters, int n_counters) {
   __shared__ int warp_off[PI_COMPACT_THREADS / PI_WARP];
   __shared__ int pass_total;
   const int tid = threadIdx.x, lane = tid & (PI_WARP - 1), wid = tid / PI_WARP;
   const int n_warps = blockDim.x / PI_WARP;
+  for (int e = tid; e < n_counters; e += blockDim.x) counters[e] = 0;
   int base = 0;
   for (int start = 0; start < n_words; start += blockDim.x) {
     const int w = start + tid;
-    const unsigned bits = w < n_words ? mask[w] : 0u;
+    const unsigned bits = w < n_words ? words(w) : 0u;
     const int c = __popc(bits);
     int incl = c;  // inclusive scan of c over the warp
 #pragma unroll
@@ -285,6 +285,33 @@ extern "C" __global__ void __launch_bounds__(PI_COMPACT_THREADS) pi_compact(
     __syncthreads();  // warp_off / pass_total are rewritten by the next pass
   }
   if (tid == 0) *count = base;
+}
+
+// 2a. from a predictor's bitmask
+extern "C" __global__ void __launch_bounds__(PI_COMPACT_THREADS) pi_compact(
+    const unsigned* __restrict__ mask,  // [n_words]    bit b of word w: neuron 32 w + b fires
+    int n_words,                        //              = ceil(n_hot / 32)
+    int* __restrict__ idx,              // [n_hot]      out: the firing neurons, ascending
+    int* __restrict__ count,            // [1]          out: how many
+    int* __restrict__ counters,         // [n_counters] out: zeros
+    int n_counters)                     //              counters to zero
+{
+  pi_compact_body(PiMaskWords{mask}, n_words, idx, count, counters, n_counters);
+}
+
+// 2b. from a bool mask, a neuron firing when it is on for any token
+extern "C" __global__ void __launch_bounds__(PI_COMPACT_THREADS) pi_compact_mask(
+    const unsigned char* __restrict__ mask,  // [T, stride]   bool, n used per row
+    int T,                                   //               tokens
+    int n,                                   //               neurons
+    int stride,                              //               bytes between rows (>= n)
+    int* __restrict__ idx,                   // [n]           out: the firing neurons, ascending
+    int* __restrict__ count,                 // [1]           out: how many
+    int* __restrict__ counters,              // [n_counters]  out: zeros
+    int n_counters)                          //               counters to zero
+{
+  pi_compact_body(PiMaskBytes{mask, T, n, stride}, (n + PI_WARP - 1) / PI_WARP, idx, count,
+                  counters, n_counters);
 }
 
 // ---- 3. gate / up GEMV over the listed rows, activation fused; one warp per listed row. ----
@@ -355,14 +382,17 @@ __device__ __forceinline__ void pi_gate_up_body(
 // thread, one 16-byte load per float row) and one contiguous range of the list, walked in tiles of
 // PI_DOWN_THREADS entries: the tile's idx / h are staged in shared memory, keeping only rows with
 // a nonzero h for some token (ballot, order kept), so the row loads of the inner loop depend on
-// nothing but shared memory and pipeline. One range: the block writes out itself; several: it
-// writes its partial sums and pi_down_reduce adds them up in range order. No atomics, no races.
+// nothing but shared memory and pipeline. One range: the block writes out itself. Several: each
+// writes its partial sums, and the last block of a column slice to finish (a count of arrivals,
+// zeroed beforehand) adds them up in range order and writes out: no atomics on the sums, no
+// race, the same sum whichever block comes last, and no launch of a reduction kernel.
 template <class R, class F, int MAXT>
 __device__ __forceinline__ void pi_down_body(
     const float* __restrict__ h, int h_stride, const int* __restrict__ idx,
     const int* __restrict__ count, const typename R::elem* __restrict__ w_down_t,
     const typename F::elem* __restrict__ b_down, float* __restrict__ out,
-    float* __restrict__ partial, int T, int d, int vec, int accumulate) {
+    float* __restrict__ partial, int* __restrict__ arrive, int T, int d, int vec,
+    int accumulate) {
   __shared__ int s_row[PI_DOWN_THREADS];
   __shared__ float s_h[MAXT][PI_DOWN_THREADS];
   __shared__ int s_warp[PI_DOWN_THREADS / PI_WARP];
@@ -443,6 +473,40 @@ __device__ __forceinline__ void pi_down_body(
     __syncthreads();  // s_row / s_h / s_warp are rewritten by the next tile
   }
 
+  const int n_split = gridDim.y;
+  if (n_split > 1) {
+    __shared__ int s_last;
+    if (has_cols) {
+#pragma unroll
+      for (int t = 0; t < MAXT; ++t)
+#pragma unroll
+        for (int k = 0; k < R::VEC; ++k)
+          if (t < T && col0 + k < d)
+            partial[((size_t)blockIdx.y * T + t) * d + col0 + k] = acc[t][k];
+    }
+    __threadfence();  // the partial sums reach the device's memory before the block counts in
+    __syncthreads();
+    if (tid == 0) s_last = atomicAdd(arrive + blockIdx.x, 1) == n_split - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    // the last block of the slice: acc = the ranges' partial sums, added in range order (L2
+    // loads: the other blocks' writes are not in this SM's L1)
+    if (has_cols) {
+#pragma unroll
+      for (int t = 0; t < MAXT; ++t)
+#pragma unroll
+        for (int k = 0; k < R::VEC; ++k) acc[t][k] = 0.0f;
+      for (int s = 0; s < n_split; ++s) {
+#pragma unroll
+        for (int t = 0; t < MAXT; ++t)
+#pragma unroll
+          for (int k = 0; k < R::VEC; ++k)
+            if (t < T && col0 + k < d)
+              acc[t][k] += __ldcg(partial + ((size_t)s * T + t) * d + col0 + k);
+      }
+    }
+  }
   if (!has_cols) return;
 #pragma unroll
   for (int t = 0; t < MAXT; ++t) {
@@ -451,32 +515,13 @@ __device__ __forceinline__ void pi_down_body(
       for (int k = 0; k < R::VEC; ++k) {
         const int c = col0 + k;
         if (c < d) {
-          if (gridDim.y == 1) {
-            float v = acc[t][k];
-            if (b_down != 0) v += F::widen(__ldg(b_down + c));
-            if (accumulate) v += out[(size_t)t * d + c];
-            out[(size_t)t * d + c] = v;
-          } else {
-            partial[((size_t)blockIdx.y * T + t) * d + c] = acc[t][k];
-          }
+          float v = acc[t][k];
+          if (b_down != 0) v += F::widen(__ldg(b_down + c));
+          if (accumulate) v += out[(size_t)t * d + c];
+          out[(size_t)t * d + c] = v;
         }
       }
     }
-  }
-}
-
-// out[t, c] = sum over ranges s (in order) of partial[s, t, c]  (+ b_down[c]) (+ old out[t, c])
-template <class F>
-__device__ __forceinline__ void pi_down_reduce_body(
-    const float* __restrict__ partial, const typename F::elem* __restrict__ b_down,
-    float* __restrict__ out, int T, int d, int n_split, int accumulate) {
-  const int n = T * d;
-  for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < n; e += gridDim.x * blockDim.x) {
-    float v = 0.0f;
-    for (int s = 0; s < n_split; ++s) v += partial[(size_t)s * n + e];
-    if (b_down != 0) v += F::widen(__ldg(b_down + e % d));
-    if (accumulate) v += out[e];
-    out[e] = v;
   }
 }
 

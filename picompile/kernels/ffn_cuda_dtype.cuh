@@ -68,7 +68,7 @@ PI_CAT(pi_pred_mask_b_, PI_DT)(
 }
 
 // 4. down projection over the listed rows. Grid (ceil(d / (PI_DOWN_THREADS * PI_ROWS::VEC)),
-//    n_split).
+//    n_split): with several row ranges, the last block of each column slice writes out.
 extern "C" __global__ void __launch_bounds__(PI_DOWN_THREADS)
 PI_CAT(pi_down_1_, PI_DT)(
     const float* __restrict__ h,                // [1, h_stride]  h of listed row i at [0, i], fp32
@@ -77,15 +77,16 @@ PI_CAT(pi_down_1_, PI_DT)(
     const int* __restrict__ count,              // [1]            list length (device)
     const PI_ROWS::elem* __restrict__ w_down_t, // [n_rows, d]    down weights, one row per neuron
     const PI_FMT::elem* __restrict__ b_down,    // [d] or null
-    float* __restrict__ out,                    // [1, d]         out (n_split == 1), fp32
+    float* __restrict__ out,                    // [1, d]         out, fp32
     float* __restrict__ partial,                // [n_split, 1, d] partial sums (n_split > 1)
+    int* __restrict__ arrive,                   // [column slices] zeros (n_split > 1): arrivals
     int T,                                      //                1
     int d,                                      //                model width
     int vec,                                    //                1: 16-byte loads (d % VEC == 0)
     int accumulate)                             //                1: out += ..., 0: out = ...
 {
-  pi_down_body<PI_ROWS, PI_FMT, 1>(h, h_stride, idx, count, w_down_t, b_down, out, partial, 1, d, vec,
-                          accumulate);
+  pi_down_body<PI_ROWS, PI_FMT, 1>(h, h_stride, idx, count, w_down_t, b_down, out, partial,
+                                   arrive, 1, d, vec, accumulate);
 }
 
 extern "C" __global__ void __launch_bounds__(PI_DOWN_THREADS)
@@ -96,28 +97,16 @@ PI_CAT(pi_down_b_, PI_DT)(
     const int* __restrict__ count,              // [1]            list length (device)
     const PI_ROWS::elem* __restrict__ w_down_t, // [n_rows, d]    down weights, one row per neuron
     const PI_FMT::elem* __restrict__ b_down,    // [d] or null
-    float* __restrict__ out,                    // [T, d]         out (n_split == 1), fp32
+    float* __restrict__ out,                    // [T, d]         out, fp32
     float* __restrict__ partial,                // [n_split, T, d] partial sums (n_split > 1)
+    int* __restrict__ arrive,                   // [column slices] zeros (n_split > 1): arrivals
     int T,                                      //                tokens, 1..8
     int d,                                      //                model width
     int vec,                                    //                1: 16-byte loads (d % VEC == 0)
     int accumulate)                             //                1: out += ..., 0: out = ...
 {
-  pi_down_body<PI_ROWS, PI_FMT, PI_MAXT>(h, h_stride, idx, count, w_down_t, b_down, out, partial, T, d,
-                                vec, accumulate);
-}
-
-extern "C" __global__ void __launch_bounds__(PI_REDUCE_THREADS)
-PI_CAT(pi_down_reduce_, PI_DT)(
-    const float* __restrict__ partial,        // [n_split, T, d] from pi_down_*
-    const PI_FMT::elem* __restrict__ b_down,  // [d] or null
-    float* __restrict__ out,                  // [T, d]          out, fp32
-    int T,                                    //                 tokens, 1..8
-    int d,                                    //                 model width
-    int n_split,                              //                 row ranges
-    int accumulate)                           //                 1: out += ..., 0: out = ...
-{
-  pi_down_reduce_body<PI_FMT>(partial, b_down, out, T, d, n_split, accumulate);
+  pi_down_body<PI_ROWS, PI_FMT, PI_MAXT>(h, h_stride, idx, count, w_down_t, b_down, out,
+                                         partial, arrive, T, d, vec, accumulate);
 }
 
 #undef PI_DT

@@ -222,7 +222,43 @@ def detect(gm: fx.GraphModule) -> Detection:
             matches.append(match)
             taken |= set(m.values())
     rejected += _unsupported_activations(gm, g, taken)
+    rejected += _activations_in_other_forms(gm, g, taken)
     return Detection(matches, sorted(set(rejected)))
+
+
+def _activations_in_other_forms(gm: fx.GraphModule, g: nx.DiGraph, taken: set[fx.Node],
+                                hops: int = 8) -> list[str]:
+    """A known activation between linear layers but in no pattern (a norm, a scale or a third
+    operand in between: BitNet's sub-norm, Falcon-H1's multipliers): name the path from the
+    nearest linear before it to the nearest one after, so the reason is not left unsaid."""
+    def nearest_linear(start, step) -> list[fx.Node] | None:
+        paths, seen = [[start]], {start}
+        for _ in range(hops):
+            grown = []
+            for path in paths:
+                for nxt in step(path[-1]):
+                    if nxt in seen:
+                        continue
+                    if g.nodes[nxt]["label"] == "linear":
+                        return path + [nxt]
+                    seen.add(nxt)
+                    grown.append(path + [nxt])
+            paths = grown
+        return None
+
+    out = []
+    for node in g.nodes:
+        if node in taken or not g.nodes[node]["label"].startswith("act:"):
+            continue
+        before = nearest_linear(node, g.predecessors)
+        after = nearest_linear(node, g.successors)
+        if before is None or after is None:
+            continue
+        path = " -> ".join(str(n.target if n.op == "call_module" else n.name)
+                           for n in before[::-1] + after[1:])
+        act = g.nodes[node]["label"].removeprefix("act:")
+        out.append(f"{node.name}: the {act} activation is in {path}, not in a supported form")
+    return out
 
 
 def _unsupported_activations(gm: fx.GraphModule, g: nx.DiGraph, taken: set[fx.Node]) -> list[str]:

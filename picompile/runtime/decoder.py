@@ -290,7 +290,10 @@ class Stack:
             self.learned_positions = table.weight.detach()[getattr(table, "offset", 0):]
             self.max_positions = len(self.learned_positions)
 
-        attn0 = layers[0].self_attn
+        attn0 = getattr(layers[0], "self_attn", None)
+        if attn0 is None:  # e.g. Qwen3-Next's first layers: linear attention
+            raise Unsupported(f"{fam.stack}.layers.0 ({type(layers[0]).__name__}) has no "
+                              "self_attn")
         self.head_dim = int(getattr(attn0, "head_dim", 0))
         self.scale = getattr(attn0, "scaling", None)
         self.n_heads = int(getattr(config, "num_attention_heads", 0))
