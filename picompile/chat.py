@@ -17,7 +17,8 @@ that starts with a slash and has more words is sent). Ctrl-C while the model ans
 answer; what it wrote stays in the conversation. Standard input that is not a terminal is read
 line by line, each a message, with no prompt shown, so a script can pipe messages in; each answer
 ends with a blank line. A message that cannot be answered (longer than the context, refused by
-the chat template) gets an error line on stderr even with quiet, and run() counts them.
+the chat template, an unknown command) gets an error line on stderr even with quiet, and run()
+counts them.
 """
 
 from __future__ import annotations

@@ -23,14 +23,15 @@ import traceback
 
 import torch
 
+from picompile.config import KERNEL_MAX_TOKENS
 from picompile.options import check_dtype
 from picompile.plan import PREDICTOR_POLICIES, QUANT_FORMATS
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in two sentences."
-PROMPT_LOOKUP_HELP = ("prompt lookup decoding: guess up to N (at most 7) next tokens a step from "
-                      "the text so far and check them in one step of the decoder; the same "
-                      "tokens, faster where a reply repeats its prompt or itself (0: off; "
-                      "default {default})")
+PROMPT_LOOKUP_HELP = (f"prompt lookup decoding: guess up to N (at most {KERNEL_MAX_TOKENS - 1}) "
+                      "next tokens a step from the text so far and check them in one step of "
+                      "the decoder; the same tokens, faster where a reply repeats its prompt or "
+                      "itself (0: off; default {default})")
 # compile's choices on the command line, where not given; a saved plan (--plan) fixes them
 COMPILE_DEFAULTS = {"sparsity": 0.5, "mode": "exact", "predictors": "auto", "gpu_budget": None,
                     "calibration_tokens": 16384, "gptq": True}
@@ -112,6 +113,9 @@ def _number(kind: type, ok, want: str):
 
 _positive_int = _number(int, lambda v: v >= 1, "a positive integer")
 _non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
+# a decoder step takes the token and at most KERNEL_MAX_TOKENS - 1 guesses after it
+_lookup = _number(int, lambda v: 0 <= v < KERNEL_MAX_TOKENS,
+                  f"an integer from 0 to {KERNEL_MAX_TOKENS - 1}")
 _last_n = _number(int, lambda v: v >= -1, "an integer >= -1 (-1: all)")
 _sparsity = _number(float, lambda v: 0 <= v < 1, "a number in [0, 1), e.g. 0.5")
 _temperature = _number(float, lambda v: 0 <= v < math.inf, "a number >= 0 (0: greedy)")
@@ -442,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--max-new-tokens", type=_positive_int, default=64,
                      help="tokens to generate, greedy (default 64)")
     run.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
-    run.add_argument("--prompt-lookup", metavar="N", type=_non_negative_int, default=0,
+    run.add_argument("--prompt-lookup", metavar="N", type=_lookup, default=0,
                      help=PROMPT_LOOKUP_HELP.format(default="0 here: the timed decode runs a "
                                                             "token a step"))
     chat = sub.choices["chat"]
@@ -469,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
                            "-1: the whole conversation)")
     chat.add_argument("--seed", type=int, default=None, help="seed for sampling")
     chat.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
-    chat.add_argument("--prompt-lookup", metavar="N", type=_non_negative_int, default=7,
+    chat.add_argument("--prompt-lookup", metavar="N", type=_lookup, default=7,
                       help=PROMPT_LOOKUP_HELP.format(default=7))
     report = sub.choices["report"]
     report.add_argument("--output", type=_report_output, default="report.html",
@@ -507,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="web origins (e.g. http://localhost:3000, or '*' for any) whose "
                             "pages may call the API from a browser (default: none)")
     serve.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
-    serve.add_argument("--prompt-lookup", metavar="N", type=_non_negative_int, default=7,
+    serve.add_argument("--prompt-lookup", metavar="N", type=_lookup, default=7,
                        help=PROMPT_LOOKUP_HELP.format(default=7))
     # Every argument is checked here, before minutes of loading and compiling; argparse prints
     # the usage and one error line. The exit code is returned, as for every other error.

@@ -62,6 +62,7 @@ def no_loading(monkeypatch):
     (["chat", "--repeat-penalty", "0"], ["--repeat-penalty", "> 0"]),
     (["chat", "--repeat-last-n", "-2"], ["--repeat-last-n", ">= -1"]),
     (["chat", "--max-new-tokens", "0"], ["--max-new-tokens", "positive integer"]),
+    (["serve", "--prompt-lookup", "8"], ["--prompt-lookup", "from 0 to 7", "'8'"]),
     (["explain", "--plan", "/nonexistent/plan"],
      ["--plan", "/nonexistent/plan", "no such directory"]),
 ])

@@ -270,7 +270,9 @@ def test_frequency_presence_penalty_counts_the_reply_only():
 
 
 @pytest.mark.parametrize("kw", [dict(repetition_penalty=0.0), dict(repetition_penalty=2),
-                                dict(do_sample=True, top_k=-1), dict(do_sample=True, min_p=1.5)])
+                                dict(do_sample=True, top_k=-1), dict(do_sample=True, min_p=1.5),
+                                dict(do_sample=True, top_k=1.5), dict(min_new_tokens=2.5),
+                                dict(max_new_token=5)])
 def test_values_hf_refuses_are_left_to_hfs_error(llama, kw):
     ids = _prompt(5, 67)[None]
     reason = supported(llama, dict(input_ids=ids, max_new_tokens=3, **kw))
@@ -328,7 +330,7 @@ def test_hf_arguments_and_generation_config_defaults(llama):
     (dict(do_sample=True, num_return_sequences=2), "num_return_sequences"),
     (dict(no_repeat_ngram_size=2), "no_repeat_ngram_size"),
     (dict(stop_strings=["x"]), "stop_strings"),
-    (dict(token_type_ids=torch.zeros(1, 4, dtype=torch.long)), "token_type_ids"),
+    (dict(position_ids=torch.arange(4)[None]), "position_ids"),  # (token_type_ids: HF refuses)
 ])
 def test_unsupported_arguments_are_named(llama, kw, name):
     ids = torch.ones(1, 4, dtype=torch.long)
@@ -353,7 +355,19 @@ def test_a_call_hf_refuses_gets_hfs_error_without_a_note_and_an_empty_prompt_is_
     ids = torch.ones(1, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="max_new_tokens"):
         cm.generate(ids, max_new_tokens=0)
+    with pytest.raises(ValueError, match="max_length"):  # <= the prompt
+        cm.generate(ids, max_length=3)
+    with pytest.raises(ValueError, match="max_new_token"):  # a typo
+        cm.generate(ids, max_new_token=3)
+    with pytest.raises(RuntimeError, match="Long, Int"):  # ids as floats
+        cm.generate(ids.float(), max_new_tokens=3)
     assert "picompile's loop does not handle" not in capsys.readouterr().err
+    # what HF takes as well as ints (5.0 new tokens, a float or tensor EOS id) runs as in HF
+    ref = cm._orig_mod
+    for kw in (dict(max_new_tokens=5.0), dict(max_new_tokens=5, eos_token_id=2.0),
+               dict(max_new_tokens=5, eos_token_id=torch.tensor([2]))):
+        torch.testing.assert_close(cm.generate(ids, **kw), ref.generate(ids, **kw), rtol=0,
+                                   atol=0)
     with pytest.raises(ValueError, match=r"\(1, 0\) has no tokens"):
         cm.generate(torch.ones(1, 0, dtype=torch.long), max_new_tokens=3)
 

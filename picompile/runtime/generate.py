@@ -328,6 +328,8 @@ def _resolve(model, args: tuple, kwargs: dict, quiet: bool) -> dict:
     if inputs.ndim == 2 and inputs.shape[0] > 0 and inputs.shape[1] == 0:
         raise ValueError(f"input_ids of shape {tuple(inputs.shape)} has no tokens: generation "
                          "needs at least one to start from")
+    if inputs.dtype.is_floating_point or inputs.dtype.is_complex:
+        raise _Unsupported(f"{INVALID} (input_ids of dtype {inputs.dtype})")
     if inputs.ndim != 2 or inputs.dtype not in (torch.long, torch.int) or 0 in inputs.shape:
         raise _Unsupported(f"input_ids of shape {tuple(inputs.shape)} {inputs.dtype}")
 
@@ -341,6 +343,12 @@ def _resolve(model, args: tuple, kwargs: dict, quiet: bool) -> dict:
             gc, model_kwargs = prepare(user_config, **extra)
     except (TypeError, ValueError) as e:
         raise _Unsupported(f"{INVALID} ({type(e).__name__}: {e})") from None
+    validate = getattr(model, "_validate_model_kwargs", None)
+    try:  # a misspelt argument (max_new_token=5) is HF's error to raise, not a call to take
+        if validate is not None:
+            validate(dict(model_kwargs))
+    except ValueError as e:
+        raise _Unsupported(f"{INVALID} ({e})") from None
     attention_mask = model_kwargs.pop("attention_mask", None)
     for name, value in model_kwargs.items():
         if value is not None and name != "use_cache":
@@ -359,6 +367,20 @@ def _resolve(model, args: tuple, kwargs: dict, quiet: bool) -> dict:
     if gc.cache_implementation not in _CACHES:
         raise _Unsupported(f"cache_implementation={gc.cache_implementation!r}")
 
+    eos = gc.eos_token_id
+    if isinstance(eos, torch.Tensor):
+        eos = eos.tolist()
+    eos_list = [] if eos is None else [eos] if not isinstance(eos, (list, tuple)) else list(eos)
+    # counts and token ids are ints in this loop; HF decides about anything else (5.0 it takes,
+    # 2.5 it refuses), so such a call is HF's
+    for name, value in (("max_new_tokens", gc.max_new_tokens), ("max_length", gc.max_length),
+                        ("min_new_tokens", gc.min_new_tokens), ("min_length", gc.min_length),
+                        ("top_k", gc.top_k), ("pad_token_id", gc.pad_token_id),
+                        ("prompt_lookup_num_tokens", gc.prompt_lookup_num_tokens),
+                        *(("eos_token_id", e) for e in eos_list)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise _Unsupported(f"{INVALID} ({name}={value!r} is not an int)")
+
     s = inputs.shape[1]
     if gc.max_new_tokens is not None:
         max_new = gc.max_new_tokens
@@ -373,8 +395,8 @@ def _resolve(model, args: tuple, kwargs: dict, quiet: bool) -> dict:
             if limit is not None:
                 max_length = min(max_length, limit)
         max_new = max_length - s
-    if max_new <= 0:
-        raise _Unsupported(f"max_length {s + max_new} <= the prompt's {s} tokens")
+    if max_new <= 0:  # HF says what is wrong
+        raise _Unsupported(f"{INVALID} (max_length {s + max_new} <= the prompt's {s} tokens)")
     switch = _long_rope_switch(model.config)
     if switch is not None and s <= switch < s + max_new:
         raise _Unsupported(f"a LongRoPE model crossing its original context of {switch} tokens "
@@ -382,8 +404,6 @@ def _resolve(model, args: tuple, kwargs: dict, quiet: bool) -> dict:
     min_new = (gc.min_new_tokens if gc.min_new_tokens is not None
                else max(0, (gc.min_length or 0) - s))
 
-    eos = gc.eos_token_id
-    eos_list = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     pad = gc.pad_token_id
     if pad is None and eos_list:
         pad = eos_list[0]
