@@ -14,7 +14,9 @@
    the host launches it (at small shares the GPU waits for the launches), and "GPU", calls
    captured back to back in one CUDA graph (as the device decoder replays them), which the
    rates use. COPIES copies of the weights take turns so that no call finds the rows of the
-   calls before it in L2.
+   calls before it in L2;
+5. where a call's time goes: its first kernel (the compaction), the first two (+ gate / up) and
+   all three (+ down), each in a CUDA graph as above.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import statistics
 
 import torch
 
-from picompile.codegen.cuda import CudaFFN
+from picompile.codegen.cuda import CudaFFN, torch_stream
 
 
 def event_median(fn, reps: int = 20, warmup: int = 3) -> float:
@@ -136,6 +138,46 @@ def kernel_rates(gated: bool, d: int, n: int, copy_bw: float) -> list[str]:
     return lines
 
 
+def kernel_stages(gated: bool, d: int, n: int) -> list[str]:
+    """Microseconds a call in a CUDA graph of its first kernel (compaction), its first two
+    (+ gate / up) and all three (+ down: the call), at 5% and 100% of the rows: what each
+    kernel adds, launch gaps and tails included."""
+    ffns = []
+    for seed in range(COPIES):
+        kw = block(gated, d, n, seed)
+        ffns.append(CudaFFN(kw.pop("w_up"), kw.pop("w_down_t"), **kw))
+    f0 = ffns[0]
+    x = torch.randn(1, d, device="cuda").half()
+    idx = torch.empty(n, dtype=torch.int32, device="cuda")
+    count = torch.empty(1, dtype=torch.int32, device="cuda")
+    counters = f0._counters()
+    h = torch.empty(1, n, dtype=torch.float32, device="cuda")
+    out = torch.empty(1, d, dtype=torch.float32, device="cuda")
+    lines = []
+    for share in (0.05, 1.0):
+        g = torch.Generator(device="cuda").manual_seed(7)
+        mask = torch.rand(1, n, generator=g, device="cuda") < share
+        turn = [0]
+        stages = [
+            lambda f: f.kernels.compact_mask(mask, idx, count, counters),
+            lambda f: f.kernels.gate_up(x, f.w_gate, f.w_up, f.b_gate, f.b_up, idx, count, n,
+                                        f.threshold, h, counters[0]),
+            lambda f: f.kernels.down(h, n, idx, count, f.w_down_t, f.b_down, out, False,
+                                     counters[1:]),
+        ]
+        times = []
+        for upto in (1, 2, 3):
+            def call(upto=upto):
+                turn[0] = (turn[0] + 1) % COPIES
+                with torch_stream(f0.device):
+                    for stage in stages[:upto]:
+                        stage(ffns[turn[0]])
+            times.append(graph_median(call, calls=4 * COPIES) * 1e6)
+        lines.append(f"| {'gated' if gated else 'plain'} {d}x{n} | {share:.0%} | {times[0]:.1f} | "
+                     f"{times[1]:.1f} | {times[2]:.1f} |")
+    return lines
+
+
 def launch_profile(calls: int = 200) -> str:
     """Where the host's time goes in one hot-part call (OPT-13B-shaped block, 5% of rows): the
     kernels take microseconds, so Python and CuPy launch costs show as GPU idle time."""
@@ -182,6 +224,11 @@ def main():
           "(GPU) | of copy bw |")
     print("|---|---|---|---|---|---|---|---|---|")
     for line in kernel_rates(False, 5120, 20480, copy_bw) + kernel_rates(True, 5120, 13824, copy_bw):
+        print(line, flush=True)
+    print()
+    print("| block | candidate share | us: compaction | + gate / up | + down (the call) |")
+    print("|---|---|---|---|---|")
+    for line in kernel_stages(False, 5120, 20480) + kernel_stages(True, 5120, 13824):
         print(line, flush=True)
     print()
     print(launch_profile())
