@@ -489,6 +489,23 @@ def test_split_down_sums_every_call_in_range_order():
         assert abs(int(n_active) - int(active.sum())) <= 2
         firsts.append(out)
     assert not torch.equal(firsts[0], firsts[1])
+    # one token, captured in a CUDA graph and replayed over new masks: each as called directly
+    x1 = x[:1].to(DEV)
+    static = torch.zeros(1, n, dtype=torch.bool, device=DEV)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ffn.ffn_given_mask(x1, static)  # warm up where the graph is captured
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        replayed, _ = ffn.ffn_given_mask(x1, static)
+    for density in (0.05, 0.6, 0.05):
+        mask = (torch.rand(1, n, generator=g) < density).to(DEV)
+        static.copy_(mask)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, ffn.ffn_given_mask(x1, mask)[0]), f"replay at {density}"
 
 
 @pytest.mark.parametrize("missing", ["b_gate", "b_up"])

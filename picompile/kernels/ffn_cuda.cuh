@@ -489,6 +489,7 @@ __device__ __forceinline__ void pi_down_body(
     if (tid == 0) s_last = atomicAdd(arrive + blockIdx.x, 1) == n_split - 1;
     __syncthreads();
     if (!s_last) return;
+    if (tid == 0) arrive[blockIdx.x] = 0;  // every block of the slice has counted in: ready again
     __threadfence();
     // the last block of the slice: acc = the ranges' partial sums, added in range order (L2
     // loads: the other blocks' writes are not in this SM's L1)
