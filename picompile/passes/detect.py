@@ -208,6 +208,7 @@ def detect(gm: fx.GraphModule) -> Detection:
     """All FFN blocks in one captured graph; each node belongs to at most one block."""
     g = graph_to_nx(gm)
     taken: set[fx.Node] = set()
+    near: set[fx.Node] = set()  # the nodes of occurrences left dense, with their reasons
     matches, rejected = [], []
     for kind, pattern in PATTERNS.items():
         matcher = DiGraphMatcher(g, pattern, node_match=_label_match)
@@ -218,19 +219,21 @@ def detect(gm: fx.GraphModule) -> Detection:
             match, why = _check(gm, kind, m)
             if match is None:
                 rejected.append(f"{m['down'].name}: {why}")
+                near |= set(m.values())
                 continue
             matches.append(match)
             taken |= set(m.values())
     rejected += _unsupported_activations(gm, g, taken)
-    rejected += _activations_in_other_forms(gm, g, taken)
+    rejected += _activations_in_other_forms(gm, g, taken | near)
     return Detection(matches, sorted(set(rejected)))
 
 
-def _activations_in_other_forms(gm: fx.GraphModule, g: nx.DiGraph, taken: set[fx.Node],
+def _activations_in_other_forms(gm: fx.GraphModule, g: nx.DiGraph, seen_to: set[fx.Node],
                                 hops: int = 8) -> list[str]:
     """A known activation between linear layers but in no pattern (a norm, a scale or a third
     operand in between: BitNet's sub-norm, Falcon-H1's multipliers): name the path from the
-    nearest linear before it to the nearest one after, so the reason is not left unsaid."""
+    nearest linear before it to the nearest one after, so the reason is not left unsaid.
+    seen_to: nodes matched, or rejected with a reason already."""
     def nearest_linear(start, step) -> list[fx.Node] | None:
         paths, seen = [[start]], {start}
         for _ in range(hops):
@@ -248,7 +251,7 @@ def _activations_in_other_forms(gm: fx.GraphModule, g: nx.DiGraph, taken: set[fx
 
     out = []
     for node in g.nodes:
-        if node in taken or not g.nodes[node]["label"].startswith("act:"):
+        if node in seen_to or not g.nodes[node]["label"].startswith("act:"):
             continue
         before = nearest_linear(node, g.predecessors)
         after = nearest_linear(node, g.successors)
