@@ -46,6 +46,7 @@ from picompile.capture import check_no_kwargs
 from picompile.runtime.predictor import Predictor
 from picompile.runtime.dense_linear import DenseLinear
 from picompile.runtime.sparse_ffn import SparseFFN, down_format, dtype_name
+from picompile.saving import protected
 
 try:  # the `onnx` extra; `import picompile` works without it, export_onnx says what to install
     import onnx
@@ -116,6 +117,9 @@ def check_target(path) -> pathlib.Path:
                                 "first or write the file elsewhere")
     if not os.access(path.parent, os.W_OK | os.X_OK):
         raise PermissionError(f"{path}: no write permission in {path.parent}")
+    if protected(path):
+        raise PermissionError(f"{path}: the file is read-only; picompile does not replace it: "
+                              "make it writable (chmod u+w) or write elsewhere")
     return path
 
 

@@ -32,6 +32,7 @@ import torch
 
 from picompile.passes.place import neuron_bytes
 from picompile.passes.predictors import exact_decode_bytes
+from picompile.saving import protected
 
 
 def check_output(path) -> pathlib.Path:
@@ -49,6 +50,9 @@ def check_output(path) -> pathlib.Path:
         raise NotADirectoryError(f"{p}: cannot write the report, {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise PermissionError(f"{p}: cannot write the report, no write permission in {parent}")
+    if protected(p):
+        raise PermissionError(f"{p}: the file is read-only; picompile does not replace it: make "
+                              "it writable (chmod u+w) or give another path")
     return p
 
 

@@ -179,7 +179,7 @@ def _is_plan(d: pathlib.Path) -> bool:
     return _is_our_manifest(d / MANIFEST) or _is_our_manifest(d / COMMIT / MANIFEST)
 
 
-def _protected(path: pathlib.Path) -> bool:
+def protected(path: pathlib.Path) -> bool:
     """Read-only for us: no write permission, or no write bit at all (made read-only: root's
     writes ignore permissions, the mode still says what the owner wants)."""
     try:
@@ -190,7 +190,7 @@ def _protected(path: pathlib.Path) -> bool:
 
 
 def _writable_dir(d: pathlib.Path) -> bool:
-    return not _protected(d) and os.access(d, os.W_OK | os.X_OK)
+    return not protected(d) and os.access(d, os.W_OK | os.X_OK)
 
 
 def check_target(target: str | os.PathLike) -> None:
@@ -222,11 +222,11 @@ def check_target(target: str | os.PathLike) -> None:
         raise SaveRefused(f"{target} is read-only; picompile will not write into {what} you "
                           "cannot write or made read-only: make it writable (chmod u+w) or save "
                           "elsewhere")
-    protected = [name for name in OURS if _protected(target / name)]
-    if protected:
-        raise SaveRefused(f"{target} holds a plan whose files {', '.join(protected)} are read-only; "
-                          "picompile will not overwrite them: make them writable (chmod u+w) or "
-                          "save elsewhere")
+    protected_files = [name for name in OURS if protected(target / name)]
+    if protected_files:
+        raise SaveRefused(f"{target} holds a plan whose files {', '.join(protected_files)} are "
+                          "read-only; picompile will not overwrite them: make them writable "
+                          "(chmod u+w) or save elsewhere")
 
 
 # -- the journal ----------------------------------------------------------------------------
@@ -288,8 +288,11 @@ def save(plan_json: dict, tensors: dict[str, torch.Tensor], model_fingerprint: s
             try:
                 _fsync_write(staging / "plan.json",
                              json.dumps(plan_json, indent=1, sort_keys=True).encode())
-                save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
-                          str(staging / "tensors.safetensors"), metadata={"format": FORMAT})
+                try:
+                    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+                              str(staging / "tensors.safetensors"), metadata={"format": FORMAT})
+                except SafetensorError as e:  # its I/O errors (a full disk) are not OSErrors
+                    raise OSError(f"could not write {target / 'tensors.safetensors'}: {e}") from e
                 # safetensors writes 0o600; give it the umask's mode, as open() gave plan.json
                 os.chmod(staging / "tensors.safetensors",
                          stat.S_IMODE(os.stat(staging / "plan.json").st_mode))
@@ -308,7 +311,6 @@ def save(plan_json: dict, tensors: dict[str, torch.Tensor], model_fingerprint: s
             os.rename(staging, target / COMMIT)  # the commit point
             _fsync_dir(target)
             _roll_forward(target)
-        _remove_legacy(target)
     except BaseException:
         if created:  # a save that made the directory and failed before its commit: take it back
             with contextlib.suppress(OSError):
@@ -318,7 +320,9 @@ def save(plan_json: dict, tensors: dict[str, torch.Tensor], model_fingerprint: s
 
 
 def _legacy(target: pathlib.Path) -> list[pathlib.Path]:
-    """Work directories of picompile before issue 12, next to DIR: .DIR.tmp-* and .DIR.old-PID."""
+    """Work directories of picompile before issue 12, next to DIR: .DIR.tmp-* and .DIR.old-PID.
+    Named, never removed: outside DIR nothing proves a directory of that name is picompile's
+    (a user's backup .DIR.old-backup holds the same files)."""
     try:
         names = os.listdir(target.parent)
     except OSError:
@@ -327,11 +331,6 @@ def _legacy(target: pathlib.Path) -> list[pathlib.Path]:
     return sorted(target.parent / n for n in names
                   if n.startswith(prefixes) and (target.parent / n).is_dir()
                   and not (target.parent / n).is_symlink())
-
-
-def _remove_legacy(target: pathlib.Path) -> None:
-    for path in _legacy(target):
-        _remove_ours(path)
 
 
 def _new_staging(d: pathlib.Path) -> pathlib.Path:

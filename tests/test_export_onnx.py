@@ -282,7 +282,12 @@ def test_bad_input_and_bad_paths_say_what_is_wrong(tmp_path):
     (tmp_path / "dir.onnx").mkdir()
     with pytest.raises(IsADirectoryError, match="is a directory"):
         picompile.export_onnx(cm, tmp_path / "dir.onnx")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.onnx"]  # nothing written
+    (tmp_path / "kept.onnx").write_bytes(b"precious")
+    (tmp_path / "kept.onnx").chmod(0o444)
+    with pytest.raises(PermissionError, match="read-only; picompile does not replace it"):
+        picompile.export_onnx(cm, tmp_path / "kept.onnx")
+    assert (tmp_path / "kept.onnx").read_bytes() == b"precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.onnx", "kept.onnx"]  # none written
 
 
 def test_external_data_keeps_the_weights_beside_the_file_and_runs_leave_stats(tmp_path):

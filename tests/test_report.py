@@ -135,13 +135,17 @@ def test_plain_module_without_generate_states_tok_s_not_measured(tmp_path):
     ("missing/r.html", FileNotFoundError),  # no such directory
     (".", IsADirectoryError),
     ("file.txt/r.html", NotADirectoryError),
+    ("kept.html", PermissionError),  # a file its owner made read-only is not replaced
 ])
 def test_bad_output_path_is_a_clear_error(tmp_path, where, error):
     (tmp_path / "file.txt").write_text("x")
+    (tmp_path / "kept.html").write_text("precious")
+    (tmp_path / "kept.html").chmod(0o444)
     cm = _compile("llama_relu")
-    with pytest.raises(error, match="report"):
+    with pytest.raises(error, match="report|read-only"):
         cm.report(tmp_path / where)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]  # nothing half-written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt", "kept.html"]
+    assert (tmp_path / "kept.html").read_text() == "precious"  # nothing half-written
 
 
 def test_report_replaces_an_old_file_and_leaves_no_temporary(tmp_path):

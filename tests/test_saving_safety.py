@@ -286,20 +286,43 @@ def test_a_first_save_killed_at_any_step_leaves_no_plan_or_the_new(plans, tmp_pa
     assert k > 8
 
 
-def test_save_removes_work_directories_of_earlier_picompile(plans, tmp_path):
+def test_save_leaves_directories_beside_dir_alone(plans, tmp_path):
+    """Next to DIR nothing proves a directory is picompile's: the names picompile before issue
+    12 left when killed (.plan.tmp-*, .plan.old-PID) may be a user's backup of a plan, or
+    their notes; a save keeps them all."""
     fp, old, new = plans
     path = tmp_path / "plan"
     saving.save(*old, fp, path)
-    # what picompile before issue 12 left when killed: .plan.tmp-* and .plan.old-PID
-    for leftover in (".plan.tmp-abc123", ".plan.old-4242"):
+    for leftover in (".plan.tmp-abc123", ".plan.old-4242", ".plan.old-backup"):
         saving.save(*old, fp, tmp_path / "scratch")
         (tmp_path / "scratch").rename(tmp_path / leftover)
-    mine = tmp_path / ".plan.old-777"  # not picompile's files: kept
+    mine = tmp_path / ".plan.old-777"
     mine.mkdir()
     (mine / "diary.txt").write_text("private")
+    beside = {f: f.read_bytes() for f in tmp_path.rglob("*")
+              if f.is_file() and path not in f.parents}
     saving.save(*new, fp, path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".plan.old-777", "plan"]
-    assert (mine / "diary.txt").read_text() == "private"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".plan.old-4242", ".plan.old-777", ".plan.old-backup", ".plan.tmp-abc123", "plan"]
+    assert {f: f.read_bytes() for f in beside} == beside
+
+
+def test_a_tensor_file_that_cannot_be_written_is_an_oserror_naming_it(plans, tmp_path,
+                                                                    monkeypatch):
+    """safetensors' own I/O errors (a full disk) are not OSErrors: the command line would show
+    a traceback; the save says which file and leaves the earlier plan as it was."""
+    fp, old, new = plans
+    path = tmp_path / "plan"
+    saving.save(*old, fp, path)
+    before = {f.name: f.read_bytes() for f in path.iterdir()}
+
+    def full(*args, **kwargs):
+        raise saving.SafetensorError("No space left on device (os error 28)")
+
+    monkeypatch.setattr(saving, "save_file", full)
+    with pytest.raises(OSError, match=r"could not write .*tensors\.safetensors: No space left"):
+        saving.save(*new, fp, path)
+    assert {f.name: f.read_bytes() for f in path.iterdir()} == before
 
 
 def test_load_points_at_a_plan_an_earlier_picompile_left_aside(plans, tmp_path):
