@@ -116,13 +116,15 @@ def build_llama_cpp(build: pathlib.Path = BUILD) -> pathlib.Path:
 
 def llama_bench(bins: pathlib.Path, gguf: pathlib.Path, threads: int, n: int,
                 repetitions: int = 3, test: str = "tg", depth: int = 0) -> float:
-    """Tokens/s of llama-bench (mean of `repetitions`): its tg test (decode n tokens), or with
-    test="pp" its pp test (prefill an n-token prompt); after `depth` positions in the cache."""
+    """Tokens/s of llama-bench, the best of `repetitions` (as picompile's rows are timed): its tg
+    test (decode n tokens), or with test="pp" its pp test (prefill an n-token prompt); after
+    `depth` positions in the cache."""
     p, g = (n, 0) if test == "pp" else (0, n)
     r = subprocess.run([str(bins / "llama-bench"), "-m", str(gguf), "-p", str(p), "-n", str(g),
                         "-t", str(threads), "-r", str(repetitions), "-d", str(depth), "-o",
                         "json"], capture_output=True, text=True, check=True)
-    return float(json.loads(r.stdout)[0]["avg_ts"])
+    result = json.loads(r.stdout)[0]
+    return float(max(result.get("samples_ts") or [result["avg_ts"]]))
 
 
 def requantized(bins: pathlib.Path, src: pathlib.Path, kind: str, out: pathlib.Path) -> pathlib.Path:
@@ -134,7 +136,7 @@ def requantized(bins: pathlib.Path, src: pathlib.Path, kind: str, out: pathlib.P
 
 
 def llama_cpp_rows(gguf: pathlib.Path | None, dtype: torch.dtype, threads: int, n: int, *,
-                   weights: str | None = None, build: pathlib.Path = BUILD,
+                   weights: str | None = None, build: pathlib.Path = BUILD, repeats: int = 3,
                    quiet: bool = False) -> list[Row]:
     """llama.cpp on the GGUF file as given and, unless picompile runs the file's own blocks
     (weights "gguf"), requantized to what it runs: the format `weights` (q8_0 / q4_0 / q4_1), or
@@ -160,7 +162,8 @@ def llama_cpp_rows(gguf: pathlib.Path | None, dtype: torch.dtype, threads: int, 
     for i, (label, path) in enumerate(runs):
         like_for_like = i == len(runs) - 1  # the weights picompile runs, in llama.cpp's format
         try:
-            rows.append(Row(label, llama_bench(bins, path(), threads, n), ref=like_for_like))
+            rows.append(Row(label, llama_bench(bins, path(), threads, n, repeats),
+                            ref=like_for_like))
         except subprocess.CalledProcessError as e:
             tail = (e.stderr or "").strip().splitlines()[-1:] or [f"exit code {e.returncode}"]
             rows.append(Row(label, None, f"failed: {pathlib.Path(e.cmd[0]).name}: {tail[0]}"))
@@ -233,7 +236,7 @@ def compare(model, tokenizer, compile_fn, *, gguf: pathlib.Path | None, new_toke
     name = str(dtype).removeprefix("torch.")
     weights = cm.plan.quantize  # None (float), "gguf" (the file's blocks) or a block format
     rows = llama_cpp_rows(gguf, dtype, threads, new_tokens, weights=weights, build=build,
-                          quiet=quiet)
+                          repeats=repeats, quiet=quiet)
     rows.append(Row(f"dense, Hugging Face eager, {name}", best_tps(dense, prompt, new_tokens, repeats),
                     ref=True))
     log(f"{rows[-1].system}: {rows[-1].tps:.1f} tok/s", quiet)

@@ -215,11 +215,28 @@ def test_bench_compares_with_llama_cpp_on_the_weights_picompile_runs(weights, wa
     """The reference llama.cpp row is the one on picompile's weights (llama-bench and
     llama-quantize replaced by stand-ins: nothing is built or run)."""
     monkeypatch.setattr(bench, "llama_cpp_bins", lambda build: tmp_path)
-    monkeypatch.setattr(bench, "llama_bench", lambda bins, path, threads, n: 1.0)
+    monkeypatch.setattr(bench, "llama_bench", lambda bins, path, threads, n, repeats: 1.0)
     monkeypatch.setattr(bench, "requantized", lambda bins, src, kind, out: out)
     rows = bench.llama_cpp_rows(tmp_path / "m.gguf", torch.float32, 1, 4, weights=weights,
                                 build=tmp_path)
     assert [(r.system, r.ref) for r in rows] == want
+
+
+def test_llama_bench_gives_the_best_of_its_repetitions_as_picompile_rows_do(monkeypatch):
+    """picompile's rows are the best of N runs: llama-bench's is too, not its mean."""
+    import json
+    import subprocess
+
+    seen = []
+
+    def run(cmd, **kwargs):
+        seen.append(cmd)
+        out = [{"avg_ts": 58.4, "samples_ts": [57.1, 59.6, 58.5]}]
+        return subprocess.CompletedProcess(cmd, 0, stdout=json.dumps(out), stderr="")
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    assert bench.llama_bench(pathlib.Path("bin"), pathlib.Path("m.gguf"), 2, 32, 5) == 59.6
+    assert seen[0][seen[0].index("-r") + 1] == "5"
 
 
 def test_bench_table_ratios_to_reference_rows():
