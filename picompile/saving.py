@@ -319,6 +319,19 @@ def save(plan_json: dict, tensors: dict[str, torch.Tensor], model_fingerprint: s
     return target
 
 
+def _in_dtype(plan_json) -> str:
+    """', in float32 (--dtype float32, model.to(torch.float32))': the weights' dtype the plan's
+    blocks were compiled in, as a hint; '' where the JSON does not say (checked later)."""
+    blocks = plan_json.get("blocks") if isinstance(plan_json, dict) else None
+    if not isinstance(blocks, list):
+        return ""
+    dtypes = {b.get("dtype") for b in blocks if isinstance(b, dict)}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in ("float32", "float16", "bfloat16"):
+        return ""
+    dtype = next(iter(dtypes))
+    return f", in {dtype} (--dtype {dtype} on the command line, model.to(torch.{dtype}))"
+
+
 def _legacy(target: pathlib.Path) -> list[pathlib.Path]:
     """Work directories of picompile before issue 12, next to DIR: .DIR.tmp-* and .DIR.old-PID.
     Named, never removed: outside DIR nothing proves a directory of that name is picompile's
@@ -374,16 +387,15 @@ def read(directory: str | os.PathLike, model_fingerprint: str) -> tuple[dict, di
         if _sha256(data[name]) != manifest["files"].get(name):
             raise PlanError(f"{d / name} does not match its checksum in manifest.json: the file was "
                             "changed or truncated; compile the model again and save it")
-    if manifest["fingerprint"] != model_fingerprint:
-        raise PlanError(f"the plan in {d} was made for a different model (its architecture, "
-                        "weights or dtype differ); load it with the model it was compiled from "
-                        "(converted to the dtype it was compiled in, model.to(dtype)), or compile "
-                        "again")
     try:
         plan_json = json.loads(data["plan.json"])
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise PlanError(f"{d / 'plan.json'} is not valid JSON ({e}); compile the model again and "
                         "save it") from e
+    if manifest["fingerprint"] != model_fingerprint:
+        raise PlanError(f"the plan in {d} was made for a different model (its architecture, "
+                        f"weights or dtype differ); load it with the model it was compiled from"
+                        f"{_in_dtype(plan_json)}, or compile again")
     plan = Plan.from_json(plan_json)
     if plan.fingerprint != manifest["fingerprint"]:  # one model: a later save writes plan's
         raise PlanError(f"{d / 'plan.json'} names another model than manifest.json (their "

@@ -256,9 +256,13 @@ def test_load_rebuilds_the_same_model_without_profiling(saved, monkeypatch):
 
 
 def test_load_refuses_another_model(saved):
-    _, _, path = saved
+    dense, _, path = saved
     with pytest.raises(saving.PlanError, match="different model"):
         picompile.load(zoo.make("llama_silu", n_ff=128, seed=7), path)
+    # the same model in another dtype: the error says the plan's (and how to convert)
+    with pytest.raises(saving.PlanError, match=r"different model.*, in float32 \(--dtype "
+                                               r"float32 .*model.to\(torch.float32\)\)"):
+        picompile.load(copy.deepcopy(dense).to(torch.bfloat16), path)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "version", "no_manifest", "bad_json"])
