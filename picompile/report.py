@@ -133,6 +133,12 @@ def _header(cm) -> str:
     return "<h1>picompile report</h1>\n" + _table(["", ""], rows, head=False)
 
 
+def _top10_share(f: np.ndarray) -> float:
+    """The share of a block's firings on its most frequent 10% of neurons."""
+    s = np.sort(f)[::-1]
+    return float(s[: int(np.ceil(0.1 * len(s)))].sum() / s.sum())
+
+
 def _firing_section(cm, names: dict[str, str]) -> str:
     out = ['<h2 id="firing">Neuron firing frequency</h2>']
     freqs = {b.name: cm.firing[b.name].double().numpy() for b in cm.plan.blocks if b.name in cm.firing}
@@ -141,10 +147,14 @@ def _firing_section(cm, names: dict[str, str]) -> str:
             "No firing profile: compile profiles each neuron only for mode='predicted' or a "
             "gpu_budget (--mode predicted or --gpu-budget), and a plan loaded from disk does not "
             "carry it. Compile with one of them to see this plot.")
+    top10 = [_top10_share(f) for f in freqs.values() if f.sum() > 0]
+    measured = (f" Here the most frequent 10% of a block's neurons carry {min(top10):.0%} to "
+                f"{max(top10):.0%} of its firings (10% if all fired alike)." if top10 else "")
     out.append(f"<p>Share of the {cm.plan.calibration_tokens:,} calibration tokens on which each "
                "neuron fired (|down input| above the block's threshold), neurons sorted from "
-               "most to least frequent. A few neurons fire on most tokens and most rarely: "
-               "the skew PowerInfer puts on the GPU (hot) and leaves on the CPU (cold).</p>")
+               "most to least frequent. PowerInfer counts on a skew, a few neurons firing on "
+               "most tokens and most rarely, to put the hot ones on the GPU and leave the cold "
+               f"on the CPU.{measured}</p>")
     from matplotlib import colormaps
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import Normalize
@@ -169,10 +179,9 @@ def _firing_section(cm, names: dict[str, str]) -> str:
             cumulative.plot(np.arange(n + 1) / n * 100, share * 100, color=color, lw=1)
             if placed and hot[name]:  # placement put this block's most frequent neurons hot
                 cumulative.plot(hot[name] / n * 100, share[hot[name]] * 100, "o", color=color)
-            top10 = float(share[int(np.ceil(0.1 * n))])
             carry80 = int(np.searchsorted(share, 0.8)) / n
             rows.append((names[name], f"{float(s.mean()):.1%}", f"{float((s > 0).mean()):.1%}",
-                         f"{top10:.1%}", f"{carry80:.1%}"))
+                         f"{_top10_share(f):.1%}", f"{carry80:.1%}"))
         else:
             rows.append((names[name], "0.0%", "0.0%", "-", "-"))
     by_rank.set(xscale="log", yscale="log", xlabel="neuron rank (most frequent first)",

@@ -119,6 +119,11 @@ def test_predicted_mode_report_plots_every_section(tmp_path):
         assert f"{b.measured.predictor_recall:.1%}" in text and f"{b.measured.true_density:.1%}" in text
         assert f"{b.measured.decode_bytes_predicted:,}" in text
     assert f"{cm.plan.placement.budget_bytes:,}" in text
+    # the skew the text states is the one measured, not a claim
+    from picompile.report import _top10_share
+    top10 = [_top10_share(f.double().numpy()) for f in cm.firing.values()]
+    assert (f"the most frequent 10% of a block's neurons carry {min(top10):.0%} to "
+            f"{max(top10):.0%} of its firings") in " ".join(text.split())
 
 
 def test_plain_module_without_generate_states_tok_s_not_measured(tmp_path):
