@@ -479,8 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     report = sub.choices["report"]
     report.add_argument("--output", type=_report_output, default="report.html",
                         help="the HTML file to write (default report.html)")
-    report.add_argument("--decode-tokens", type=_positive_int, default=32,
-                        help="tokens of the timed greedy decode (default 32)")
+    report.add_argument("--decode-tokens", type=_non_negative_int, default=32,
+                        help="tokens of the timed greedy decode (default 32; 0: none)")
     bench = sub.choices["bench"]
     bench.add_argument("--new-tokens", type=_positive_int, default=64,
                        help="decoded tokens per run (default 64)")

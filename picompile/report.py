@@ -119,7 +119,8 @@ pre {{ font-size: 0.8em; overflow-x: auto; }}
 
 def _header(cm) -> str:
     plan = cm.plan
-    rows = [("model", type(cm._orig_mod).__name__),
+    source = getattr(getattr(cm._orig_mod, "config", None), "_name_or_path", "")
+    rows = [("model", type(cm._orig_mod).__name__ + (f" ({source})" if source else "")),
             ("FFN blocks", str(len(plan.blocks))),
             ("mode", plan.mode),
             ("target sparsity", f"{plan.applied_sparsity:.0%}" if plan.applied_sparsity else "none"),
