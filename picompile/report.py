@@ -148,9 +148,10 @@ def _firing_section(cm, names: dict[str, str]) -> str:
             "No firing profile: compile profiles each neuron only for mode='predicted' or a "
             "gpu_budget (--mode predicted or --gpu-budget), and a plan loaded from disk does not "
             "carry it. Compile with one of them to see this plot.")
-    top10 = [_top10_share(f) for f in freqs.values() if f.sum() > 0]
-    measured = (f" Here the most frequent 10% of a block's neurons carry {min(top10):.0%} to "
-                f"{max(top10):.0%} of its firings (10% if all fired alike)." if top10 else "")
+    top10 = {name: _top10_share(f) for name, f in freqs.items() if f.sum() > 0}
+    measured = (f" Here the most frequent 10% of a block's neurons carry "
+                f"{min(top10.values()):.0%} to {max(top10.values()):.0%} of its firings (10% if "
+                "all fired alike)." if top10 else "")
     out.append(f"<p>Share of the {cm.plan.calibration_tokens:,} calibration tokens on which each "
                "neuron fired (|down input| above the block's threshold), neurons sorted from "
                "most to least frequent. PowerInfer counts on a skew, a few neurons firing on "
@@ -182,7 +183,7 @@ def _firing_section(cm, names: dict[str, str]) -> str:
                 cumulative.plot(hot[name] / n * 100, share[hot[name]] * 100, "o", color=color)
             carry80 = int(np.searchsorted(share, 0.8)) / n
             rows.append((names[name], f"{float(s.mean()):.1%}", f"{float((s > 0).mean()):.1%}",
-                         f"{_top10_share(f):.1%}", f"{carry80:.1%}"))
+                         f"{top10[name]:.1%}", f"{carry80:.1%}"))
         else:
             rows.append((names[name], "0.0%", "0.0%", "-", "-"))
     by_rank.set(xscale="log", yscale="log", xlabel="neuron rank (most frequent first)",

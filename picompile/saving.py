@@ -50,7 +50,7 @@ from safetensors.torch import load as load_bytes
 from safetensors.torch import save_file
 from torch import nn
 
-from picompile.plan import BlockPlan, Plan, PlanError
+from picompile.plan import DTYPES, BlockPlan, Plan, PlanError
 
 FORMAT = "picompile-plan"
 VERSION = 2  # 2: a block's decisions and measurements nested apart from its structure
@@ -326,9 +326,9 @@ def _in_dtype(plan_json) -> str:
     if not isinstance(blocks, list):
         return ""
     dtypes = {b.get("dtype") for b in blocks if isinstance(b, dict)}
-    if len(dtypes) != 1 or next(iter(dtypes)) not in ("float32", "float16", "bfloat16"):
+    if len(dtypes) != 1 or not dtypes <= set(DTYPES):
         return ""
-    dtype = next(iter(dtypes))
+    (dtype,) = dtypes
     return f", in {dtype} (--dtype {dtype} on the command line, model.to(torch.{dtype}))"
 
 
@@ -394,7 +394,7 @@ def read(directory: str | os.PathLike, model_fingerprint: str) -> tuple[dict, di
                         "save it") from e
     if manifest["fingerprint"] != model_fingerprint:
         raise PlanError(f"the plan in {d} was made for a different model (its architecture, "
-                        f"weights or dtype differ); load it with the model it was compiled from"
+                        "weights or dtype differ); load it with the model it was compiled from"
                         f"{_in_dtype(plan_json)}, or compile again")
     plan = Plan.from_json(plan_json)
     if plan.fingerprint != manifest["fingerprint"]:  # one model: a later save writes plan's

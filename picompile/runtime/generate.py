@@ -344,11 +344,11 @@ def _resolve(model, args: tuple, kwargs: dict, quiet: bool) -> dict:
     except (TypeError, ValueError) as e:
         raise _Unsupported(f"{INVALID} ({type(e).__name__}: {e})") from None
     validate = getattr(model, "_validate_model_kwargs", None)
-    try:  # a misspelt argument (max_new_token=5) is HF's error to raise, not a call to take
-        if validate is not None:
+    if validate is not None:  # a misspelt argument (max_new_token=5) is HF's error to raise
+        try:
             validate(dict(model_kwargs))
-    except ValueError as e:
-        raise _Unsupported(f"{INVALID} ({e})") from None
+        except ValueError as e:
+            raise _Unsupported(f"{INVALID} ({e})") from None
     attention_mask = model_kwargs.pop("attention_mask", None)
     for name, value in model_kwargs.items():
         if value is not None and name != "use_cache":
