@@ -6,14 +6,26 @@ It lives outside `codegen` so that plan.py can import it: data flows plan -> cod
 
 # name -> the macro that selects it in the kernel sources: picompile/kernels/act.h numbers the
 # macros; ffn.c (act_fn) and ffn_cuda.cuh (pi_act) implement them in fp32, as torch computes
-# F.relu, F.silu, F.gelu and F.gelu(approximate="tanh").
+# F.relu, F.silu, F.gelu, F.gelu(approximate="tanh") and F.relu(v) ** 2 (squared ReLU: Primer,
+# Nemotron, Arcee, nanochat).
 ACT_MACROS = {
     "relu": "PIC_RELU",
     "silu": "PIC_SILU",
     "gelu": "PIC_GELU",
     "gelu_tanh": "PIC_GELU_TANH",
+    "relu2": "PIC_RELU2",
 }
 ACTIVATIONS = tuple(ACT_MACROS)
+
+# The activations that are exactly zero wherever their input is <= 0: a block of them skips its
+# zero neurons losslessly (exact mode needs no threshold), and a gated block can leave the up
+# row of a neuron unread when its gate is <= 0.
+ZERO_BELOW = frozenset({"relu", "relu2"})
+
+
+def zero_below(act: str) -> bool:
+    """Whether `act` is zero exactly where its input is <= 0 (ReLU and squared ReLU)."""
+    return str(act) in ZERO_BELOW
 
 # Hugging Face activation modules, by class: capture keeps them whole (traced through, GELU's
 # tanh approximation written out would be a chain of mul / tanh / pow that no pattern matches,
@@ -30,6 +42,7 @@ MODULE_ACTIVATIONS = {
     "AccurateGELUActivation": "gelu_tanh",
     "SiLUActivation": "silu",
     "BloomGelu": "gelu_tanh",
+    "ReLUSquaredActivation": "relu2",
 }
 
 

@@ -139,7 +139,8 @@ def capture(
     def visit(name: str, mod: nn.Module) -> None:
         for child_name, child in mod.named_children():
             visit(f"{name}.{child_name}" if name else child_name, child)
-        if isinstance(mod, (nn.Linear, SparseFFN)) or not free_linears(mod):
+        if isinstance(mod, (nn.Linear, SparseFFN, nn.ModuleList, nn.ModuleDict)) or (
+                not free_linears(mod)):  # (containers have no forward: their parent calls in)
             return
         try:
             gm = trace(mod, name, opaque | done)

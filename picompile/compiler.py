@@ -30,6 +30,7 @@ import torch.fx as fx
 from torch import nn
 
 from picompile import gguf_weights, quant, saving
+from picompile.activations import ACTIVATIONS
 from picompile.capture import capture, replace_module
 from picompile.compiled_model import CompiledModel
 from picompile.options import (Options, calibration_ids, check_gguf, check_kv_cache,
@@ -228,8 +229,9 @@ def _capture(model: nn.Module, plan: Plan) -> Captured:
             "no linear -> activation -> linear pattern anywhere in the traced graphs")
         raise ValueError(
             f"picompile found no FFN block in {type(model).__name__} ({reasons}). Supported: "
-            "down(act(up x)), down(act(gate x) * up x), dReLU, fused gate_up; act in relu, silu, "
-            "gelu, gelu_tanh. Nothing here runs sparse: run the model with transformers as it is"
+            "down(act(up x)), down(act(gate x) * up x), dReLU, fused gate_up; act in "
+            f"{', '.join(ACTIVATIONS)}. Nothing here runs sparse: run the model with transformers "
+            "as it is"
         )
     return Captured(model, graphs, ffns)
 

@@ -61,7 +61,7 @@ def explain(cm: CompiledModel) -> str:
         head += f", target sparsity {plan.applied_sparsity:.0%}"
     if plan.calibration_tokens:
         head += f", calibrated on {plan.calibration_tokens} tokens"
-    cols = f"  {'block':<34} {'kind':<8} {'act':<9} {'d x n_ff':<11} {'skips':<14} {'calib.':>6} {'run':>6}"
+    cols = f"  {'block':<34} {'kind':<10} {'act':<9} {'d x n_ff':<11} {'skips':<14} {'calib.':>6} {'run':>6}"
     if predicted:
         cols += (f" {'rank':>5} {'recall':>7} {'pred/true density':>17} {'pred.bytes':>10}"
                  f" {'B/token exact->pred':>21} {'us exact->pred':>14} {'used':>4}")
@@ -73,7 +73,7 @@ def explain(cm: CompiledModel) -> str:
         if not b.exact and b.decided.threshold == 0:
             how = "none (dense)"
         ffn = ffns.get(b.name)
-        row = (f"  {b.name:<34} {b.kind + ('+bias' if b.bias else ''):<8} {b.act:<9} "
+        row = (f"  {b.name:<34} {b.kind + ('+bias' if b.bias else ''):<10} {b.act:<9} "
                f"{f'{b.d_model}x{b.d_ff}':<11} {how:<14} {pct(b.measured.sparsity):>6} "
                f"{pct(ffn.sparsity if ffn is not None else None):>6}")
         if predicted:

@@ -14,7 +14,7 @@ import enum
 import math
 from dataclasses import asdict, dataclass, field, fields
 
-from picompile.activations import ACTIVATIONS
+from picompile.activations import ACTIVATIONS, zero_below
 from picompile.quant import FORMATS
 
 class Choice(str, enum.Enum):
@@ -40,7 +40,7 @@ class Kind(Choice):
     DRELU = "drelu"  # down(relu(gate x) * relu(up x)) (TurboSparse)
 
 
-# RELU, SILU, GELU, GELU_TANH: the names of picompile/activations.py's table
+# RELU, SILU, GELU, GELU_TANH, RELU2: the names of picompile/activations.py's table
 Act = Choice("Act", [(name.upper(), name) for name in ACTIVATIONS])
 
 
@@ -126,7 +126,7 @@ class BlockPlan:
     @property
     def exact(self) -> bool:
         """ReLU-family blocks skip only neurons that are exactly zero: lossless."""
-        return self.act == Act.RELU
+        return zero_below(self.act)
 
 
 @dataclass

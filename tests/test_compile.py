@@ -146,7 +146,8 @@ def test_greedy_generate_matches_dense_for_relu_models(arch):
     ("gpt_neox", "plain", "gelu", True), ("gemma", "gated", "gelu_tanh", False),
     ("phi", "plain", "gelu_tanh", True),
     ("tiny_drelu", "drelu", "relu", False), ("tiny_fused_silu", "gated", "silu", False),
-    ("tiny_plain_relu", "plain", "relu", True),
+    ("tiny_plain_relu", "plain", "relu", True), ("nemotron", "plain", "relu2", False),
+    ("tiny_gated_relu2", "gated", "relu2", False),
 ])
 def test_detects_every_block_kind(arch, kind, act, bias):
     _, cm = compile_pair(arch)
@@ -177,6 +178,58 @@ def test_threshold_sparsity_zero_equals_dense():
     ids = torch.randint(0, zoo.VOCAB, (2, 9))
     with torch.no_grad():
         torch.testing.assert_close(zoo.logits(cm, ids), zoo.logits(dense, ids), **TOL[torch.float32])
+
+
+SQUARED_RELU_FORMS = {
+    "pow": lambda u: F.relu(u) ** 2,
+    "square": lambda u: torch.square(F.relu(u)),
+    "pow_method": lambda u: torch.relu(u).pow(2),
+    "self_mul": lambda u: (lambda r: r * r)(F.relu(u)),
+    "square_method": lambda u: F.relu(u).square(),
+}
+
+
+class WrittenFFN(nn.Module):
+    """ids [B, T] -> logits: an embedding, two residual FFNs of the given activation, a head."""
+
+    def __init__(self, form, d=32, n_ff=96):
+        super().__init__()
+        self.form, self.embed, self.head = form, nn.Embedding(zoo.VOCAB, d), nn.Linear(d, zoo.VOCAB)
+        self.ups = nn.ModuleList(nn.Linear(d, n_ff) for _ in range(2))
+        self.downs = nn.ModuleList(nn.Linear(n_ff, d) for _ in range(2))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for up, down in zip(self.ups, self.downs):
+            x = x + down(self.form(up(x)))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("form", sorted(SQUARED_RELU_FORMS))
+def test_squared_relu_written_out_is_one_exact_block(form):
+    """relu(v) ** 2 in any of the ways one writes it is one squared-ReLU block, exact (no
+    threshold even with a target sparsity) and equal to the dense module."""
+    torch.manual_seed(0)
+    dense = WrittenFFN(SQUARED_RELU_FORMS[form]).eval()
+    calib = torch.randint(0, zoo.VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
+    cm = picompile.compile(copy.deepcopy(dense), quiet=True, sparsity=0.9, calibration=calib)
+    assert [(b.kind, b.act, b.exact) for b in cm.plan.blocks] == [("plain", "relu2", True)] * 2
+    assert all(b.decided.threshold == 0 and 0.3 < b.measured.sparsity < 0.7 for b in cm.plan.blocks)
+    for gm in cm.graphs.values():
+        assert "relu" not in gm.code and "pow" not in gm.code and "square" not in gm.code
+    ids = torch.randint(0, zoo.VOCAB, (3, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(cm(ids), dense(ids), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("second,then", [(lambda r: r ** 3, "pow_1"), (lambda r: r * r + r, "add")])
+def test_a_relu_squared_only_in_part_is_not_a_squared_relu(second, then):
+    """relu(v) ** 3, or a ReLU used besides its square: no squared ReLU; the refusal names the
+    ReLU's path (and not the ModuleLists, which have no forward to trace)."""
+    with pytest.raises(ValueError, match=rf"no FFN block in WrittenFFN \(WrittenFFN: relu: the relu "
+                       rf"activation is in ups.0 -> relu -> {then} -> downs.0, not in a supported "
+                       r"form; [^)]*relu_1[^)]*\)\. Supported"):
+        picompile.compile(WrittenFFN(lambda u: second(F.relu(u))).eval(), quiet=True)
 
 
 @pytest.mark.parametrize("arch, measured", [("llama_silu", False), ("llama_relu", True)])

@@ -34,8 +34,8 @@ needs_nvcc = pytest.mark.skipif(
 
 
 def test_all_variants_enumerates_the_space():
-    # (3 dtypes + 3 GGUF formats) x (4 plain + 4 gated + 1 dReLU) x 4
-    assert len(VARIANTS) == len(set(VARIANTS)) == 216
+    # (3 dtypes + 3 GGUF formats) x (5 plain + 5 gated + 1 dReLU) x 4 (bias, threshold)
+    assert len(VARIANTS) == len(set(VARIANTS)) == 6 * (2 * len(ACTIVATIONS) + 1) * 4 == 264
     assert len({v.tag for v in VARIANTS}) == len(VARIANTS)
     for v in VARIANTS:
         assert re.fullmatch(r"[a-z0-9_]+", v.tag)

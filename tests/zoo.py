@@ -58,6 +58,12 @@ def hf_config(arch: str, hidden: int = 32, n_ff: int = 80, layers: int = 2):
         return T.GraniteConfig(**c, intermediate_size=n_ff, num_key_value_heads=2,
                                residual_multiplier=0.5, embedding_multiplier=2.0,
                                logits_scaling=3.0)
+    if arch == "nemotron":  # squared ReLU, LayerNorm with weight + 1, RoPE over half of a head
+        return T.NemotronConfig(**c, intermediate_size=n_ff, num_key_value_heads=2,
+                                partial_rotary_factor=0.5, bos_token_id=1, eos_token_id=2)
+    if arch == "arcee":  # Llama's modules with a squared-ReLU plain MLP (AFM)
+        return T.ArceeConfig(**c, intermediate_size=n_ff, num_key_value_heads=2,
+                             bos_token_id=1, eos_token_id=2)
     if arch == "qwen3_next":  # a linear-attention layer first (no self_attn), MoE FFNs with a
         # shared expert
         return T.Qwen3NextConfig(
@@ -70,9 +76,11 @@ def hf_config(arch: str, hidden: int = 32, n_ff: int = 80, layers: int = 2):
 
 
 HF_ARCHS = ["llama_relu", "llama_silu", "mistral", "qwen2", "qwen3", "phi3", "opt", "falcon",
-            "gpt_neox", "gemma", "gemma2", "gemma3", "granite"]
-RELU_ARCHS = ["llama_relu", "opt", "tiny_gated_relu", "tiny_plain_relu", "tiny_drelu"]
-TINY_FFNS = ["tiny_plain_relu", "tiny_gated_relu", "tiny_drelu", "tiny_fused_silu"]
+            "gpt_neox", "gemma", "gemma2", "gemma3", "granite", "nemotron", "arcee"]
+RELU_ARCHS = ["llama_relu", "opt", "tiny_gated_relu", "tiny_plain_relu", "tiny_drelu",
+              "nemotron", "arcee", "tiny_gated_relu2"]
+TINY_FFNS = ["tiny_plain_relu", "tiny_gated_relu", "tiny_drelu", "tiny_fused_silu",
+             "tiny_gated_relu2"]
 ALL_ARCHS = HF_ARCHS + TINY_FFNS
 
 
@@ -95,6 +103,8 @@ class TinyFFN(nn.Module):
             return self.down(torch.relu(self.gate(x)) * self.up(x))
         if self.kind == "drelu":
             return self.down(F.relu(self.gate(x)) * F.relu(self.up(x)))
+        if self.kind == "gated_relu2":  # squared ReLU written out
+            return self.down(torch.square(F.relu(self.gate(x))) * self.up(x))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 

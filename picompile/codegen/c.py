@@ -142,8 +142,9 @@ _HEADER = """\
 /* 1: h is known after the first phase (plain blocks; gated blocks whose activation is nonzero
  * almost everywhere, SiLU / GELU: their up rows are needed anyway, and reading the block's gate
  * rows and then its up rows keeps both streams sequential), so the second phase reads only the
- * down rows of the active neurons. 0 (gated ReLU / dReLU): up rows only where the gate fired. */
-#define PIC_H_FIRST (!PIC_GATED || PIC_ACT != PIC_RELU)
+ * down rows of the active neurons. 0 (gated ReLU, squared ReLU, dReLU): up rows only where the
+ * gate fired. */
+#define PIC_H_FIRST (!PIC_GATED || !PIC_ZERO_BELOW(PIC_ACT))
 #define PIC_VARIANT "{name}"
 """
 

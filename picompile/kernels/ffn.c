@@ -132,6 +132,8 @@ PIC_INLINE float act_fn(float g) {
     return g / (1.0f + expf(-g));
 #elif PIC_ACT == PIC_GELU
     return 0.5f * g * (1.0f + erff(g * 0.70710678118654752f));
+#elif PIC_ACT == PIC_RELU2
+    return g > 0.0f ? g * g : 0.0f;
 #else
     return 0.5f * g * (1.0f + tanhf(0.79788456080286536f * (g + 0.044715f * g * g * g)));
 #endif

@@ -349,7 +349,7 @@ __device__ __forceinline__ void pi_gate_up_body(
           any = any || a[t] != 0.0f;
         }
       }
-      // ReLU gate zero for every token: h = 0 exactly, the up row is never read.
+      // ReLU (ReLU^2) gate zero for every token: h = 0 exactly, the up row is never read.
       need_up = any || !V::relu;
     }
     float u[MAXT];
@@ -527,7 +527,7 @@ __device__ __forceinline__ void pi_down_body(
 }
 
 // The activations (act.h numbers them), fp32, as torch computes them: F.relu, F.silu, F.gelu,
-// F.gelu(approximate="tanh").
+// F.gelu(approximate="tanh"), F.relu(v) ** 2.
 template <int ACT>
 __device__ __forceinline__ float pi_act(float v);
 
@@ -552,6 +552,12 @@ __device__ __forceinline__ float pi_act<PIC_GELU_TANH>(float v) {
   return 0.5f * v * (1.0f + tanhf(k * (v + 0.044715f * v * v * v)));
 }
 
+template <>
+__device__ __forceinline__ float pi_act<PIC_RELU2>(float v) {
+  const float r = fmaxf(v, 0.0f);
+  return r * r;
+}
+
 // A variant of the gate / up kernels, everything about it a compile-time constant (the kernel
 // bodies branch on these, and the branches compile away). ffn_cuda_variant.cuh instantiates it.
 template <class F, class R, bool GATED, bool DRELU, bool BIAS, int ACT, bool THRESHOLD>
@@ -561,7 +567,7 @@ struct PiVariant {
   static const bool gated = GATED;          // h = act(gate x + b_gate) * u  (else act(up x + b_up))
   static const bool drelu = DRELU;          // u = relu(up x + b_up)         (else u = up x + b_up)
   static const bool bias = BIAS;            // b_gate / b_up are read
-  static const bool relu = ACT == PIC_RELU; // act is ReLU: a zero gate skips the up row
+  static const bool relu = PIC_ZERO_BELOW(ACT); // ReLU or ReLU^2: a zero gate skips the up row
   static const bool threshold = THRESHOLD;  // active iff |h| > threshold (else iff h != 0)
   static __device__ __forceinline__ float act(float v) { return pi_act<ACT>(v); }
 };

@@ -6,7 +6,7 @@
 //   PI_GATED      1: h = act(gate x + b_gate) * u   0: h = act(up x + b_up)
 //   PI_DRELU      1: u = relu(up x + b_up)          0: u = up x + b_up
 //   PI_BIAS       1: b_gate / b_up are read
-//   PI_ACT        PIC_RELU, PIC_SILU, PIC_GELU or PIC_GELU_TANH (act.h)
+//   PI_ACT        PIC_RELU, PIC_SILU, PIC_GELU, PIC_GELU_TANH or PIC_RELU2 (act.h)
 //   PI_THRESHOLD  1: active iff |h| > threshold     0: iff h != 0
 // defined; it undefines them at the end.
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from networkx.algorithms.isomorphism import DiGraphMatcher
 from torch import nn
 
-from picompile.activations import module_activation
+from picompile.activations import ACTIVATIONS, module_activation
 
 RELU_FUNCS = {F.relu, torch.relu, torch.nn.functional.relu}
 SILU_FUNCS = {F.silu, torch.nn.functional.silu}
@@ -37,7 +37,7 @@ class Match:
     """One FFN block found in a graph."""
 
     kind: str  # "plain" | "gated" | "drelu"
-    act: str  # "relu" | "silu" | "gelu" | "gelu_tanh"
+    act: str  # "relu" | "silu" | "gelu" | "gelu_tanh" | "relu2"
     x: fx.Node  # the block input
     down: fx.Node  # its output node
     up: fx.Node  # call_module linear (or the fused gate_up linear)
@@ -72,7 +72,34 @@ def activation_of(gm: fx.GraphModule, node: fx.Node) -> str | None:
             return "gelu_tanh" if node.kwargs.get("approximate", "none") == "tanh" else "gelu"
     if node.op == "call_method" and node.target in ("relu", "relu_"):
         return "relu"
+    if squared_relu(gm, node) is not None:
+        return "relu2"
     return None
+
+
+def squared_relu(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
+    """The ReLU node that `node` squares (relu(v) ** 2, relu(v).pow(2), torch.square(relu(v)),
+    r * r for r = relu(v)) when that ReLU feeds nothing else: the two are one squared ReLU."""
+    args = node.args
+    if node.op == "call_function" and node.target is torch.square or (
+            node.op == "call_method" and node.target == "square"):
+        arg = args[0] if len(args) == 1 else None
+    elif node.op == "call_function" and node.target in (operator.pow, torch.pow) or (
+            node.op == "call_method" and node.target == "pow"):
+        arg = args[0] if len(args) == 2 and args[1] == 2 else None
+    elif label_is_mul(node):
+        arg = args[0] if len(args) == 2 and args[0] is args[1] else None
+    else:
+        return None
+    if (isinstance(arg, fx.Node) and not node.kwargs and len(arg.users) == 1
+            and activation_of(gm, arg) == "relu"):
+        return arg
+    return None
+
+
+def label_is_mul(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target in MUL_FUNCS) or (
+        node.op == "call_method" and node.target == "mul")
 
 
 def label(gm: fx.GraphModule, node: fx.Node) -> str:
@@ -81,9 +108,7 @@ def label(gm: fx.GraphModule, node: fx.Node) -> str:
     act = activation_of(gm, node)
     if act is not None:
         return f"act:{act}"
-    if (node.op == "call_function" and node.target in MUL_FUNCS) or (
-        node.op == "call_method" and node.target == "mul"
-    ):
+    if label_is_mul(node):
         return "mul"
     if node.op in ("call_method", "call_function") and node.target in ("chunk", torch.chunk):
         return "chunk"
@@ -93,10 +118,17 @@ def label(gm: fx.GraphModule, node: fx.Node) -> str:
 
 
 def graph_to_nx(gm: fx.GraphModule) -> nx.DiGraph:
+    """The graph as networkx sees it; a ReLU squared in a second node becomes one `act:relu2`
+    node (the ReLU in its `folded` list, which a match replaces with it)."""
     g = nx.DiGraph()
+    squares = {n: r for n in gm.graph.nodes if (r := squared_relu(gm, n)) is not None}
+    folded = set(squares.values())
     for node in gm.graph.nodes:
-        g.add_node(node, label=label(gm, node))
-        for inp in node.all_input_nodes:
+        if node in folded:
+            continue
+        relu = squares.get(node)
+        g.add_node(node, label=label(gm, node), folded=[relu] if relu is not None else [])
+        for inp in (relu or node).all_input_nodes:
             g.add_edge(inp, node)
     return g
 
@@ -148,8 +180,10 @@ def _input(node: fx.Node) -> fx.Node | None:
     return node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
 
 
-def _check(gm: fx.GraphModule, kind: str, m: dict[str, fx.Node]) -> tuple[Match | None, str]:
-    """Build a Match from a pattern occurrence, or say why it cannot be rewritten."""
+def _check(gm: fx.GraphModule, kind: str, m: dict[str, fx.Node],
+           folded: list[fx.Node]) -> tuple[Match | None, str]:
+    """Build a Match from a pattern occurrence, or say why it cannot be rewritten. folded: the
+    graph nodes the occurrence's nodes stand for besides themselves (a squared ReLU's ReLU)."""
     up, down = m["up"], m["down"]
     act_name = label(gm, m["act"]).removeprefix("act:")
     x = _input(up)
@@ -188,13 +222,13 @@ def _check(gm: fx.GraphModule, kind: str, m: dict[str, fx.Node]) -> tuple[Match 
             return None, "gate and up projections differ in shape"
         if (g_mod.bias is None) != (up_mod.bias is None):
             return None, "only one of gate and up has a bias"
-    inner = [n for k, n in m.items() if k != "down"]
+    inner = [n for k, n in m.items() if k != "down"] + folded
     for node in inner:
-        outside = [u for u in node.users if u not in m.values()]
+        outside = [u for u in node.users if u not in inner and u is not down]
         if outside:
             return None, f"{node.name} is also used outside the FFN (by {outside[0].name})"
     match = Match(kind=kind, act=act_name, x=x, down=down, up=up, gate=gate,
-                  fused_gate_half=half, nodes=list(m.values()))
+                  fused_gate_half=half, nodes=list(m.values()) + folded)
     return match, ""
 
 
@@ -216,13 +250,13 @@ def detect(gm: fx.GraphModule) -> Detection:
             m = {p: gnode for gnode, p in mapping.items()}  # pattern name -> fx node
             if taken & set(m.values()):
                 continue
-            match, why = _check(gm, kind, m)
+            match, why = _check(gm, kind, m, [f for n in m.values() for f in g.nodes[n]["folded"]])
             if match is None:
                 rejected.append(f"{m['down'].name}: {why}")
                 near |= set(m.values())
                 continue
             matches.append(match)
-            taken |= set(m.values())
+            taken |= set(match.nodes)
     rejected += _unsupported_activations(gm, g, taken)
     rejected += _activations_in_other_forms(gm, g, taken | near)
     return Detection(matches, sorted(set(rejected)))
@@ -276,5 +310,5 @@ def _unsupported_activations(gm: fx.GraphModule, g: nx.DiGraph, taken: set[fx.No
                 and any(g.nodes[s]["label"] == "linear" and s not in taken for s in succs)):
             what = node.target if node.op != "call_module" else type(gm.get_submodule(node.target)).__name__
             out.append(f"{node.name}: activation {getattr(what, '__name__', what)} is not supported "
-                       "(supported: relu, silu, gelu, gelu_tanh)")
+                       f"(supported: {', '.join(ACTIVATIONS)})")
     return out

@@ -28,6 +28,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from picompile.activations import zero_below
 from picompile.passes.profile import BlockProfile
 from picompile.progress import progress_bar
 from picompile.runtime.predictor import Predictor
@@ -285,8 +286,8 @@ def _row_reads(ffn) -> tuple[int, int]:
     gate / up rows (ffn.row_bytes each), the later ones up (gated ReLU) and down
     (ffn.down_row_bytes: its own format)."""
     gated = ffn.w_gate is not None
-    first_rows = 2 if gated and ffn.act != "relu" else 1  # gate / up rows per candidate
-    later_up = 1 if gated and ffn.act == "relu" else 0  # up rows per firing neuron, then down
+    first_rows = 2 if gated and not zero_below(ffn.act) else 1  # gate / up rows per candidate
+    later_up = 1 if gated and zero_below(ffn.act) else 0  # up rows per firing neuron, then down
     return first_rows * ffn.row_bytes, later_up * ffn.row_bytes + ffn.down_row_bytes
 
 
@@ -301,7 +302,7 @@ def first_projection(ffn) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(W [n_ff, d], b [n_ff] or None) whose sign decides a ReLU block's firing (the gate, or
     up without a gate) as float weights; None for other activations (a SiLU neuron never
     gives exact zeros: its firing is a threshold on |h|, not a sign) and quantized rows."""
-    if ffn.act != "relu":
+    if not zero_below(ffn.act):
         return None
     w, b = (ffn.w_gate, ffn.b_gate) if ffn.w_gate is not None else (ffn.w_up, ffn.b_up)
     if not w.is_floating_point():

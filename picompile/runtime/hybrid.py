@@ -35,6 +35,7 @@ import time
 import torch
 from torch import nn
 
+from picompile.activations import zero_below
 from picompile.codegen import cold_worker
 from picompile.codegen.decoder import function_pointer
 from picompile.config import KERNEL_MAX_TOKENS, cold_threads_override
@@ -364,7 +365,7 @@ class HybridFFN:
         tensors stay lazy): a first row per candidate (the gate, or up for plain blocks; gate
         and up for gated non-ReLU blocks), the other rows per firing neuron (up and down, or
         down; the down row in its own format)."""
-        gated, relu = self.hot.w_gate is not None, self.hot.act == "relu"
+        gated, relu = self.hot.w_gate is not None, zero_below(self.hot.act)
         first, later = (2, 1) if gated and not relu else (1, 2) if gated else (1, 1)
         row, down = self.hot.row_bytes, self.hot.down_row_bytes
         return candidates * first * row + active * ((later - 1) * row + down)

@@ -58,6 +58,8 @@ def activation(name: str, x: torch.Tensor) -> torch.Tensor:
         return F.gelu(x)
     if name == "gelu_tanh":
         return F.gelu(x, approximate="tanh")
+    if name == "relu2":
+        return torch.square(F.relu(x))
     raise ValueError(f"unsupported activation {name!r}")
 
 
