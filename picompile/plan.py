@@ -193,12 +193,14 @@ class Plan:
         blocks = []
         for i, b in enumerate(data["blocks"]):
             where = f"blocks[{i}]"
-            _check_fields(where, b, BLOCK_FIELDS, required=_required(BlockPlan))
+            _check_fields(where, b, BLOCK_FIELDS, required=BLOCK_REQUIRED)
             parts = {}
+            # Every field: each has been written since plan format 2, and a decision left to
+            # its default would change how the block runs (no threshold: dense) unsaid.
             for part, part_cls, spec in (("decided", Decisions, DECISION_FIELDS),
                                          ("measured", Measurements, MEASUREMENT_FIELDS)):
-                _check_fields(f"{where}.{part}", b.get(part, {}), spec, required=(), block=b.get("name"))
-                parts[part] = part_cls(**b.get(part, {}))
+                _check_fields(f"{where}.{part}", b[part], spec, required=tuple(spec), block=b["name"])
+                parts[part] = part_cls(**b[part])
             block = BlockPlan(**{**b, **parts})
             if block.exact and block.decided.threshold != 0:  # calibrate leaves ReLU blocks exact
                 _bad(f"{where}.decided.threshold", block.decided.threshold,
@@ -360,6 +362,9 @@ def _required(cls) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING)
 
 
+BLOCK_REQUIRED = (*_required(BlockPlan), "decided", "measured")
+
+
 def _show(value) -> str:
     r = repr(value)
     return r if len(r) <= 80 else r[:77] + "..."
@@ -382,7 +387,9 @@ def _check_fields(where: str, data, spec: dict, required, block: str | None = No
                             f"{_show(data[key])}); allowed fields: {', '.join(spec)}")
     for key in required:
         if key not in data:
-            raise PlanError(f"invalid plan: {where} lacks the field {key!r}")
+            of = f" (block {block!r})" if block else ""
+            raise PlanError(f"invalid plan: {where}{of} lacks the field {key!r}. The plan was "
+                            "edited or damaged: compile the model again and save it")
     for key, (test, allowed) in spec.items():
         if key in data and not test(data[key]):
             _bad(f"{where}.{key}" if where != "plan" else key, data[key], allowed, block)

@@ -19,7 +19,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 import picompile
-from picompile import quant
+from picompile import quant, saving
 from picompile.passes import quantize as quantize_pass
 from picompile.runtime.dense_linear import QuantLinear
 from picompile.runtime.sparse_ffn import SparseFFN
@@ -658,6 +658,13 @@ def test_calibrated_plan_saves_and_loads_its_blocks(tmp_path):
     test = torch.randint(0, zoo.VOCAB, (2, 5))
     with torch.no_grad():
         torch.testing.assert_close(zoo.logits(loaded, test), zoo.logits(cm, test), atol=0, rtol=0)
+    # a plan whose GPTQ blocks lack one weight (its checksums made anew): refused, not rounded
+    plan_json, tensors = saving.read(tmp_path / "plan", cm.plan.fingerprint)
+    key = "model.layers.1.mlp.sparse_ffn.w_up.blocks"
+    saving.save(plan_json, {k: t for k, t in tensors.items() if k != key}, cm.plan.fingerprint,
+                tmp_path / "short")
+    with pytest.raises(saving.PlanError, match=f"saved tensor {key} is missing"):
+        picompile.load(copy.deepcopy(dense), tmp_path / "short")
 
 
 def test_calibrated_layer_by_layer_leaves_the_head_to_nearest():

@@ -454,6 +454,10 @@ INVALID = {
     "decided": _set("blocks.0.decided", [0.5]),
     "'d_ff'": _delete("blocks.0.d_ff"),  # missing
     "'mode'": _delete("mode"),
+    "'threshold'": _delete("blocks.1.decided.threshold"),  # would run the block dense
+    "'hot_neurons'": _delete("blocks.0.decided.hot_neurons"),
+    "'decode_us_exact'": _delete("blocks.0.measured.decode_us_exact"),
+    "'decided'": _delete("blocks.0.decided"),
 }
 
 

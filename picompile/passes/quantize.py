@@ -198,7 +198,8 @@ class Rounding:
 
     def __init__(self, saved: dict[str, torch.Tensor] | None = None, tokens: int = 0,
                  skipped: str | None = None):
-        self.saved, self.tokens = saved or {}, tokens  # tokens: the Hessians' calibration tokens
+        # saved: a plan's blocks (None when compiling), one for every weight it quantizes
+        self.saved, self.tokens = saved, tokens  # tokens: the Hessians' calibration tokens
         self.skipped = skipped  # why there are no Hessians though calibration data was given
         self.count = 0  # weights given calibrated blocks
         self.too_wide: dict[int, int] = {}  # input width -> weights left to nearest (> tokens)
@@ -244,8 +245,12 @@ class Rounding:
         """uint8 blocks of `w` in GGUF's row layout (w [O, K], blocks along K; transposed: w is
         down_t [n_ff, d], blocks along d), or None for round-to-nearest."""
         rows, cols = w.shape
-        saved = self.saved.get(f"{key}.blocks")
-        if saved is not None:
+        if self.saved is not None:  # a plan's: every quantized weight's blocks were saved
+            saved = self.saved.get(f"{key}.blocks")
+            if saved is None:
+                raise PlanError(f"saved tensor {key}.blocks is missing (the plan was quantized "
+                                "by GPTQ and keeps the blocks of every weight): compile the model "
+                                "again and save it")
             want = (rows, quant.row_bytes(cols, fmt))
             if saved.dtype != torch.uint8 or tuple(saved.shape) != want:
                 raise PlanError(f"saved tensor {key}.blocks is {saved.dtype} {tuple(saved.shape)}; "
