@@ -67,7 +67,7 @@ def measure_picompile(args) -> list[Row]:
             tps = bench.best_tps(cm, prompt, n, args.repeats)
             notes = "" if cm.sparsity() is None else f"FFN sparsity {cm.sparsity():.1%}; "
             record(f"picompile {what}, {dtype}, whole-step decoder", tps,
-                   notes + bench.decoder_note(cm, prompt, n, tps))
+                   notes + bench.decoder_note(cm, prompt, n, tps, args.repeats))
             runs = []
             for _ in range(args.repeats):  # the loop without the decoder: steps through modules
                 t0 = time.perf_counter()

@@ -175,18 +175,36 @@ def llama_cpp_rows(gguf: pathlib.Path | None, dtype: torch.dtype, threads: int, 
 
 def best_tps(model, prompt: torch.Tensor, n: int, repeats: int) -> float:
     """The best decode tokens/s of `repeats` greedy runs of exactly n new tokens."""
+    return max(run_tps(model, prompt, n, repeats))
+
+
+def run_tps(model, prompt: torch.Tensor, n: int, repeats: int) -> list[float]:
+    """Decode tokens/s of each of `repeats` greedy runs of exactly n new tokens."""
     from picompile.timing import timed_generate
 
-    return max(timed_generate(model, prompt, n, exact_length=True)[1] for _ in range(repeats))
+    return [timed_generate(model, prompt, n, exact_length=True)[1] for _ in range(repeats)]
 
 
-def decoder_note(cm, prompt: torch.Tensor, n: int, tps: float) -> str:
-    """How the compiled model decodes: the whole-step decoder's C step alone (tokens/s) and the
-    Python time per token of the loop around it, or why there is no decoder."""
+BUSY_SPREAD = 0.15  # runs this much slower than the best: say so
+
+
+def spread_note(runs: list[float]) -> list[str]:
+    """A note when the runs of one system varied widely (another program took the cores part of
+    the time): the best run is kept, but the rows may not be what this machine can do."""
+    slowest = 1 - min(runs) / max(runs)
+    if slowest <= BUSY_SPREAD:
+        return []
+    return [f"runs varied: the slowest {slowest:.0%} under the best (a busy machine?)"]
+
+
+def decoder_note(cm, prompt: torch.Tensor, n: int, tps: float, repeats: int = 1) -> str:
+    """How the compiled model decodes: the whole-step decoder's C step alone (tokens/s, the
+    best of `repeats` runs) and the Python time per token of the loop around it, or why there
+    is no decoder."""
     dec = cm.decoder()
     if dec is None:
         return f"no whole-step decoder ({cm.decoder_reason})"
-    step_tps = decoder_tps(dec, prompt, n)
+    step_tps = max(decoder_tps(dec, prompt, n) for _ in range(repeats))
     python_ms = (1 / tps - 1 / step_tps) * 1e3
     return (f"C step alone {step_tps:.1f} tok/s, Python per token " +
             (f"{python_ms:.2f} ms" if python_ms > 0 else "within the runs' spread"))
@@ -237,14 +255,17 @@ def compare(model, tokenizer, compile_fn, *, gguf: pathlib.Path | None, new_toke
     weights = cm.plan.quantize  # None (float), "gguf" (the file's blocks) or a block format
     rows = llama_cpp_rows(gguf, dtype, threads, new_tokens, weights=weights, build=build,
                           repeats=repeats, quiet=quiet)
-    rows.append(Row(f"dense, Hugging Face eager, {name}", best_tps(dense, prompt, new_tokens, repeats),
+    runs = run_tps(dense, prompt, new_tokens, repeats)
+    rows.append(Row(f"dense, Hugging Face eager, {name}", max(runs), "; ".join(spread_note(runs)),
                     ref=True))
     log(f"{rows[-1].system}: {rows[-1].tps:.1f} tok/s", quiet)
     del dense
     cm.reset_stats()
-    tps = best_tps(cm, prompt, new_tokens, repeats)
+    runs = run_tps(cm, prompt, new_tokens, repeats)
+    tps = max(runs)
     notes = [] if cm.sparsity() is None else [f"FFN sparsity {cm.sparsity():.1%}"]
-    notes.append(decoder_note(cm, prompt, new_tokens, tps))
+    notes.append(decoder_note(cm, prompt, new_tokens, tps, repeats))
+    notes += spread_note(runs)
     rows.append(Row(f"picompile, {describe(cm)}, {weights or name}", tps, "; ".join(notes)))
     log(f"{rows[-1].system}: {tps:.1f} tok/s", quiet)
     return rows

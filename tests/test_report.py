@@ -250,3 +250,11 @@ def test_bench_table_ratios_to_reference_rows():
     assert lines[0] == "| system | tok/s | vs a | notes |"
     assert lines[2:] == ["| a | 50.0 | 1.00x |  |", "| b | 100.0 | 2.00x | fast |",
                          "| c | - | - | why |"]
+
+
+def test_runs_that_varied_widely_are_noted():
+    """The best run is kept; when another was more than 15% slower the row says so (a machine
+    busy part of the time gave rows 20x slower, unsaid)."""
+    assert bench.spread_note([50.0, 48.0, 45.0]) == []
+    assert bench.spread_note([50.0, 20.0]) == ["runs varied: the slowest 60% under the best "
+                                               "(a busy machine?)"]
