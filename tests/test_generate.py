@@ -381,6 +381,24 @@ def test_generating_past_the_context_is_noted(llama, capsys):
     assert "context" not in capsys.readouterr().err
 
 
+def test_padding_hf_warns_of_is_noted(llama, capsys):
+    """As HF's generate warns (its tokens are the same): a batch padded on the right, and a batch
+    without attention_mask whose padding cannot be told from text; nothing for one row or a
+    left-padded batch."""
+    rows = [_prompt(5, 1), _prompt(3, 2)]
+    left, mask = _left_padded(rows)
+    right = torch.stack([torch.cat([r, r.new_zeros(5 - len(r))]) for r in rows])
+    right_mask = (torch.arange(5) < torch.tensor([[5], [3]])).long()
+    cases = [(dict(input_ids=right, attention_mask=right_mask, pad_token_id=0), "right padding"),
+             (dict(input_ids=left, pad_token_id=2, eos_token_id=2), "pad token is the EOS token"),
+             (dict(input_ids=left, attention_mask=mask, pad_token_id=0), None),
+             (dict(input_ids=left[:1], eos_token_id=2), None)]
+    for kw, said in cases:
+        generate_hf(llama, max_new_tokens=2, do_sample=False, **kw)
+        err = capsys.readouterr().err
+        assert ("padd" in err) == (said is not None) and (said or "") in err, (kw, err)
+
+
 def test_two_threads_generating_at_once_get_what_each_gets_alone():
     """generate() from two threads: the compiled model's decoder (one KV cache, grown as a
     generation needs) serves one at a time, so each thread gets the tokens it gets alone (a

@@ -407,6 +407,9 @@ def _resolve(model, args: tuple, kwargs: dict, quiet: bool) -> dict:
     pad = gc.pad_token_id
     if pad is None and eos_list:
         pad = eos_list[0]
+    if not quiet and inputs.shape[0] > 1:
+        for line in _padding_notes(inputs, attention_mask, gc.pad_token_id, pad, eos_list):
+            note(line)
     if attention_mask is None and pad is not None and pad not in eos_list:
         # HF infers the mask from pad tokens in the prompt when pad differs from EOS.
         if bool((inputs == pad).any()):
@@ -428,6 +431,24 @@ def _resolve(model, args: tuple, kwargs: dict, quiet: bool) -> dict:
                 repetition_penalty=penalty, logits_processor=processors,
                 eos_token_id=eos_list or None, pad_token_id=pad, streamer=streamer,
                 prompt_lookup=gc.prompt_lookup_num_tokens)
+
+
+def _padding_notes(inputs: torch.Tensor, mask: torch.Tensor | None, pad_given: int | None,
+                   pad: int | None, eos: list[int]) -> list[str]:
+    """What HF's generate warns of in a batch (inputs [B > 1, S]), as it decides it: a pad token
+    that cannot be told from the text (none given, or the EOS token) without an attention mask,
+    and right padding (a decoder-only model continues each row after its last position)."""
+    out = []
+    if mask is None and eos and (pad_given is None or pad in eos):
+        out.append("generate: a batch without attention_mask, and its pad token is "
+                   f"{'not set' if pad_given is None else 'the EOS token'}: padding cannot be told "
+                   "from text; pass the tokenizer's attention_mask for reliable results")
+    last_padded = (mask[:, -1] == 0) if mask is not None else (
+        inputs[:, -1] == pad if pad is not None else torch.zeros(1, dtype=torch.bool))
+    if bool(last_padded.any()):
+        out.append("generate: right padding in the batch: a decoder-only model needs its rows "
+                   "padded on the left (the tokenizer's padding_side='left')")
+    return out
 
 
 def _long_rope_switch(config) -> int | None:
