@@ -23,7 +23,7 @@ calibrating, profiling and training again.
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -38,6 +38,7 @@ from picompile.options import (Options, calibration_ids, check_gguf, check_kv_ca
 from picompile.passes import autotune as autotune_pass
 from picompile.passes import calibrate as calibrate_pass
 from picompile.passes import hessians as hessians_pass
+from picompile.passes import linearize
 from picompile.passes import lower as lower_pass
 from picompile.passes import predictors as predictors_pass
 from picompile.passes import profile as profile_pass
@@ -60,6 +61,15 @@ class Captured:
     model: nn.Module  # the same model, its captured submodules swapped for their graphs
     graphs: dict[str, fx.GraphModule]  # by module name ("" for a model captured whole)
     ffns: dict[str, SparseFFN]  # by block name
+    # GPT-2's Conv1D layers the model held, now nn.Linear (linearize.put_back undoes it)
+    conv1d: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list)
+
+    def forget_originals(self) -> None:
+        """Drop what undoing the capture needs (the modules it replaced, with their weights):
+        from here on the compile does not undo itself."""
+        for gm in self.graphs.values():
+            gm.meta.pop("picompile_original", None)
+        self.conv1d.clear()
 
 
 def compile(
@@ -143,14 +153,13 @@ def compile(
         # Nothing has permuted or moved a weight before placement: put the original modules
         # back, so that a retry (with other arguments) starts from the model as it was.
         if not any(f.order is not None or f.hybrid is not None for f in captured.ffns.values()):
-            _restore(model, captured.graphs)
+            _restore(model, captured)
         raise
     finally:
         # The originals hold the float weights (the rewrite shares or copies them): gone before
         # lowering, which quantizes, so that the float and the quantized model are never both
         # held (a 7B float16 model is 13.5 GB).
-        for gm in captured.graphs.values():
-            gm.meta.pop("picompile_original", None)
+        captured.forget_originals()
         _collect(model)  # modules and their graphs hold each other: freed by the collector only
     if plan.placement.budget_bytes is not None and not plan.placement.fixed_on_gpu:
         _onto_cpu(model)
@@ -191,7 +200,19 @@ def _collect(model: nn.Module, min_bytes: int = 1 << 28) -> None:
 
 
 def _capture(model: nn.Module, plan: Plan) -> Captured:
-    """capture + detect + rewrite; what is not matched goes to plan.unmatched with its reason."""
+    """linearize, then capture + detect + rewrite (_find_blocks); the model as it was where
+    that fails."""
+    conv1d = linearize.conv1d_to_linear(model)
+    try:
+        return Captured(*_find_blocks(model, plan), conv1d)
+    except BaseException:
+        linearize.put_back(conv1d)
+        raise
+
+
+def _find_blocks(model: nn.Module, plan: Plan):
+    """capture + detect + rewrite -> (model, graphs, ffns) as Captured holds them; what is not
+    matched goes to plan.unmatched with its reason."""
     detections = {}
 
     def holds_block(name: str, gm: fx.GraphModule) -> bool:
@@ -233,16 +254,13 @@ def _capture(model: nn.Module, plan: Plan) -> Captured:
             f"{', '.join(ACTIVATIONS)}. Nothing here runs sparse: run the model with transformers "
             "as it is"
         )
-    return Captured(model, graphs, ffns)
+    return model, graphs, ffns
 
 
 def _unsupported_kinds(model: nn.Module) -> list[str]:
     """Kinds of FFN picompile does not compile that `model` has, said first when it finds no
-    block: GPT-2's Conv1D projections, mixture-of-experts blocks."""
+    block: mixture-of-experts blocks."""
     out = []
-    if any(type(m).__name__ == "Conv1D" for m in model.modules()):  # GPT-2's c_fc / c_proj
-        out.append("its projections are GPT-2-style Conv1D layers (weights [in, out]), not "
-                   "nn.Linear, which picompile does not read")
     moe = next((f"{name}: {kind}" for name, m in model.named_modules()
                 for kind in [type(m).__name__]  # not the model's own classes (GraniteMoeModel)
                 if any(k in kind.lower() for k in ("moe", "experts"))
@@ -253,11 +271,13 @@ def _unsupported_kinds(model: nn.Module) -> list[str]:
     return out
 
 
-def _restore(model, graphs: dict[str, fx.GraphModule]) -> None:
-    """Undo _capture: each captured submodule's original module goes back in its place."""
-    for name, gm in graphs.items():
+def _restore(model, captured: Captured) -> None:
+    """Undo _capture: each captured submodule's original module goes back in its place, and
+    each Conv1D in its own."""
+    for name, gm in captured.graphs.items():
         if name:
             replace_module(model, name, gm.meta["picompile_original"])
+    linearize.put_back(captured.conv1d)
 
 
 def _decide(captured: Captured, plan: Plan, ids, opts: Options) -> dict[str, BlockProfile]:
@@ -452,8 +472,7 @@ def load(model: nn.Module, directory, gguf=None, kv_cache=None,
         note(f"the GGUF file's own quantized tensors are not used: the plan in {directory} "
              f"was compiled with quantize={plan.quantize!r}", quiet)
     captured = _capture(model, plan)
-    for gm in captured.graphs.values():
-        gm.meta.pop("picompile_original", None)
+    captured.forget_originals()
     saving.check_blocks(plan.blocks, saved.blocks)
     plan.blocks = saved.blocks
     for block in saved.blocks:

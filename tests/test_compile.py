@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import tempfile
 
 import pytest
 import torch
@@ -123,11 +124,32 @@ def test_an_activation_in_another_form_is_named_with_its_path():
         picompile.compile(SubNormMLP().eval(), quiet=True)
 
 
-def test_gpt2_conv1d_layers_are_named_in_the_refusal():
-    model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=zoo.VOCAB, n_embd=32, n_layer=1, n_head=4,
-                                           n_positions=64, eos_token_id=0, bos_token_id=0))
-    with pytest.raises(ValueError, match="no FFN block.*GPT-2-style Conv1D"):
-        picompile.compile(model.eval(), quiet=True)
+def test_gpt2_conv1d_layers_become_linear_and_come_back_when_compile_fails():
+    """GPT-2's Conv1D (x @ W + b, W [in, out]) are read as nn.Linear: its MLPs are GELU blocks,
+    its attention projections and head run on the dense kernels. A compile that fails puts
+    each Conv1D back (the same module, its weights unchanged); a plan loads onto a fresh one."""
+    model = zoo.make("gpt2")
+    convs = {n: m for n, m in model.named_modules() if type(m).__name__ == "Conv1D"}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises((IndexError, ValueError, RuntimeError)):
+        picompile.compile(model, mode="predicted", calibration=torch.full((2, 8), zoo.VOCAB + 5))
+    assert {n: m for n, m in model.named_modules() if type(m).__name__ == "Conv1D"} == convs
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="no FFN block"):
+        picompile.compile(torch.nn.Sequential(model.transformer.h[0].attn), quiet=True)
+    assert model.transformer.h[0].attn.c_attn is convs["transformer.h.0.attn.c_attn"]
+
+    dense, cm = compile_pair("gpt2")
+    assert [(b.kind, b.act, b.linears) for b in cm.plan.blocks] == [
+        ("plain", "gelu_tanh", {"up": "c_fc", "down": "c_proj"})] * 2
+    assert not any(type(m).__name__ == "Conv1D" for m in cm._orig_mod.modules())
+    assert "5 C float32" in picompile.explain(cm)  # c_attn, attention's c_proj x 2, lm_head
+    with tempfile.TemporaryDirectory() as d:
+        cm.save(d)
+        loaded = picompile.load(zoo.make("gpt2"), d, quiet=True)
+    ids = torch.randint(0, zoo.VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(zoo.logits(loaded, ids), zoo.logits(dense, ids), **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("arch", ["llama_relu", "opt"])

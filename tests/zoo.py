@@ -58,6 +58,9 @@ def hf_config(arch: str, hidden: int = 32, n_ff: int = 80, layers: int = 2):
         return T.GraniteConfig(**c, intermediate_size=n_ff, num_key_value_heads=2,
                                residual_multiplier=0.5, embedding_multiplier=2.0,
                                logits_scaling=3.0)
+    if arch == "gpt2":  # Conv1D projections (weights [in, out]), learned positions
+        return T.GPT2Config(vocab_size=VOCAB, n_embd=hidden, n_layer=layers, n_head=4,
+                            n_inner=n_ff, n_positions=128, bos_token_id=1, eos_token_id=2)
     if arch == "nemotron":  # squared ReLU, LayerNorm with weight + 1, RoPE over half of a head
         return T.NemotronConfig(**c, intermediate_size=n_ff, num_key_value_heads=2,
                                 partial_rotary_factor=0.5, bos_token_id=1, eos_token_id=2)
@@ -76,7 +79,7 @@ def hf_config(arch: str, hidden: int = 32, n_ff: int = 80, layers: int = 2):
 
 
 HF_ARCHS = ["llama_relu", "llama_silu", "mistral", "qwen2", "qwen3", "phi3", "opt", "falcon",
-            "gpt_neox", "gemma", "gemma2", "gemma3", "granite", "nemotron", "arcee"]
+            "gpt_neox", "gemma", "gemma2", "gemma3", "granite", "nemotron", "arcee", "gpt2"]
 RELU_ARCHS = ["llama_relu", "opt", "tiny_gated_relu", "tiny_plain_relu", "tiny_drelu",
               "nemotron", "arcee", "tiny_gated_relu2"]
 TINY_FFNS = ["tiny_plain_relu", "tiny_gated_relu", "tiny_drelu", "tiny_fused_silu",
