@@ -20,7 +20,9 @@ is one rewritten SparseFFN (with or without predictor), with Qwen3's per-head q 
 Phi-3's fused qkv_proj or Granite's multipliers; Gemma's (norms by 1 + weight, scaled
 embeddings; Gemma 2 and 3: post-norms of each sublayer's output, tanh caps of scores and
 logits, a RoPE table per layer type); and OPT's (pre-norm OPT: LayerNorm with biases, learned
-positions, the rewritten fc1 / fc2 block in the layer itself). Sliding windows per layer.
+positions, the rewritten fc1 / fc2 block in the layer itself); GPT-2's (LayerNorm, learned
+positions, q, k and v in one c_attn, its Conv1D layers read as nn.Linear since
+passes/linearize.py). Sliding windows per layer.
 Parallel-residual families (Falcon, GPT-NeoX, GPT-J, Phi) are refused. `Decoder(model)` checks
 the structure; `verify(model)` then checks the numbers, one decode step against the model's own
 forward, since a look-alike (a model that scales its residuals or logits in its own forward)
@@ -145,6 +147,10 @@ class Family:
     post_ffn_norm: str | None = None  # and of the FFN's
     gemma: bool = False  # RMSNorm by 1 + weight, embeddings times sqrt(d)
     granite: bool = False  # the config's multipliers of embeddings, residuals and logits
+    layers: str = "layers"  # the stack's list of decoder layers
+    embed: str = "embed_tokens"  # the stack's token embedding
+    attn: str = "self_attn"  # a layer's attention
+    qkv: str = "qkv_proj"  # an attention's q, k and v in one linear, where it has that
 
 
 LLAMA = Family("Llama", "model", "norm", "input_layernorm", "post_attention_layernorm", "o_proj",
@@ -155,6 +161,8 @@ GRANITE = Family("Granite", "model", "norm", "input_layernorm", "post_attention_
                  "o_proj", layer_norm=False, positions="rotary_emb", granite=True)
 GEMMA = Family("Gemma", "model", "norm", "input_layernorm", "post_attention_layernorm", "o_proj",
                layer_norm=False, positions="rotary_emb", gemma=True)
+GPT2 = Family("GPT-2", "transformer", "ln_f", "ln_1", "ln_2", "c_proj", layer_norm=True,
+              positions="wpe", layers="h", embed="wte", attn="attn", qkv="c_attn")
 GEMMA2 = Family("Gemma 2", "model", "norm", "input_layernorm", "pre_feedforward_layernorm",
                 "o_proj", layer_norm=False, positions="rotary_emb",
                 post_attn_norm="post_attention_layernorm",
@@ -172,6 +180,10 @@ def family(model: nn.Module) -> Family:
         if getattr(base, "project_in", None) is not None or getattr(base, "project_out", None):
             raise Unsupported("OPT projects its embeddings in and out (word_embed_proj_dim)")
         return OPT
+    if kind == "gpt2":
+        if config.add_cross_attention or config.scale_attn_by_inverse_layer_idx:
+            raise Unsupported("GPT-2 with cross-attention or scores scaled by 1 / layer number")
+        return GPT2
     if kind == "gemma":
         return GEMMA
     if kind == "granite":
@@ -254,19 +266,20 @@ class Stack:
             base = model.get_submodule(fam.stack)
         except AttributeError:
             base = None
-        layers = getattr(base, "layers", None)
+        layers = getattr(base, fam.layers, None)
         if not isinstance(layers, nn.ModuleList) or not len(layers):
-            raise Unsupported(f"{type(model).__name__} has no {fam.stack}.layers decoder stack")
-        for name in ("embed_tokens", fam.final_norm, fam.positions):
+            raise Unsupported(f"{type(model).__name__} has no {fam.stack}.{fam.layers} decoder "
+                              "stack")
+        for name in (fam.embed, fam.final_norm, fam.positions):
             if getattr(base, name, None) is None:
                 raise Unsupported(f"{type(model).__name__}.{fam.stack} has no {name}")
-        if not isinstance(base.embed_tokens, nn.Embedding):
-            raise Unsupported(f"{fam.stack}.embed_tokens is not an nn.Embedding")
-        self.base = base
+        if not isinstance(getattr(base, fam.embed), nn.Embedding):
+            raise Unsupported(f"{fam.stack}.{fam.embed} is not an nn.Embedding")
+        self.base, self.decoder_layers = base, layers
         self.lm_head = linear_of(getattr(model, "lm_head", None), "lm_head")
         self.final_norm = _norm(getattr(base, fam.final_norm), f"{fam.stack}.{fam.final_norm}",
                                 fam.layer_norm, fam.gemma)
-        self.embedding = base.embed_tokens.weight  # [vocab, d]
+        self.embedding = getattr(base, fam.embed).weight  # [vocab, d]
         self.vocab, self.d = self.embedding.shape
         # Gemma scales the embeddings by sqrt(d) rounded to the model's dtype; Granite scales
         # embeddings, each sublayer's output and (dividing) the logits by its config's numbers.
@@ -290,10 +303,10 @@ class Stack:
             self.learned_positions = table.weight.detach()[getattr(table, "offset", 0):]
             self.max_positions = len(self.learned_positions)
 
-        attn0 = getattr(layers[0], "self_attn", None)
+        attn0 = getattr(layers[0], fam.attn, None)
         if attn0 is None:  # e.g. Qwen3-Next's first layers: linear attention
-            raise Unsupported(f"{fam.stack}.layers.0 ({type(layers[0]).__name__}) has no "
-                              "self_attn")
+            raise Unsupported(f"{fam.stack}.{fam.layers}.0 ({type(layers[0]).__name__}) has no "
+                              f"{fam.attn}")
         self.head_dim = int(getattr(attn0, "head_dim", 0))
         self.scale = getattr(attn0, "scaling", None)
         self.n_heads = int(getattr(config, "num_attention_heads", 0))
@@ -308,7 +321,7 @@ class Stack:
         self.per_type_rope = (rotary is not None  # a table per layer type (Gemma 3)
                               and "layer_type" in inspect.signature(rotary.forward).parameters)
         self.layers: list[Layer] = [
-            self._layer(layer, f"{fam.stack}.layers.{i}", linear_of, ffn_of)
+            self._layer(layer, f"{fam.stack}.{fam.layers}.{i}", linear_of, ffn_of)
             for i, layer in enumerate(layers)]
         self.rot_dim = 0  # dimensions of each head RoPE rotates (head_dim, or fewer)
         if self.learned_positions is None:  # from one position of its tables
@@ -317,7 +330,7 @@ class Stack:
             if widths or self.rot_dim % 2 or self.rot_dim > self.head_dim:
                 raise Unsupported(f"RoPE tables of widths {sorted(widths | {self.rot_dim})} "
                                   f"over heads of {self.head_dim}")
-            self._check_rope_style(layers[0].self_attn, f"{fam.stack}.layers.0.self_attn")
+            self._check_rope_style(attn0, f"{fam.stack}.{fam.layers}.0.{fam.attn}")
 
     def _check_rope_style(self, attn: nn.Module, where: str) -> None:
         """Unsupported unless the model's own apply_rotary_pos_emb (its modeling module's) turns
@@ -345,13 +358,13 @@ class Stack:
         fam = self.family
         parts = {n for n, m in layer._modules.items() if not isinstance(m, nn.Dropout)}
         post = (fam.post_attn_norm, fam.post_ffn_norm)
-        frame = {fam.attn_norm, "self_attn", fam.ffn_norm} | {n for n in post if n}
+        frame = {fam.attn_norm, fam.attn, fam.ffn_norm} | {n for n in post if n}
         if not frame < parts or len(parts) != len(frame) + 1:
             raise Unsupported(f"{where} ({type(layer).__name__}) has the parts "
                               f"{sorted(parts)}, not {sorted(frame)} and one FFN")
         (mlp_name,) = parts - frame
-        linears, head_norms = self._attention_parts(layer.self_attn, f"{where}.self_attn",
-                                                    linear_of)
+        attn = getattr(layer, fam.attn)
+        linears, head_norms = self._attention_parts(attn, f"{where}.{fam.attn}", linear_of)
         norms = [_norm(getattr(layer, n), f"{where}.{n}", fam.layer_norm, fam.gemma)
                  for n in (fam.attn_norm, fam.ffn_norm)]
         post_norms = tuple(n and _norm(getattr(layer, n), f"{where}.{n}", fam.layer_norm,
@@ -360,15 +373,15 @@ class Stack:
             raise Unsupported("norm epsilons differ between layers")
         rope = None
         if self.per_type_rope:
-            rope = getattr(layer.self_attn, "layer_type", None)
+            rope = getattr(attn, "layer_type", None)
             if rope is None:
-                raise Unsupported(f"{where}.self_attn has no layer_type for its RoPE table")
+                raise Unsupported(f"{where}.{fam.attn} has no layer_type for its RoPE table")
         mlp = getattr(layer, mlp_name)
         ffn = ffn_of(mlp, f"{where}.{mlp_name}")
         if ffn.d_model != self.d:
             raise Unsupported(f"{where}.{mlp_name} has d={ffn.d_model}, the model {self.d}")
         return Layer(*norms, linears, head_norms, post_norms, rope,
-                     _window(layer.self_attn, self.model.config), ffn, mlp)
+                     _window(attn, self.model.config), ffn, mlp)
 
     def _attention_parts(self, attn: nn.Module, where: str, linear_of) -> tuple[dict, tuple]:
         """An attention's linears ({our name: module}) and per-head q / k norms (or None)."""
@@ -378,10 +391,11 @@ class Stack:
                   "qkv_proj": (qd + 2 * kvd, self.d), "o_proj": (self.d, qd)}
         names = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj",
                  "o_proj": fam.out_proj}  # ours: the family's
-        if "qkv_proj" in attn._modules:  # q, k and v in one linear (Phi-3)
-            names = {"qkv_proj": "qkv_proj", "o_proj": fam.out_proj}
-        if set(attn._modules) - {"q_norm", "k_norm"} != set(names.values()):
-            raise Unsupported(f"{where} has the parts {sorted(attn._modules)}")
+        if fam.qkv in attn._modules:  # q, k and v in one linear (Phi-3, GPT-2)
+            names = {"qkv_proj": fam.qkv, "o_proj": fam.out_proj}
+        parts = {n for n, m in attn._modules.items() if not isinstance(m, nn.Dropout)}
+        if parts - {"q_norm", "k_norm"} != set(names.values()):
+            raise Unsupported(f"{where} has the parts {sorted(parts)}")
         if getattr(attn, "head_dim", None) != self.head_dim or attn.scaling != self.scale:
             raise Unsupported(f"{where}: head_dim / scaling differ between layers")
         head_norms = None

@@ -117,7 +117,7 @@ class DeviceDecoder(Stack):
         if all(self.on_host):
             raise Unsupported("no FFN block is split across a device and the CPU")
         inside = {id(p) for layer in self.layers for p in layer.ffn.parameters()}
-        host = {id(p) for layer, on_host in zip(self.base.layers, self.on_host) if on_host
+        host = {id(p) for layer, on_host in zip(self.decoder_layers, self.on_host) if on_host
                 for p in layer.parameters()}
         for n, p in model.named_parameters():
             if id(p) in host and p.device.type != "cpu":
