@@ -72,12 +72,12 @@ def activation_of(gm: fx.GraphModule, node: fx.Node) -> str | None:
             return "gelu_tanh" if node.kwargs.get("approximate", "none") == "tanh" else "gelu"
     if node.op == "call_method" and node.target in ("relu", "relu_"):
         return "relu"
-    if squared_relu(gm, node) is not None:
+    if _squared_relu(gm, node) is not None:
         return "relu2"
     return None
 
 
-def squared_relu(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
+def _squared_relu(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
     """The ReLU node that `node` squares (relu(v) ** 2, relu(v).pow(2), torch.square(relu(v)),
     r * r for r = relu(v)) when that ReLU feeds nothing else: the two are one squared ReLU."""
     args = node.args
@@ -87,7 +87,7 @@ def squared_relu(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
     elif node.op == "call_function" and node.target in (operator.pow, torch.pow) or (
             node.op == "call_method" and node.target == "pow"):
         arg = args[0] if len(args) == 2 and args[1] == 2 else None
-    elif label_is_mul(node):
+    elif _is_mul(node):
         arg = args[0] if len(args) == 2 and args[0] is args[1] else None
     else:
         return None
@@ -97,7 +97,7 @@ def squared_relu(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
     return None
 
 
-def label_is_mul(node: fx.Node) -> bool:
+def _is_mul(node: fx.Node) -> bool:
     return (node.op == "call_function" and node.target in MUL_FUNCS) or (
         node.op == "call_method" and node.target == "mul")
 
@@ -108,7 +108,7 @@ def label(gm: fx.GraphModule, node: fx.Node) -> str:
     act = activation_of(gm, node)
     if act is not None:
         return f"act:{act}"
-    if label_is_mul(node):
+    if _is_mul(node):
         return "mul"
     if node.op in ("call_method", "call_function") and node.target in ("chunk", torch.chunk):
         return "chunk"
@@ -121,7 +121,7 @@ def graph_to_nx(gm: fx.GraphModule) -> nx.DiGraph:
     """The graph as networkx sees it; a ReLU squared in a second node becomes one `act:relu2`
     node (the ReLU in its `folded` list, which a match replaces with it)."""
     g = nx.DiGraph()
-    squares = {n: r for n in gm.graph.nodes if (r := squared_relu(gm, n)) is not None}
+    squares = {n: r for n in gm.graph.nodes if (r := _squared_relu(gm, n)) is not None}
     folded = set(squares.values())
     for node in gm.graph.nodes:
         if node in folded:
