@@ -82,15 +82,15 @@ def test_bloom_gelu_module_compiles_as_gelu_tanh():
 
 
 def test_refusals_name_the_ffn_picompile_does_not_compile():
-    """Squared ReLU (Nemotron): the block and its activation module, before the attention that
-    did not trace; a mixture of experts (Mixtral): said so, and that it is not compiled."""
-    nemotron = T.NemotronForCausalLM(T.NemotronConfig(
+    """xIELU (Apertus): the block and its activation module, before the attention that did not
+    trace; a mixture of experts (Mixtral): said so, and that it is not compiled."""
+    apertus = T.ApertusForCausalLM(T.ApertusConfig(
         vocab_size=zoo.VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64))
-    with pytest.raises(ValueError, match=r"found no FFN block in NemotronForCausalLM "
+    with pytest.raises(ValueError, match=r"found no FFN block in ApertusForCausalLM "
                                          r"\(model.layers.0.mlp: act_fn: activation "
-                                         r"ReLUSquaredActivation is not supported"):
-        picompile.compile(nemotron.eval(), quiet=True)
+                                         r"XIELUActivation is not supported"):
+        picompile.compile(apertus.eval(), quiet=True)
     mixtral = T.MixtralForCausalLM(T.MixtralConfig(
         vocab_size=zoo.VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=64, num_local_experts=4,
