@@ -20,7 +20,8 @@ is one rewritten SparseFFN (with or without predictor), with Qwen3's per-head q 
 Phi-3's fused qkv_proj or Granite's multipliers; Gemma's (norms by 1 + weight, scaled
 embeddings; Gemma 2 and 3: post-norms of each sublayer's output, tanh caps of scores and
 logits, a RoPE table per layer type); and OPT's (pre-norm OPT: LayerNorm with biases, learned
-positions, the rewritten fc1 / fc2 block in the layer itself); GPT-2's (LayerNorm, learned
+positions, the rewritten fc1 / fc2 block in the layer itself); Nemotron's (Llama's layout,
+LayerNorms scaling by 1 + weight, RoPE over half of each head); GPT-2's (LayerNorm, learned
 positions, q, k and v in one c_attn, its Conv1D layers read as nn.Linear since
 passes/linearize.py). Sliding windows per layer.
 Parallel-residual families (Falcon, GPT-NeoX, GPT-J, Phi) are refused. `Decoder(model)` checks
@@ -99,13 +100,16 @@ class Norm:
 
 
 def _norm(mod: nn.Module, where: str, layer_norm: bool, offset: bool = False) -> Norm:
-    """An RMSNorm with a weight (offset: scaling by 1 + weight, as Gemma's), or (layer_norm) a
-    LayerNorm over the last dimension."""
+    """An RMSNorm with a weight, or (layer_norm) a LayerNorm over the last dimension; offset:
+    scaling by 1 + weight (Gemma's RMSNorm, Nemotron's LayerNorm1P)."""
     if layer_norm:
-        if not isinstance(mod, nn.LayerNorm) or len(mod.normalized_shape) != 1:
-            raise Unsupported(f"{where} is a {type(mod).__name__}, not a LayerNorm")
+        kind = "LayerNorm1P" if offset else "LayerNorm"  # the class, or one of that name
+        if (not isinstance(mod, nn.LayerNorm) or len(mod.normalized_shape) != 1
+                or type(mod) is not nn.LayerNorm and not type(mod).__name__.endswith(kind)
+                or offset and mod.weight is None):
+            raise Unsupported(f"{where} is a {type(mod).__name__}, not a {kind}")
         d = mod.normalized_shape[0]
-        w = torch.ones(d) if mod.weight is None else mod.weight.detach()
+        w = torch.ones(d) if mod.weight is None else mod.weight.detach().float() + float(offset)
         b = None if mod.bias is None else mod.bias.detach().float().contiguous()
         return Norm(mod, w.float().contiguous(), b, float(mod.eps))
     eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
@@ -145,7 +149,8 @@ class Family:
     positions: str  # "rotary_emb" (RoPE, a module of the stack) or a learned positions embedding
     post_attn_norm: str | None = None  # a norm of the attention's output, before the residual
     post_ffn_norm: str | None = None  # and of the FFN's
-    gemma: bool = False  # RMSNorm by 1 + weight, embeddings times sqrt(d)
+    gemma: bool = False  # embeddings times sqrt(d) (in the model's dtype)
+    norm_offset: bool = False  # norms scale by 1 + weight (Gemma's RMSNorm, Nemotron's LayerNorm)
     granite: bool = False  # the config's multipliers of embeddings, residuals and logits
     layers: str = "layers"  # the stack's list of decoder layers
     embed: str = "embed_tokens"  # the stack's token embedding
@@ -155,18 +160,20 @@ class Family:
 
 LLAMA = Family("Llama", "model", "norm", "input_layernorm", "post_attention_layernorm", "o_proj",
                layer_norm=False, positions="rotary_emb")
+NEMOTRON = Family("Nemotron", "model", "norm", "input_layernorm", "post_attention_layernorm",
+                  "o_proj", layer_norm=True, positions="rotary_emb", norm_offset=True)
 OPT = Family("OPT", "model.decoder", "final_layer_norm", "self_attn_layer_norm",
              "final_layer_norm", "out_proj", layer_norm=True, positions="embed_positions")
 GRANITE = Family("Granite", "model", "norm", "input_layernorm", "post_attention_layernorm",
                  "o_proj", layer_norm=False, positions="rotary_emb", granite=True)
 GEMMA = Family("Gemma", "model", "norm", "input_layernorm", "post_attention_layernorm", "o_proj",
-               layer_norm=False, positions="rotary_emb", gemma=True)
+               layer_norm=False, positions="rotary_emb", gemma=True, norm_offset=True)
 GPT2 = Family("GPT-2", "transformer", "ln_f", "ln_1", "ln_2", "c_proj", layer_norm=True,
               positions="wpe", layers="h", embed="wte", attn="attn", qkv="c_attn")
 GEMMA2 = Family("Gemma 2", "model", "norm", "input_layernorm", "pre_feedforward_layernorm",
                 "o_proj", layer_norm=False, positions="rotary_emb",
                 post_attn_norm="post_attention_layernorm",
-                post_ffn_norm="post_feedforward_layernorm", gemma=True)
+                post_ffn_norm="post_feedforward_layernorm", gemma=True, norm_offset=True)
 
 
 def family(model: nn.Module) -> Family:
@@ -186,6 +193,8 @@ def family(model: nn.Module) -> Family:
         return GPT2
     if kind == "gemma":
         return GEMMA
+    if kind == "nemotron":
+        return NEMOTRON
     if kind == "granite":
         return GRANITE
     if kind in ("gemma2", "gemma3_text"):  # Gemma 3: Gemma 2's layout, its own q / k norms
@@ -278,7 +287,7 @@ class Stack:
         self.base, self.decoder_layers = base, layers
         self.lm_head = linear_of(getattr(model, "lm_head", None), "lm_head")
         self.final_norm = _norm(getattr(base, fam.final_norm), f"{fam.stack}.{fam.final_norm}",
-                                fam.layer_norm, fam.gemma)
+                                fam.layer_norm, fam.norm_offset)
         self.embedding = getattr(base, fam.embed).weight  # [vocab, d]
         self.vocab, self.d = self.embedding.shape
         # Gemma scales the embeddings by sqrt(d) rounded to the model's dtype; Granite scales
@@ -365,10 +374,10 @@ class Stack:
         (mlp_name,) = parts - frame
         attn = getattr(layer, fam.attn)
         linears, head_norms = self._attention_parts(attn, f"{where}.{fam.attn}", linear_of)
-        norms = [_norm(getattr(layer, n), f"{where}.{n}", fam.layer_norm, fam.gemma)
+        norms = [_norm(getattr(layer, n), f"{where}.{n}", fam.layer_norm, fam.norm_offset)
                  for n in (fam.attn_norm, fam.ffn_norm)]
         post_norms = tuple(n and _norm(getattr(layer, n), f"{where}.{n}", fam.layer_norm,
-                                       fam.gemma) for n in post)
+                                       fam.norm_offset) for n in post)
         if any(n.eps != self.eps for n in (*norms, *post_norms) if n is not None):
             raise Unsupported("norm epsilons differ between layers")
         rope = None
@@ -400,8 +409,8 @@ class Stack:
             raise Unsupported(f"{where}: head_dim / scaling differ between layers")
         head_norms = None
         if {"q_norm", "k_norm"} & set(attn._modules):
-            head_norms = tuple(_norm(getattr(attn, n, None), f"{where}.{n}", False, fam.gemma)
-                               for n in ("q_norm", "k_norm"))
+            head_norms = tuple(_norm(getattr(attn, n, None), f"{where}.{n}", False,
+                                     fam.norm_offset) for n in ("q_norm", "k_norm"))
             if any(n.weight.shape != (self.head_dim,) or n.eps != self.eps for n in head_norms):
                 raise Unsupported(f"{where}: q_norm / k_norm are not RMSNorms over a head of "
                                   f"{self.head_dim} with epsilon {self.eps}")
