@@ -47,7 +47,8 @@ def _ids(n=5, seed=1):
 
 
 @pytest.mark.parametrize("arch", ["llama_relu", "llama_silu", "qwen2", "qwen3", "phi3",
-                                  "mistral", "opt", "gemma", "gemma2", "gemma3", "granite"])
+                                  "mistral", "opt", "gemma", "gemma2", "gemma3", "granite",
+                                  "gpt2", "nemotron", "arcee"])
 @pytest.mark.parametrize("shares", [(0.4,), (0.0,), (1.0,), (1.0, 0.3)])
 def test_split_model_decodes_through_the_device_decoder_as_dense(arch, shares):
     dense, cm = _split(arch, shares)
@@ -143,6 +144,16 @@ def test_an_architecture_it_does_not_reproduce_falls_back_with_a_reason():
     dense, cm = _split("llama_relu", (0.5,), model_class=zoo.HalvedLogitsLlama)
     assert cm.decoder() is None and cm.decoder_reason
     ids = _ids(seed=7)
+    assert torch.equal(cm.generate(ids, max_new_tokens=6, do_sample=False),
+                       dense.generate(ids, max_new_tokens=6, do_sample=False))
+
+
+def test_a_parallel_attention_and_ffn_split_across_a_device_decodes_per_module():
+    """Phi: the C decoder runs it whole on the CPU; split across a device, the step (attention,
+    then the FFN on its output) would compute another model: refused, the modules run it."""
+    dense, cm = _split("phi", (0.5,))
+    assert cm.decoder() is None and "Phi's parallel attention and FFN" in cm.decoder_reason
+    ids = _ids(seed=3)
     assert torch.equal(cm.generate(ids, max_new_tokens=6, do_sample=False),
                        dense.generate(ids, max_new_tokens=6, do_sample=False))
 

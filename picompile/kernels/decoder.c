@@ -127,6 +127,7 @@ typedef struct {
 typedef struct {
     int64_t n_layers, d, n_heads, n_kv_heads, head_dim, max_len, vocab;
     int64_t layer_norm;      /* 0: RMSNorm, 1: LayerNorm (mean removed, bias added) */
+    int64_t parallel;        /* 1: the FFN reads the layer's input, not the attention's output */
     int64_t rot_dim;         /* dimensions of each head RoPE rotates (head_dim, or fewer) */
     int64_t kv_dtype;        /* the KV cache's: 0 float32, 1 float16, 2 bfloat16 (PI_KV16) */
     float eps;               /* the norms' epsilon */
@@ -582,8 +583,9 @@ int pi_decoder_step(const pi_decoder* m, int64_t pos, int64_t T, float* x, float
         linear(&L->o, att, T, qd, y);
         for (int64_t t = 0; t < T; ++t) {
             if (L->post_attn_norm) norm(m, y + t * d, L->post_attn_norm, NULL, y + t * d);
+            if (m->parallel) norm(m, x + t * d, L->ffn_norm, L->ffn_norm_b, h + t * d);
             add_scaled(x + t * d, y + t * d, m->residual_scale, d);
-            norm(m, x + t * d, L->ffn_norm, L->ffn_norm_b, h + t * d);
+            if (!m->parallel) norm(m, x + t * d, L->ffn_norm, L->ffn_norm_b, h + t * d);
         }
         const pi_ffn* f = &L->ffn;
         const uint8_t* mask = NULL;  /* [T, n_ff] */

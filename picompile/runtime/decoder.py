@@ -24,7 +24,9 @@ positions, the rewritten fc1 / fc2 block in the layer itself); Nemotron's (Llama
 LayerNorms scaling by 1 + weight, RoPE over half of each head); GPT-2's (LayerNorm, learned
 positions, q, k and v in one c_attn, its Conv1D layers read as nn.Linear since
 passes/linearize.py). Sliding windows per layer.
-Parallel-residual families (Falcon, GPT-NeoX, GPT-J, Phi) are refused. `Decoder(model)` checks
+Phi-1/2 (attention and FFN in parallel on one LayerNorm of the layer's input, partial RoPE,
+biases, an LM head with a bias). Other parallel-residual families (Falcon, GPT-NeoX, GPT-J)
+are refused: their fused query_key_value interleaves heads. `Decoder(model)` checks
 the structure; `verify(model)` then checks the numbers, one decode step against the model's own
 forward, since a look-alike (a model that scales its residuals or logits in its own forward)
 has the same modules. The compiler uses the decoder only when both pass, and says why not
@@ -151,6 +153,7 @@ class Family:
     post_ffn_norm: str | None = None  # and of the FFN's
     gemma: bool = False  # embeddings times sqrt(d) (in the model's dtype)
     norm_offset: bool = False  # norms scale by 1 + weight (Gemma's RMSNorm, Nemotron's LayerNorm)
+    parallel: bool = False  # x + attn(norm(x)) + ffn(ffn_norm(x)): both sublayers read x (Phi)
     granite: bool = False  # the config's multipliers of embeddings, residuals and logits
     layers: str = "layers"  # the stack's list of decoder layers
     embed: str = "embed_tokens"  # the stack's token embedding
@@ -160,6 +163,8 @@ class Family:
 
 LLAMA = Family("Llama", "model", "norm", "input_layernorm", "post_attention_layernorm", "o_proj",
                layer_norm=False, positions="rotary_emb")
+PHI = Family("Phi", "model", "final_layernorm", "input_layernorm", "input_layernorm", "dense",
+             layer_norm=True, positions="rotary_emb", parallel=True)  # one norm for both
 NEMOTRON = Family("Nemotron", "model", "norm", "input_layernorm", "post_attention_layernorm",
                   "o_proj", layer_norm=True, positions="rotary_emb", norm_offset=True)
 OPT = Family("OPT", "model.decoder", "final_layer_norm", "self_attn_layer_norm",
@@ -199,7 +204,11 @@ def family(model: nn.Module) -> Family:
         return GRANITE
     if kind in ("gemma2", "gemma3_text"):  # Gemma 3: Gemma 2's layout, its own q / k norms
         return GEMMA2
-    if kind in ("falcon", "gpt_neox", "gptj", "phi"):
+    if kind == "phi":
+        if config.qk_layernorm:
+            raise Unsupported("Phi with LayerNorms of each query and key head (qk_layernorm)")
+        return PHI
+    if kind in ("falcon", "gpt_neox", "gptj"):
         raise Unsupported(f"{type(model).__name__}: attention and FFN side by side (parallel "
                           "residual), which the decoders do not run")
     return LLAMA
@@ -691,7 +700,8 @@ class Decoder(Stack):
         self._mask = torch.empty(self.step_max, max_ff, dtype=torch.uint8)
         s = native.Decoder(
             len(self.layers), self.d, self.n_heads, self.n_kv_heads, self.head_dim, self.max_len,
-            self.vocab, self.family.layer_norm, self.rot_dim, _KV_DTYPES.get(self.kv_dtype, 0),
+            self.vocab, self.family.layer_norm, self.family.parallel, self.rot_dim,
+            _KV_DTYPES.get(self.kv_dtype, 0),
             self.eps, self.scale, self.embed_scale, self.attn_softcap, self.logit_softcap,
             self.residual_scale, self.logit_divisor,
             None if self.learned_positions is None else self.pos_embed.data_ptr(), layers,
@@ -899,7 +909,8 @@ class HostLayers:
         self._mask = torch.empty(max_ff, dtype=torch.uint8)
         s = native.Decoder(
             len(self.indices), stack.d, stack.n_heads, stack.n_kv_heads, stack.head_dim, max_len,
-            stack.vocab, stack.family.layer_norm, stack.rot_dim, _KV_DTYPES.get(dtype, 0),
+            stack.vocab, stack.family.layer_norm, stack.family.parallel, stack.rot_dim,
+            _KV_DTYPES.get(dtype, 0),
             stack.eps, stack.scale, 1.0, stack.attn_softcap, 0.0, stack.residual_scale, 1.0,
             None, self._layers, None, None, native.Linear(), self.n_active.data_ptr(), None,
             self._mask.data_ptr())  # no embedding scale, positions or head: the caller's

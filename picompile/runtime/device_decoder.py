@@ -109,6 +109,9 @@ class DeviceDecoder(Stack):
 
     def __init__(self, model: nn.Module):
         super().__init__(model, _linear_of, _hybrid_ffn_of)
+        if self.family.parallel:  # its steps read the FFN input after the attention's output
+            raise Unsupported(f"{self.family.name}'s parallel attention and FFN (the split step "
+                              "runs them one after the other)")
         self.device, self.dtype = self.embedding.device, self.embedding.dtype
         self.ffns = [layer.ffn for layer in self.layers]
         # Decoder layers placement left wholly on the CPU (their blocks unsplit): they run on
