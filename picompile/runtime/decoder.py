@@ -209,8 +209,9 @@ def family(model: nn.Module) -> Family:
             raise Unsupported("Phi with LayerNorms of each query and key head (qk_layernorm)")
         return PHI
     if kind in ("falcon", "gpt_neox", "gptj"):
-        raise Unsupported(f"{type(model).__name__}: attention and FFN side by side (parallel "
-                          "residual), which the decoders do not run")
+        raise Unsupported(f"{type(model).__name__}: attention and FFN side by side, in a layout "
+                          "the decoders do not read (q, k and v of each head interleaved in one "
+                          "query_key_value; GPT-J's RoPE over interleaved pairs)")
     return LLAMA
 
 
