@@ -472,8 +472,14 @@ def load(model: nn.Module, directory, gguf=None, kv_cache=None,
         note(f"the GGUF file's own quantized tensors are not used: the plan in {directory} "
              f"was compiled with quantize={plan.quantize!r}", quiet)
     captured = _capture(model, plan)
+    try:  # what can refuse the plan, before anything changes a weight: the model as it was then
+        saving.check_blocks(plan.blocks, saved.blocks)
+        if plan.quant_calibration_tokens:
+            _check_saved_quant_blocks(captured, plan.quantize, tensors)
+    except BaseException:
+        _restore(model, captured)
+        raise
     captured.forget_originals()
-    saving.check_blocks(plan.blocks, saved.blocks)
     plan.blocks = saved.blocks
     for block in saved.blocks:
         ffn = captured.ffns[block.name]
@@ -504,6 +510,20 @@ def load(model: nn.Module, directory, gguf=None, kv_cache=None,
              "CPU until cm.distribute() puts it on the GPU as planned", quiet)
     cm.decoder()
     return cm
+
+
+def _check_saved_quant_blocks(captured: Captured, fmt: str, tensors: dict) -> None:
+    """PlanError unless a GPTQ plan's tensors hold the blocks of every weight quantize will
+    round (Rounding.blocks would refuse it too, but only with the model half quantized). A
+    layer under several names is saved (and rounded) under its first."""
+    first = {}
+    for key, (w, _, _) in quantize_pass.gptq_targets(captured.model, captured.ffns, fmt).items():
+        first.setdefault(id(w), key)
+    missing = sorted(f"{key}.blocks" for key in first.values() if f"{key}.blocks" not in tensors)
+    if missing:
+        raise saving.PlanError(f"saved tensor {missing[0]} is missing ({len(missing)} in all; the "
+                               "plan was quantized by GPTQ and keeps the blocks of every weight): "
+                               "compile the model again and save it")
 
 
 def _attach_predictor(graphs, ffn: SparseFFN, predictor) -> None:

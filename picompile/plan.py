@@ -204,7 +204,10 @@ class Plan:
             block = BlockPlan(**{**b, **parts})
             if block.exact and block.decided.threshold != 0:  # calibrate leaves ReLU blocks exact
                 _bad(f"{where}.decided.threshold", block.decided.threshold,
-                     "0 for a ReLU block (it skips only exact zeros)", block.name)
+                     f"0 for a {block.act} block (it skips only exact zeros)", block.name)
+            if block.decided.hot_neurons and data["placement"].get("budget_bytes") is None:
+                _bad(f"{where}.decided.hot_neurons", block.decided.hot_neurons,
+                     "0 in a plan without placement.budget_bytes (nothing placed)", block.name)
             if block.decided.hot_neurons > block.d_ff:
                 _bad(f"{where}.decided.hot_neurons", block.decided.hot_neurons,
                      f"at most the block's d_ff ({block.d_ff})", block.name)
@@ -219,6 +222,9 @@ class Plan:
             unmatched.append(Unmatched(**u))
         _check_fields("placement", data["placement"], PLACEMENT_FIELDS, required=())
         placement = Placement(**data["placement"])
+        if data.get("quant_calibration_tokens", 0) and data.get("quantize") not in FORMATS:
+            _bad("quantize", data.get("quantize"), "one of " + ", ".join(map(repr, FORMATS)) +
+                 " in a plan quantized by GPTQ (quant_calibration_tokens > 0)")
         if placement.budget_bytes is not None and placement.gpu_bytes > placement.budget_bytes:
             _bad("placement.gpu_bytes", placement.gpu_bytes,
                  f"at most placement.budget_bytes ({placement.budget_bytes})")

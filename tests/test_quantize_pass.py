@@ -658,13 +658,17 @@ def test_calibrated_plan_saves_and_loads_its_blocks(tmp_path):
     test = torch.randint(0, zoo.VOCAB, (2, 5))
     with torch.no_grad():
         torch.testing.assert_close(zoo.logits(loaded, test), zoo.logits(cm, test), atol=0, rtol=0)
-    # a plan whose GPTQ blocks lack one weight (its checksums made anew): refused, not rounded
+    # a plan whose GPTQ blocks lack a weight's (its checksums made anew): refused before any
+    # weight is quantized, not rounded to nearest
     plan_json, tensors = saving.read(tmp_path / "plan", cm.plan.fingerprint)
-    key = "model.layers.1.mlp.sparse_ffn.w_up.blocks"
-    saving.save(plan_json, {k: t for k, t in tensors.items() if k != key}, cm.plan.fingerprint,
-                tmp_path / "short")
-    with pytest.raises(saving.PlanError, match=f"saved tensor {key} is missing"):
-        picompile.load(copy.deepcopy(dense), tmp_path / "short")
+    for key in ("model.layers.1.mlp.sparse_ffn.w_up.blocks", "lm_head.blocks"):
+        saving.save(plan_json, {k: t for k, t in tensors.items() if k != key},
+                    cm.plan.fingerprint, tmp_path / "short")
+        model = copy.deepcopy(dense)
+        with pytest.raises(saving.PlanError, match=f"saved tensor {key} is missing"):
+            picompile.load(model, tmp_path / "short")
+        with torch.no_grad():
+            assert torch.equal(zoo.logits(model, test), zoo.logits(dense, test))
 
 
 def test_calibrated_layer_by_layer_leaves_the_head_to_nearest():

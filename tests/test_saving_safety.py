@@ -40,6 +40,7 @@ def plans(compiled):
     new_json = copy.deepcopy(old_json)
     new_json["calibration_tokens"] = 123
     new_json["blocks"][0]["decided"]["hot_neurons"] = 5
+    new_json["placement"]["budget_bytes"] = 10**6  # (hot neurons are placed ones)
     gen = torch.Generator().manual_seed(0)
     new_tensors = {f"{b.name}.order": torch.randperm(b.d_ff, generator=gen) for b in cm.plan.blocks}
     return cm.plan.fingerprint, (old_json, old_tensors), (new_json, new_tensors)
@@ -458,6 +459,8 @@ INVALID = {
     "'hot_neurons'": _delete("blocks.0.decided.hot_neurons"),
     "'decode_us_exact'": _delete("blocks.0.measured.decode_us_exact"),
     "'decided'": _delete("blocks.0.decided"),
+    "nothing placed": _set("blocks.0.decided.hot_neurons", 5),  # hot neurons, no budget
+    "quant_calibration_tokens > 0": _set("quant_calibration_tokens", 64),  # GPTQ, float
 }
 
 
@@ -568,3 +571,23 @@ def test_check_blocks_refuses_a_plan_describing_other_blocks(compiled, field, va
     setattr(saved[0], field, value)
     with pytest.raises(saving.PlanError, match=field):
         saving.check_blocks(cm.plan.blocks, saved)
+
+
+def test_a_plan_refused_after_capture_leaves_the_model_as_it_was(tmp_path):
+    """load captures the model before it can compare the plan's blocks with it: a plan of other
+    blocks is refused with the model put back (GPT-2's Conv1D layers too), and the right plan
+    loads onto it afterwards."""
+    cm = picompile.compile(zoo.make("gpt2"), quiet=True)
+    cm.save(tmp_path / "good")
+    data = cm.plan.to_json()
+    data["blocks"][0]["linears"]["up"] = "c_fc2"
+    saving.save(data, {}, cm.plan.fingerprint, tmp_path / "bad")
+    model = zoo.make("gpt2")
+    before = list(model.modules())
+    with pytest.raises(saving.PlanError, match="linears"):
+        picompile.load(model, tmp_path / "bad")
+    assert list(model.modules()) == before
+    loaded = picompile.load(model, tmp_path / "good")
+    ids = torch.randint(0, zoo.VOCAB, (1, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(zoo.logits(loaded, ids), zoo.logits(cm, ids))
