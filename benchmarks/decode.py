@@ -9,7 +9,7 @@
 The random OPT is an OPT-style decoder (ReLU FFN with biases) whose fc1 biases are shifted per
 neuron so each fires on about `--density` of tokens, as trained ReLU LLMs do (OPT-6.7B: about
 10%). The other architectures are random models of their Hugging Face class (head_dim 64, a
-quarter as many key/value heads, GPT-2 and Phi as many; Gemma 3: five sliding-window layers of 512 per
+quarter as many key/value heads, GPT-2 as many, Phi as many of 80; Gemma 3: five sliding-window layers of 512 per
 global one);
 their SiLU / GELU blocks run dense and at `--sparsity` (threshold calibrated on random ids).
 Sizes are options; they fit in this machine's memory at the defaults.
@@ -75,7 +75,8 @@ def random_model(arch: str, hidden: int, ffn: int, layers: int, vocab: int,
                   num_key_value_heads=max(1, heads // 4), max_position_embeddings=4096,
                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if arch == "phi":  # Phi-2's layout: parallel attention and FFN, RoPE over 40% of a head
-        config = T.PhiConfig(**{k: v for k, v in common.items() if k != "num_key_value_heads"},
+        config = T.PhiConfig(**{**{k: v for k, v in common.items() if k != "num_key_value_heads"},
+                                "num_attention_heads": max(1, hidden // 80)},  # heads of 80
                              partial_rotary_factor=0.4)
     elif arch == "gpt2":
         config = T.GPT2Config(vocab_size=vocab, n_embd=hidden, n_inner=ffn, n_layer=layers,
