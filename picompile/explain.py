@@ -61,7 +61,8 @@ def explain(cm: CompiledModel) -> str:
         head += f", target sparsity {plan.applied_sparsity:.0%}"
     if plan.calibration_tokens:
         head += f", calibrated on {plan.calibration_tokens} tokens"
-    cols = f"  {'block':<34} {'kind':<10} {'act':<9} {'d x n_ff':<11} {'skips':<14} {'calib.':>6} {'run':>6}"
+    cols = (f"  {'block':<34} {'kind':<10} {'act':<9} {'d x n_ff':<11} {'skips':<14} "
+            f"{'calib.':>6} {'run':>6}")
     if predicted:
         cols += (f" {'rank':>5} {'recall':>7} {'pred/true density':>17} {'pred.bytes':>10}"
                  f" {'B/token exact->pred':>21} {'us exact->pred':>14} {'used':>4}")

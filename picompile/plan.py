@@ -199,7 +199,8 @@ class Plan:
             # its default would change how the block runs (no threshold: dense) unsaid.
             for part, part_cls, spec in (("decided", Decisions, DECISION_FIELDS),
                                          ("measured", Measurements, MEASUREMENT_FIELDS)):
-                _check_fields(f"{where}.{part}", b[part], spec, required=tuple(spec), block=b["name"])
+                _check_fields(f"{where}.{part}", b[part], spec, required=tuple(spec),
+                              block=b["name"])
                 parts[part] = part_cls(**b[part])
             block = BlockPlan(**{**b, **parts})
             if block.exact and block.decided.threshold != 0:  # calibrate leaves ReLU blocks exact
