@@ -381,6 +381,19 @@ def test_generating_past_the_context_is_noted(llama, capsys):
     assert "context" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "opt"])
+def test_generating_past_learned_positions_is_refused_before_it_starts(arch):
+    """A learned position table has no row past its last (HF's generate fails there with an
+    IndexError from the embedding): refused up front, saying how many new tokens fit."""
+    model = zoo.make(arch)
+    limit = model.config.max_position_embeddings
+    ids = _prompt(limit - 3, 5)[None]
+    with pytest.raises(ValueError, match=f"more than the model's {limit} learned positions.*"
+                                         "at most 3 new tokens"):
+        generate_hf(model, ids, max_new_tokens=4, do_sample=False)
+    assert generate_hf(model, ids, max_new_tokens=3, do_sample=False).shape[1] == limit
+
+
 def test_padding_hf_warns_of_is_noted(llama, capsys):
     """As HF's generate warns (its tokens are the same): a batch padded on the right, and a batch
     without attention_mask whose padding cannot be told from text; nothing for one row or a
