@@ -16,6 +16,7 @@ from picompile.compiled_model import CompiledModel, check_predictor_policy
 from picompile.passes import calibrate as calibrate_pass
 from picompile.plan import QUANT_FORMATS, Mode, PredictorPolicy
 from picompile.runtime.sparse_ffn import SparseFFN
+from picompile.runtime.generate import learned_positions
 
 WEIGHT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -139,6 +140,7 @@ def calibration_ids(model, calibration, tokenizer, n_tokens: int, opts: Options)
     else:
         ids = None
     _check_ids_in_vocab(model, ids)
+    _check_rows_in_positions(model, ids)
     if ids is None and (opts.sparsity or opts.needs_profile):
         what = f"sparsity={opts.sparsity}" if opts.sparsity else (
             "mode='predicted'" if opts.mode == Mode.PREDICTED else "gpu_budget (placement)")
@@ -168,6 +170,18 @@ def _corpus_ids(tokenizer, n_tokens: int) -> torch.Tensor:
                          "tokenizer, not one calibration row: pass calibration= (token ids "
                          "[batch, seq]) or a tokenizer with a real vocabulary")
     return torch.cat(parts)
+
+
+def _check_rows_in_positions(model, ids) -> None:
+    """Calibration rows must fit a learned position table (GPT-2's, OPT's): past its last row
+    profiling would fail in the embedding."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if ids is None or not isinstance(limit, int) or ids.shape[1] <= limit:
+        return
+    if learned_positions(model, limit):
+        raise ValueError(f"calibration rows of {ids.shape[1]} tokens are longer than the model's "
+                         f"{limit} learned positions: pass rows of at most {limit} tokens "
+                         "(calibration= [batch, seq])")
 
 
 def _check_ids_in_vocab(model, ids) -> None:

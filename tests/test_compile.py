@@ -297,6 +297,15 @@ def test_threshold_calibration_reaches_target_sparsity(target):
     assert "threshold" in repr(cm.ffns()["model.layers.0.mlp.sparse_ffn"])
 
 
+def test_calibration_rows_past_learned_positions_are_refused_before_capture():
+    model = zoo.make("gpt2")  # 128 positions
+    limit = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"rows of {limit + 1} tokens are longer than the model's "
+                                         f"{limit} learned positions"):
+        picompile.compile(model, sparsity=0.5, calibration=torch.randint(0, zoo.VOCAB, (2, limit + 1)))
+    assert any(type(m).__name__ == "Conv1D" for m in model.modules())
+
+
 def test_calibration_text_needs_a_tokenizer():
     with pytest.raises(ValueError, match="tokenizer"):
         compile_pair("llama_silu", sparsity=0.5, calibration=["some text"])

@@ -451,7 +451,7 @@ def _padding_notes(inputs: torch.Tensor, mask: torch.Tensor | None, pad_given: i
     return out
 
 
-def _learned_positions(model: nn.Module, limit: int) -> bool:
+def learned_positions(model: nn.Module, limit: int) -> bool:
     """Whether the model embeds positions by a learned table of `limit` rows (GPT-2's wpe, OPT's
     embed_positions, which has 2 more): it cannot run a position past them."""
     tokens = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -491,7 +491,7 @@ def generate_hf(model, *args, decoder=None, steps=None, prompt_lookup: int = 0,
                         "use the model's own generate()") from None
     limit = getattr(model.config, "max_position_embeddings", None)
     total = call["input_ids"].shape[1] + call["max_new_tokens"]
-    if isinstance(limit, int) and total > limit and _learned_positions(model, limit):
+    if isinstance(limit, int) and total > limit and learned_positions(model, limit):
         raise ValueError(f"generate: {total} tokens in all is more than the model's {limit} "
                          "learned positions, past which it has no position embedding: ask for "
                          f"at most {limit - call['input_ids'].shape[1]} new tokens")
