@@ -148,11 +148,13 @@ def test_an_architecture_it_does_not_reproduce_falls_back_with_a_reason():
                        dense.generate(ids, max_new_tokens=6, do_sample=False))
 
 
-def test_a_parallel_attention_and_ffn_split_across_a_device_decodes_per_module():
-    """Phi: the C decoder runs it whole on the CPU; split across a device, the step (attention,
-    then the FFN on its output) would compute another model: refused, the modules run it."""
-    dense, cm = _split("phi", (0.5,))
-    assert cm.decoder() is None and "Phi's parallel attention and FFN" in cm.decoder_reason
+@pytest.mark.parametrize("arch,name", [("phi", "Phi"), ("gpt_neox", "GPT-NeoX")])
+def test_a_parallel_attention_and_ffn_split_across_a_device_decodes_per_module(arch, name):
+    """Phi, GPT-NeoX: the C decoder runs them whole on the CPU; split across a device, the step
+    (attention, then the FFN on its output) would compute another model: refused, the modules
+    run it."""
+    dense, cm = _split(arch, (0.5,))
+    assert cm.decoder() is None and f"{name}'s parallel attention and FFN" in cm.decoder_reason
     ids = _ids(seed=3)
     assert torch.equal(cm.generate(ids, max_new_tokens=6, do_sample=False),
                        dense.generate(ids, max_new_tokens=6, do_sample=False))

@@ -43,7 +43,7 @@ class Decoder(ctypes.Structure):
     """pi_decoder: the whole stack."""
     _fields_ = [("n_layers", _i64), ("d", _i64), ("n_heads", _i64), ("n_kv_heads", _i64),
                 ("head_dim", _i64), ("max_len", _i64), ("vocab", _i64), ("layer_norm", _i64),
-                ("parallel", _i64), ("rot_dim", _i64), ("kv_dtype", _i64), ("eps", _f32),
+                ("parallel", _i64), ("qkv_per_head", _i64), ("rot_dim", _i64), ("kv_dtype", _i64), ("eps", _f32),
                 ("scale", _f32), ("embed_scale", _f32),
                 ("attn_softcap", _f32), ("logit_softcap", _f32), ("residual_scale", _f32),
                 ("logit_divisor", _f32), ("pos_embed", _vp),

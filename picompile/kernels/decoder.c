@@ -128,6 +128,8 @@ typedef struct {
     int64_t n_layers, d, n_heads, n_kv_heads, head_dim, max_len, vocab;
     int64_t layer_norm;      /* 0: RMSNorm, 1: LayerNorm (mean removed, bias added) */
     int64_t parallel;        /* 1: the FFN reads the layer's input, not the attention's output */
+    int64_t qkv_per_head;    /* 1: a fused projection writes each head's [q; k; v] in turn
+                                (GPT-NeoX; as many key / value heads as query heads) */
     int64_t rot_dim;         /* dimensions of each head RoPE rotates (head_dim, or fewer) */
     int64_t kv_dtype;        /* the KV cache's: 0 float32, 1 float16, 2 bfloat16 (PI_KV16) */
     float eps;               /* the norms' epsilon */
@@ -555,6 +557,15 @@ int pi_decoder_step(const pi_decoder* m, int64_t pos, int64_t T, float* x, float
         } else {
             k = q + qd, v = k + kvd, qs = ks = qkvd;
             linear(&L->q, h, T, d, q);  /* fused: q's linear is [q; k; v] */
+            if (m->qkv_per_head)  /* [head][q, k, v][hd] -> [q, k, v][head][hd], att as scratch */
+                for (int64_t t = 0; t < T; ++t) {
+                    float* row = q + t * qkvd;
+                    memcpy(att, row, (size_t)qkvd * sizeof(float));
+                    for (int64_t g = 0; g < m->n_heads; ++g)
+                        for (int64_t j = 0; j < 3; ++j)
+                            memcpy(row + j * qd + g * hd, att + (g * 3 + j) * hd,
+                                   (size_t)hd * sizeof(float));
+                }
         }
         for (int64_t t = 0; t < T; ++t) {
             float *qt = q + t * qs, *kt = k + t * ks, *vt = v + t * ks;

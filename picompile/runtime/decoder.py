@@ -25,8 +25,9 @@ LayerNorms scaling by 1 + weight, RoPE over half of each head); GPT-2's (LayerNo
 positions, q, k and v in one c_attn, its Conv1D layers read as nn.Linear since
 passes/linearize.py). Sliding windows per layer.
 Phi-1/2 (attention and FFN in parallel on one LayerNorm of the layer's input, partial RoPE,
-biases, an LM head with a bias). Other parallel-residual families (Falcon, GPT-NeoX, GPT-J)
-are refused: their fused query_key_value interleaves heads. `Decoder(model)` checks
+biases, an LM head with a bias); GPT-NeoX / Pythia (in parallel or not, on a LayerNorm each,
+q, k and v of each head in turn in one query_key_value). Falcon (its grouped query_key_value)
+and GPT-J (RoPE over interleaved pairs) are refused. `Decoder(model)` checks
 the structure; `verify(model)` then checks the numbers, one decode step against the model's own
 forward, since a look-alike (a model that scales its residuals or logits in its own forward)
 has the same modules. The compiler uses the decoder only when both pass, and says why not
@@ -43,6 +44,7 @@ keeps the key it built with and rebuilds the decoder when it changes (a dtype ch
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import inspect
 import sys
 import time
@@ -159,12 +161,17 @@ class Family:
     embed: str = "embed_tokens"  # the stack's token embedding
     attn: str = "self_attn"  # a layer's attention
     qkv: str = "qkv_proj"  # an attention's q, k and v in one linear, where it has that
+    qkv_per_head: bool = False  # that linear gives each head's q, k and v in turn (GPT-NeoX)
 
 
 LLAMA = Family("Llama", "model", "norm", "input_layernorm", "post_attention_layernorm", "o_proj",
                layer_norm=False, positions="rotary_emb")
 PHI = Family("Phi", "model", "final_layernorm", "input_layernorm", "input_layernorm", "dense",
              layer_norm=True, positions="rotary_emb", parallel=True)  # one norm for both
+GPT_NEOX = Family("GPT-NeoX", "gpt_neox", "final_layer_norm", "input_layernorm",
+                  "post_attention_layernorm", "dense", layer_norm=True, positions="rotary_emb",
+                  parallel=True, embed="embed_in", attn="attention", qkv="query_key_value",
+                  qkv_per_head=True)
 NEMOTRON = Family("Nemotron", "model", "norm", "input_layernorm", "post_attention_layernorm",
                   "o_proj", layer_norm=True, positions="rotary_emb", norm_offset=True)
 OPT = Family("OPT", "model.decoder", "final_layer_norm", "self_attn_layer_norm",
@@ -208,11 +215,18 @@ def family(model: nn.Module) -> Family:
         if config.qk_layernorm:
             raise Unsupported("Phi with LayerNorms of each query and key head (qk_layernorm)")
         return PHI
-    if kind in ("falcon", "gpt_neox", "gptj"):
+    if kind == "gpt_neox":  # Pythia; its FFN reads the layer's input or the attention's output
+        return dataclasses.replace(GPT_NEOX, parallel=bool(config.use_parallel_residual))
+    if kind in ("falcon", "gptj"):
         raise Unsupported(f"{type(model).__name__}: attention and FFN side by side, in a layout "
-                          "the decoders do not read (q, k and v of each head interleaved in one "
-                          "query_key_value; GPT-J's RoPE over interleaved pairs)")
+                          "the decoders do not read (Falcon's fused query_key_value of grouped "
+                          "heads; GPT-J's RoPE over interleaved pairs)")
     return LLAMA
+
+
+def _head_dim(attn: nn.Module) -> int:
+    """An attention's head size (GPT-NeoX names it head_size), 0 where it says none."""
+    return int(getattr(attn, "head_dim", None) or getattr(attn, "head_size", None) or 0)
 
 
 _LINEARS = (DenseLinear, QuantLinear)  # the dense kernel's modules: float or quantized weights
@@ -326,13 +340,14 @@ class Stack:
         if attn0 is None:  # e.g. Qwen3-Next's first layers: linear attention
             raise Unsupported(f"{fam.stack}.{fam.layers}.0 ({type(layers[0]).__name__}) has no "
                               f"{fam.attn}")
-        self.head_dim = int(getattr(attn0, "head_dim", 0))
+        self.head_dim = _head_dim(attn0)
         self.scale = getattr(attn0, "scaling", None)
         self.n_heads = int(getattr(config, "num_attention_heads", 0))
         self.n_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.n_heads)
         if not self.head_dim or self.scale is None or not self.n_heads:
             raise Unsupported("attention without head_dim / scaling / num_attention_heads")
-        if self.n_heads % self.n_kv_heads or self.head_dim % 2:
+        if self.n_heads % self.n_kv_heads or self.head_dim % 2 or (
+                fam.qkv_per_head and self.n_kv_heads != self.n_heads):
             raise Unsupported(f"{self.n_heads} heads over {self.n_kv_heads} key/value heads of "
                               f"dim {self.head_dim}")
         self.eps = self.final_norm.eps
@@ -415,7 +430,7 @@ class Stack:
         parts = {n for n, m in attn._modules.items() if not isinstance(m, nn.Dropout)}
         if parts - {"q_norm", "k_norm"} != set(names.values()):
             raise Unsupported(f"{where} has the parts {sorted(parts)}")
-        if getattr(attn, "head_dim", None) != self.head_dim or attn.scaling != self.scale:
+        if _head_dim(attn) != self.head_dim or attn.scaling != self.scale:
             raise Unsupported(f"{where}: head_dim / scaling differ between layers")
         head_norms = None
         if {"q_norm", "k_norm"} & set(attn._modules):
@@ -701,7 +716,8 @@ class Decoder(Stack):
         self._mask = torch.empty(self.step_max, max_ff, dtype=torch.uint8)
         s = native.Decoder(
             len(self.layers), self.d, self.n_heads, self.n_kv_heads, self.head_dim, self.max_len,
-            self.vocab, self.family.layer_norm, self.family.parallel, self.rot_dim,
+            self.vocab, self.family.layer_norm, self.family.parallel, self.family.qkv_per_head,
+            self.rot_dim,
             _KV_DTYPES.get(self.kv_dtype, 0),
             self.eps, self.scale, self.embed_scale, self.attn_softcap, self.logit_softcap,
             self.residual_scale, self.logit_divisor,
@@ -910,7 +926,8 @@ class HostLayers:
         self._mask = torch.empty(max_ff, dtype=torch.uint8)
         s = native.Decoder(
             len(self.indices), stack.d, stack.n_heads, stack.n_kv_heads, stack.head_dim, max_len,
-            stack.vocab, stack.family.layer_norm, stack.family.parallel, stack.rot_dim,
+            stack.vocab, stack.family.layer_norm, stack.family.parallel,
+            stack.family.qkv_per_head, stack.rot_dim,
             _KV_DTYPES.get(dtype, 0),
             stack.eps, stack.scale, 1.0, stack.attn_softcap, 0.0, stack.residual_scale, 1.0,
             None, self._layers, None, None, native.Linear(), self.n_active.data_ptr(), None,

@@ -112,6 +112,9 @@ class DeviceDecoder(Stack):
         if self.family.parallel:  # its steps read the FFN input after the attention's output
             raise Unsupported(f"{self.family.name}'s parallel attention and FFN (the split step "
                               "runs them one after the other)")
+        if self.family.qkv_per_head:  # its attention splits a fused projection as [q; k; v]
+            raise Unsupported(f"{self.family.name}'s q, k and v interleaved by head in one "
+                              "projection (the split step reads them one after the other)")
         self.device, self.dtype = self.embedding.device, self.embedding.dtype
         self.ffns = [layer.ffn for layer in self.layers]
         # Decoder layers placement left wholly on the CPU (their blocks unsplit): they run on
