@@ -9,7 +9,7 @@
 The random OPT is an OPT-style decoder (ReLU FFN with biases) whose fc1 biases are shifted per
 neuron so each fires on about `--density` of tokens, as trained ReLU LLMs do (OPT-6.7B: about
 10%). The other architectures are random models of their Hugging Face class (head_dim 64, a
-quarter as many key/value heads, GPT-2 as many, Phi as many of 80; Gemma 3: five sliding-window layers of 512 per
+quarter as many key/value heads, GPT-2 and GPT-NeoX as many, Phi as many of 80; Gemma 3: five sliding-window layers of 512 per
 global one);
 their SiLU / GELU blocks run dense and at `--sparsity` (threshold calibrated on random ids).
 Sizes are options; they fit in this machine's memory at the defaults.
@@ -65,7 +65,7 @@ def random_opt(hidden: int, ffn: int, layers: int, density: float, dtype) -> tor
 
 def random_model(arch: str, hidden: int, ffn: int, layers: int, vocab: int,
                  dtype) -> torch.nn.Module:
-    """A random Qwen3 / Phi-3 / Gemma 3 / GPT-2 / Phi-2 of the given sizes."""
+    """A random Qwen3 / Phi-3 / Gemma 3 / GPT-2 / Phi-2 / GPT-NeoX of the given sizes."""
     import transformers as T
 
     torch.manual_seed(0)
@@ -74,7 +74,9 @@ def random_model(arch: str, hidden: int, ffn: int, layers: int, vocab: int,
                   num_hidden_layers=layers, num_attention_heads=heads,
                   num_key_value_heads=max(1, heads // 4), max_position_embeddings=4096,
                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    if arch == "phi":  # Phi-2's layout: parallel attention and FFN, RoPE over 40% of a head
+    if arch == "gpt_neox":  # Pythia's layout: parallel attention and FFN, RoPE over a quarter
+        config = T.GPTNeoXConfig(**{k: v for k, v in common.items() if k != "num_key_value_heads"})
+    elif arch == "phi":  # Phi-2's layout: parallel attention and FFN, RoPE over 40% of a head
         config = T.PhiConfig(**{**{k: v for k, v in common.items() if k != "num_key_value_heads"},
                                 "num_attention_heads": max(1, hidden // 80)},  # heads of 80
                              partial_rotary_factor=0.4)
@@ -94,7 +96,7 @@ def random_model(arch: str, hidden: int, ffn: int, layers: int, vocab: int,
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--random", action="store_true", help="a random-weight model (--arch)")
-    ap.add_argument("--arch", default="opt", choices=["opt", "qwen3", "phi3", "gemma3", "gpt2", "phi"])
+    ap.add_argument("--arch", default="opt", choices=["opt", "qwen3", "phi3", "gemma3", "gpt2", "phi", "gpt_neox"])
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--ffn", type=int, default=8192)
     ap.add_argument("--layers", type=int, default=8)
