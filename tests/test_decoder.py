@@ -19,8 +19,8 @@ from picompile.runtime.generate import cache_kwarg, generate
 from tests import zoo
 
 RUNS = ["llama_relu", "llama_silu", "mistral", "qwen2", "qwen3", "phi3", "opt", "gemma",
-        "gemma2", "gemma3", "granite", "arcee", "gpt2", "nemotron", "phi", "gpt_neox"]
-REFUSED = ["falcon", "qwen3_next"]
+        "gemma2", "gemma3", "granite", "arcee", "gpt2", "nemotron", "phi", "gpt_neox", "falcon"]
+REFUSED = ["qwen3_next"]
 
 
 def _calibration(n=256, seed=0):
@@ -45,9 +45,10 @@ def _randomized(model):
     with torch.no_grad():  # random biases and norms, so that every pointer the decoder reads
         for name, p in model.named_parameters():  # is exercised (LayerNorm's bias too)
             gen = torch.Generator().manual_seed(len(name))
-            if name.endswith(("_proj.bias", "lm_head.bias")):
+            if name.endswith(("_proj.bias", "lm_head.bias", "c_attn.bias", "query_key_value.bias",
+                              "attn.c_proj.bias", "attention.dense.bias")):
                 p.normal_(0, 0.5, generator=gen)
-            elif "norm" in name:
+            elif "norm" in name or ".ln_" in name:
                 p.normal_(1.0 if name.endswith("weight") else 0.0, 0.2, generator=gen)
     return model
 
@@ -83,6 +84,25 @@ def test_steps_equal_the_per_module_path(arch, how):
     if how == "predicted":
         assert all(ffn.predictor.enabled for ffn in cm.ffns().values())
     ids = torch.randint(3, zoo.VOCAB, (1, 20), generator=torch.Generator().manual_seed(1))
+    want, got = _step_logits(cm, dec, ids, prompt=5)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("kw", [dict(multi_query=False), dict(parallel_attn=False, bias=True),
+                                dict(multi_query=False, parallel_attn=False, bias=True)])
+def test_falcon_layouts_step_as_the_per_module_path(kw):
+    """Falcon-7B's layout is the zoo's (multi-query, parallel); without multi-query its fused
+    query_key_value gives each head's q, k and v in turn, and without parallel_attn the FFN
+    reads the attention's output through post_attention_layernorm."""
+    config = zoo.hf_config("falcon", layers=2)
+    for key, value in kw.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    model = _randomized(AutoModelForCausalLM.from_config(config).eval())
+    cm = picompile.compile(model, quiet=True)
+    dec = cm.decoder()
+    assert dec is not None, cm.decoder_reason
+    ids = torch.randint(3, zoo.VOCAB, (1, 16), generator=torch.Generator().manual_seed(1))
     want, got = _step_logits(cm, dec, ids, prompt=5)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 

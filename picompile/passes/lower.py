@@ -23,13 +23,14 @@ from __future__ import annotations
 
 from torch import nn
 
+from picompile.passes.detect import plain_affine
 from picompile.runtime.dense_linear import DenseLinear
 from picompile.runtime.sparse_ffn import SparseFFN
 
 
 def why_not_lowered(mod: nn.Linear) -> str | None:
     """Why an nn.Linear (or subclass) is kept as it is; None when it can be lowered."""
-    if type(mod) is not nn.Linear:
+    if not plain_affine(mod):  # (FalconLinear computes what nn.Linear does: lowered)
         return f"not lowered ({type(mod).__name__}: an nn.Linear subclass, may compute otherwise)"
     if "forward" in vars(mod) or mod._forward_hooks or mod._forward_pre_hooks:
         return "not lowered (has forward hooks or a patched forward)"

@@ -26,8 +26,10 @@ positions, q, k and v in one c_attn, its Conv1D layers read as nn.Linear since
 passes/linearize.py). Sliding windows per layer.
 Phi-1/2 (attention and FFN in parallel on one LayerNorm of the layer's input, partial RoPE,
 biases, an LM head with a bias); GPT-NeoX / Pythia (in parallel or not, on a LayerNorm each,
-q, k and v of each head in turn in one query_key_value). Falcon (its grouped query_key_value)
-and GPT-J (RoPE over interleaved pairs) are refused. `Decoder(model)` checks
+q, k and v of each head in turn in one query_key_value); Falcon-7B's layout (multi-query
+[q; k; v], or each head's in turn; parallel on one LayerNorm or not). Falcon's new decoder
+architecture (40B, 180B: grouped query_key_value), ALiBi and GPT-J (RoPE over interleaved
+pairs) are refused. `Decoder(model)` checks
 the structure; `verify(model)` then checks the numbers, one decode step against the model's own
 forward, since a look-alike (a model that scales its residuals or logits in its own forward)
 has the same modules. The compiler uses the decoder only when both pass, and says why not
@@ -168,6 +170,9 @@ LLAMA = Family("Llama", "model", "norm", "input_layernorm", "post_attention_laye
                layer_norm=False, positions="rotary_emb")
 PHI = Family("Phi", "model", "final_layernorm", "input_layernorm", "input_layernorm", "dense",
              layer_norm=True, positions="rotary_emb", parallel=True)  # one norm for both
+FALCON = Family("Falcon", "transformer", "ln_f", "input_layernorm", "input_layernorm", "dense",
+                layer_norm=True, positions="rotary_emb", parallel=True, layers="h",
+                embed="word_embeddings", attn="self_attention", qkv="query_key_value")
 GPT_NEOX = Family("GPT-NeoX", "gpt_neox", "final_layer_norm", "input_layernorm",
                   "post_attention_layernorm", "dense", layer_norm=True, positions="rotary_emb",
                   parallel=True, embed="embed_in", attn="attention", qkv="query_key_value",
@@ -217,16 +222,29 @@ def family(model: nn.Module) -> Family:
         return PHI
     if kind == "gpt_neox":  # Pythia; its FFN reads the layer's input or the attention's output
         return dataclasses.replace(GPT_NEOX, parallel=bool(config.use_parallel_residual))
-    if kind in ("falcon", "gptj"):
-        raise Unsupported(f"{type(model).__name__}: attention and FFN side by side, in a layout "
-                          "the decoders do not read (Falcon's fused query_key_value of grouped "
-                          "heads; GPT-J's RoPE over interleaved pairs)")
+    if kind == "falcon":  # Falcon-7B: multi-query, [q; k; v]; else each head's q, k, v in turn
+        if config.alibi or config.new_decoder_architecture:
+            raise Unsupported("Falcon with ALiBi or the new decoder architecture (grouped "
+                              "query_key_value, a norm for each sublayer)")
+        if config.parallel_attn:
+            return dataclasses.replace(FALCON, qkv_per_head=not config.multi_query)
+        return dataclasses.replace(FALCON, qkv_per_head=not config.multi_query, parallel=False,
+                                   ffn_norm="post_attention_layernorm")
+    if kind == "gptj":
+        raise Unsupported(f"{type(model).__name__}: its RoPE over interleaved pairs, which the "
+                          "decoders do not run")
     return LLAMA
 
 
 def _head_dim(attn: nn.Module) -> int:
     """An attention's head size (GPT-NeoX names it head_size), 0 where it says none."""
     return int(getattr(attn, "head_dim", None) or getattr(attn, "head_size", None) or 0)
+
+
+def _scaling(attn: nn.Module) -> float | None:
+    """An attention's score scale (Falcon names it inv_norm_factor), None where it says none."""
+    scale = getattr(attn, "scaling", None)
+    return getattr(attn, "inv_norm_factor", None) if scale is None else scale
 
 
 _LINEARS = (DenseLinear, QuantLinear)  # the dense kernel's modules: float or quantized weights
@@ -341,9 +359,10 @@ class Stack:
             raise Unsupported(f"{fam.stack}.{fam.layers}.0 ({type(layers[0]).__name__}) has no "
                               f"{fam.attn}")
         self.head_dim = _head_dim(attn0)
-        self.scale = getattr(attn0, "scaling", None)
+        self.scale = _scaling(attn0)
         self.n_heads = int(getattr(config, "num_attention_heads", 0))
-        self.n_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.n_heads)
+        self.n_kv_heads = int(getattr(attn0, "num_kv_heads", None)  # Falcon's (multi-query: 1)
+                              or getattr(config, "num_key_value_heads", None) or self.n_heads)
         if not self.head_dim or self.scale is None or not self.n_heads:
             raise Unsupported("attention without head_dim / scaling / num_attention_heads")
         if self.n_heads % self.n_kv_heads or self.head_dim % 2 or (
@@ -430,7 +449,7 @@ class Stack:
         parts = {n for n, m in attn._modules.items() if not isinstance(m, nn.Dropout)}
         if parts - {"q_norm", "k_norm"} != set(names.values()):
             raise Unsupported(f"{where} has the parts {sorted(parts)}")
-        if _head_dim(attn) != self.head_dim or attn.scaling != self.scale:
+        if _head_dim(attn) != self.head_dim or _scaling(attn) != self.scale:
             raise Unsupported(f"{where}: head_dim / scaling differ between layers")
         head_norms = None
         if {"q_norm", "k_norm"} & set(attn._modules):
