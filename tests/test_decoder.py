@@ -88,6 +88,21 @@ def test_steps_equal_the_per_module_path(arch, how):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
+def test_dynamic_ntk_rope_is_refused():
+    """Dynamic NTK RoPE scales its frequencies by the sequence's length as it grows: tables made
+    once for the reserved length rotate every position otherwise than the model does."""
+    config = zoo.hf_config("llama_silu")
+    config.max_position_embeddings = 32
+    config.rope_parameters = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
+    torch.manual_seed(0)
+    dense = _randomized(AutoModelForCausalLM.from_config(config).eval())
+    cm = picompile.compile(copy.deepcopy(dense), quiet=True)
+    assert cm.decoder() is None and "dynamic NTK RoPE" in cm.decoder_reason
+    ids = torch.randint(3, zoo.VOCAB, (1, 20), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=20, do_sample=False)
+    assert torch.equal(cm.generate(ids, **kw), dense.generate(ids, **kw))
+
+
 @pytest.mark.parametrize("kw", [dict(multi_query=False), dict(parallel_attn=False, bias=True),
                                 dict(multi_query=False, parallel_attn=False, bias=True)])
 def test_falcon_layouts_step_as_the_per_module_path(kw):

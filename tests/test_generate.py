@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import transformers
 from transformers import GenerationConfig, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 import picompile
@@ -379,6 +380,20 @@ def test_generating_past_the_context_is_noted(llama, capsys):
     assert f"more than the model's context of {limit}" in capsys.readouterr().err
     generate_hf(llama, ids, max_new_tokens=2, do_sample=False)
     assert "context" not in capsys.readouterr().err
+
+
+def test_alibi_falcon_is_generated_by_hf():
+    """Falcon with ALiBi sizes its biases by a dynamic cache's length (with a static cache its
+    forward fails): HF's generate runs it, with HF's tokens."""
+    config = zoo.hf_config("falcon")
+    config.alibi = True
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    cm = picompile.compile(copy.deepcopy(model), quiet=True)
+    ids = _prompt(9, 3)[None]
+    kw = dict(max_new_tokens=12, do_sample=False)
+    assert "ALiBi" in supported(cm._orig_mod, kw, (ids,))
+    assert torch.equal(cm.generate(ids, **kw), model.generate(ids, **kw))
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "opt"])

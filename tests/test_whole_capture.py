@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaForCausalLM, StaticCache
 
 import picompile
-from picompile import capture_whole
+from picompile import capture_whole, config
 from picompile.runtime.predictor import Predictor
 from picompile.runtime import ops
 from picompile.runtime.dense_linear import DenseLinear, QuantLinear
@@ -160,9 +160,11 @@ def test_plain_module_is_refused_with_a_reason():
     assert "not a Hugging Face generative model" in steps.reasons["decode"]
 
 
-def test_generate_runs_the_decode_graph_where_used():
+def test_generate_runs_the_decode_graph_where_used(monkeypatch):
     """generate runs the graphs only where capture decided so (here: forced), with the eager
-    path's tokens; the graphs' cache is what they wrote."""
+    path's tokens; the graphs' cache is what they wrote. (The C decoder, off here, would take
+    the steps before them.)"""
+    monkeypatch.setenv(config.DECODER_ENV, "0")
     cm = picompile.compile(zoo.make("gpt_neox"), quiet=True)
     assert cm.decoder() is None
     ids = torch.tensor([PROMPT])

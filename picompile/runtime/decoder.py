@@ -347,6 +347,10 @@ class Stack:
         # Positions: RoPE (rope_tables), or a learned table [n, d] in the model's dtype, which
         # bounds the positions a step can run.
         self.learned_positions, self.max_positions = None, None
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "dynamic":
+            raise Unsupported("dynamic NTK RoPE (its frequencies follow the sequence's length; "
+                              "the decoder's tables are made once)")
         if fam.positions != "rotary_emb":
             table = getattr(base, fam.positions)
             if not isinstance(table, nn.Embedding):

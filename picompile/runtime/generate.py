@@ -397,6 +397,9 @@ def _resolve(model, args: tuple, kwargs: dict, quiet: bool) -> dict:
         max_new = max_length - s
     if max_new <= 0:  # HF says what is wrong
         raise _Unsupported(f"{INVALID} (max_length {s + max_new} <= the prompt's {s} tokens)")
+    if getattr(model.config, "alibi", False) is True:
+        raise _Unsupported("ALiBi attention (Falcon's takes its biases' length from a dynamic "
+                           "cache; picompile's loop keeps a static one)")
     switch = _long_rope_switch(model.config)
     if switch is not None and s <= switch < s + max_new:
         raise _Unsupported(f"a LongRoPE model crossing its original context of {switch} tokens "
