@@ -23,16 +23,15 @@ logits, a RoPE table per layer type); and OPT's (pre-norm OPT: LayerNorm with bi
 positions, the rewritten fc1 / fc2 block in the layer itself); Nemotron's (Llama's layout,
 LayerNorms scaling by 1 + weight, RoPE over half of each head); GPT-2's (LayerNorm, learned
 positions, q, k and v in one c_attn, its Conv1D layers read as nn.Linear since
-passes/linearize.py). Sliding windows per layer.
-Phi-1/2 (attention and FFN in parallel on one LayerNorm of the layer's input, partial RoPE,
-biases, an LM head with a bias); GPT-NeoX / Pythia (in parallel or not, on a LayerNorm each,
-q, k and v of each head in turn in one query_key_value); Falcon-7B's layout (multi-query
-[q; k; v], or each head's in turn; parallel on one LayerNorm or not). Falcon's new decoder
-architecture (40B, 180B: grouped query_key_value), ALiBi and GPT-J (RoPE over interleaved
-pairs) are refused. `Decoder(model)` checks
-the structure; `verify(model)` then checks the numbers, one decode step against the model's own
-forward, since a look-alike (a model that scales its residuals or logits in its own forward)
-has the same modules. The compiler uses the decoder only when both pass, and says why not
+passes/linearize.py); Phi-1/2's (attention and FFN in parallel on one LayerNorm of the layer's
+input, partial RoPE, an LM head with a bias); GPT-NeoX / Pythia's (in parallel or not, a
+LayerNorm each, q, k and v of each head in turn in one query_key_value); Falcon-7B's
+(multi-query [q; k; v], or each head's in turn; parallel on one LayerNorm or not). Sliding
+windows per layer. Falcon's new decoder architecture (40B, 180B: grouped query_key_value),
+ALiBi, dynamic NTK RoPE and GPT-J (RoPE over interleaved pairs) are refused. `Decoder(model)`
+checks the structure; `verify(model)` then checks the numbers, one decode step against the
+model's own forward, since a look-alike (a model that scales its residuals or logits in its
+own forward) has the same modules. The compiler uses the decoder only when both pass, and says why not
 otherwise.
 
 The structure checks (`Stack`) are shared with runtime/device_decoder.py, the decode step of a
