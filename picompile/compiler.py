@@ -93,9 +93,10 @@ def compile(
 ) -> CompiledModel:
     """Compile `model` (rewritten in place) into activation-sparse FFN blocks.
 
-    mode="exact": ReLU blocks compute only the neurons that fire, losslessly. SiLU/GELU blocks
-    stay dense unless `sparsity` is given; then a per-block threshold on |down input|,
-    calibrated on `calibration` (token ids, or strings with `tokenizer`), skips that share.
+    mode="exact": ReLU (and squared-ReLU) blocks compute only the neurons that fire, losslessly.
+    SiLU/GELU blocks stay dense unless `sparsity` is given; then a per-block threshold on |down
+    input|, calibrated on `calibration` (token ids, or strings with `tokenizer`), skips that
+    share.
 
     mode="predicted": per block a trained low-rank predictor picks the neurons to compute
     (gate, up and down alike), catching `target_recall` of those that fire on calibration data.
