@@ -410,8 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         # compile's choices: None where not given, so that --plan (which fixes them) can refuse
         # them; COMPILE_DEFAULTS fills them in for a compile
         p.add_argument("--sparsity", type=_sparsity, default=None,
-                       help="target FFN sparsity for SiLU/GELU blocks (ReLU, squared-ReLU blocks are exact); "
-                            "0 keeps them dense (default 0.5)")
+                       help="target FFN sparsity for SiLU/GELU blocks (ReLU, squared-ReLU "
+                            "blocks are exact); 0 keeps them dense (default 0.5)")
         p.add_argument("--mode", choices=["exact", "predicted"], default=None,
                        help="exact: compute what fires (default); predicted: trained predictors "
                             "pick it")
