@@ -407,6 +407,8 @@ def test_generating_past_learned_positions_is_refused_before_it_starts(arch):
                                          "at most 3 new tokens"):
         generate_hf(model, ids, max_new_tokens=4, do_sample=False)
     assert generate_hf(model, ids, max_new_tokens=3, do_sample=False).shape[1] == limit
+    with pytest.raises(ValueError, match=f"the prompt alone has {limit + 1} tokens"):
+        generate_hf(model, _prompt(limit + 1, 5)[None], max_new_tokens=1, do_sample=False)
 
 
 def test_padding_hf_warns_of_is_noted(llama, capsys):

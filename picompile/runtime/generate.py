@@ -495,9 +495,11 @@ def generate_hf(model, *args, decoder=None, steps=None, prompt_lookup: int = 0,
     limit = getattr(model.config, "max_position_embeddings", None)
     total = call["input_ids"].shape[1] + call["max_new_tokens"]
     if isinstance(limit, int) and total > limit and learned_positions(model, limit):
+        room = limit - call["input_ids"].shape[1]
         raise ValueError(f"generate: {total} tokens in all is more than the model's {limit} "
-                         "learned positions, past which it has no position embedding: ask for "
-                         f"at most {limit - call['input_ids'].shape[1]} new tokens")
+                         "learned positions, past which it has no position embedding: " +
+                         (f"ask for at most {room} new tokens" if room > 0 else
+                          f"the prompt alone has {call['input_ids'].shape[1]} tokens"))
     if isinstance(limit, int) and total > limit:  # as HF's generate warns
         note(f"generate: {total} tokens in all is more than the model's context of {limit}: "
              "its tokens past there may mean little")
