@@ -224,7 +224,7 @@ class Plan:
         _check_fields("placement", data["placement"], PLACEMENT_FIELDS, required=())
         placement = Placement(**data["placement"])
         if data.get("quant_calibration_tokens", 0) and data.get("quantize") not in FORMATS:
-            _bad("quantize", data.get("quantize"), "one of " + ", ".join(map(repr, FORMATS)) +
+            _bad("quantize", data.get("quantize"), _choice(FORMATS)[1] +
                  " in a plan quantized by GPTQ (quant_calibration_tokens > 0)")
         if placement.budget_bytes is not None and placement.gpu_bytes > placement.budget_bytes:
             _bad("placement.gpu_bytes", placement.gpu_bytes,

@@ -80,8 +80,6 @@ def hf_config(arch: str, hidden: int = 32, n_ff: int = 80, layers: int = 2):
 
 HF_ARCHS = ["llama_relu", "llama_silu", "mistral", "qwen2", "qwen3", "phi3", "opt", "falcon",
             "gpt_neox", "gemma", "gemma2", "gemma3", "granite", "nemotron", "arcee", "gpt2"]
-RELU_ARCHS = ["llama_relu", "opt", "tiny_gated_relu", "tiny_plain_relu", "tiny_drelu",
-              "nemotron", "arcee", "tiny_gated_relu2"]
 TINY_FFNS = ["tiny_plain_relu", "tiny_gated_relu", "tiny_drelu", "tiny_fused_silu",
              "tiny_gated_relu2"]
 ALL_ARCHS = HF_ARCHS + TINY_FFNS

@@ -62,6 +62,7 @@ from picompile.codegen import c as c_codegen
 from picompile.codegen import decoder as native
 from picompile.runtime.kernel_module import KernelModule
 from picompile.runtime.dense_linear import DenseLinear, QuantLinear
+from picompile.runtime.generate import cache_kwarg, rope_scaling
 from picompile.runtime.sparse_ffn import SparseFFN
 
 VERIFY_TOKENS = 8  # the probe sequence of verify()
@@ -346,8 +347,7 @@ class Stack:
         # Positions: RoPE (rope_tables), or a learned table [n, d] in the model's dtype, which
         # bounds the positions a step can run.
         self.learned_positions, self.max_positions = None, None
-        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "dynamic":
+        if rope_scaling(config)[0] == "dynamic":
             raise Unsupported("dynamic NTK RoPE (its frequencies follow the sequence's length; "
                               "the decoder's tables are made once)")
         if fam.positions != "rotary_emb":
@@ -979,8 +979,6 @@ def verify(model: nn.Module, decoder: Stack) -> None:
     model's own forward on the same tokens; raises Unsupported when the logits differ by more than the dtype's tolerance (relative to
     the largest logit)."""
     from transformers import StaticCache
-
-    from picompile.runtime.generate import cache_kwarg
 
     n = VERIFY_TOKENS
     ids = (torch.arange(1, n + 1) * 7919 % decoder.vocab).unsqueeze(0)  # [1, n]

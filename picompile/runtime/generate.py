@@ -446,9 +446,11 @@ def _padding_notes(inputs: torch.Tensor, mask: torch.Tensor | None, pad_given: i
         out.append("generate: a batch without attention_mask, and its pad token is "
                    f"{'not set' if pad_given is None else 'the EOS token'}: padding cannot be told "
                    "from text; pass the tokenizer's attention_mask for reliable results")
-    last_padded = (mask[:, -1] == 0) if mask is not None else (
-        inputs[:, -1] == pad if pad is not None else torch.zeros(1, dtype=torch.bool))
-    if bool(last_padded.any()):
+    if mask is not None:
+        right_padded = bool((mask[:, -1] == 0).any())
+    else:  # as HF: a row ending in the pad token
+        right_padded = pad is not None and bool((inputs[:, -1] == pad).any())
+    if right_padded:
         out.append("generate: right padding in the batch: a decoder-only model needs its rows "
                    "padded on the left (the tokenizer's padding_side='left')")
     return out
@@ -462,11 +464,20 @@ def learned_positions(model: nn.Module, limit: int) -> bool:
                and m.num_embeddings - getattr(m, "offset", 0) == limit for m in model.modules())
 
 
+def rope_scaling(config) -> tuple[str | None, dict]:
+    """(rope type, its parameters) of a config's RoPE (rope_parameters, or rope_scaling as older
+    configs name it): ("longrope", {...}), ("dynamic", {...}); (None, {}) where it says none."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return None, {}
+    return params.get("rope_type", params.get("type")), params
+
+
 def _long_rope_switch(config) -> int | None:
     """The length past which a LongRoPE model (Phi-3 128k and the like) rotates with its long
     factors, or None: keys cached before it were rotated with the short ones."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    if not isinstance(params, dict) or params.get("rope_type", params.get("type")) != "longrope":
+    kind, params = rope_scaling(config)
+    if kind != "longrope":
         return None
     return (getattr(config, "original_max_position_embeddings", None)
             or params.get("original_max_position_embeddings"))
